@@ -1,0 +1,145 @@
+"""Global `jax.Array`s to per-host numpy blocks and back (runs in the device owner).
+
+A host receives its distinct index blocks of an input (replicated shards once) as one numpy
+array, provided they form a hyper-rectangle of the global array: its bounding box. Outputs are
+cut by the target sharding's per-device indices, relative to the host's bounding box, and put
+on the devices; `jax.make_array_from_single_device_arrays` assembles the global array. On CPU,
+`device_put` aliases 64-byte-aligned arena memory instead of copying it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from colocar.errors import ArrayLayoutError
+
+
+def _normalize(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    bounds = []
+    for s, n in zip(index, shape, strict=False):
+        start, stop, step = s.indices(n)
+        if step != 1:
+            raise ArrayLayoutError("strided shardings are not supported")
+        bounds.append((start, stop))
+    return tuple(bounds)
+
+
+@dataclass(frozen=True)
+class HostLayout:
+    """Where one host's part of a global array lies."""
+
+    start: tuple[int, ...]
+    shape: tuple[int, ...]
+    blocks: dict[tuple[tuple[int, int], ...], list[Any]]  # distinct index -> devices holding it
+
+    def local(self, bounds: tuple[tuple[int, int], ...]) -> tuple[slice, ...]:
+        return tuple(slice(a - s, b - s) for (a, b), s in zip(bounds, self.start, strict=True))
+
+
+def host_layout(
+    sharding: Any, shape: tuple[int, ...], devices: Sequence[Any], what: str
+) -> HostLayout | None:
+    """The bounding box of the blocks that `devices` hold; None if they hold none.
+
+    Raises ArrayLayoutError when the distinct blocks do not fill their bounding box.
+    """
+    index_map = sharding.devices_indices_map(tuple(shape))
+    blocks: dict[tuple[tuple[int, int], ...], list[Any]] = {}
+    for device in devices:
+        if device in index_map:
+            blocks.setdefault(_normalize(index_map[device], shape), []).append(device)
+    if not blocks:
+        return None
+    ndim = len(shape)
+    start = tuple(min(b[d][0] for b in blocks) for d in range(ndim))
+    stop = tuple(max(b[d][1] for b in blocks) for d in range(ndim))
+    box = tuple(b - a for a, b in zip(start, stop, strict=True))
+    volume = sum(int(np.prod([b - a for a, b in bounds])) for bounds in blocks)
+    if volume != int(np.prod(box)):
+        raise ArrayLayoutError(
+            f"{what}: the shards on this host do not form one rectangular block of the global array "
+            f"(blocks {sorted(blocks)}); use a sharding whose per-host part is a hyper-rectangle "
+            "(host-major device order, as cluster.mesh builds), or specialize(per_device_shards=True)"
+        )
+    return HostLayout(start, box, blocks)
+
+
+def gather(x: jax.Array, layout: HostLayout, out: np.ndarray) -> None:
+    """Copies the host's distinct shards of x into `out` (its bounding box): one copy each."""
+    shards = {shard.device: shard for shard in x.addressable_shards}
+    for bounds, devices in layout.blocks.items():
+        shard = next((shards[d] for d in devices if d in shards), None)
+        if shard is None:
+            raise ArrayLayoutError(f"no addressable shard for block {bounds} of an input")
+        out[layout.local(bounds)] = np.asarray(shard.data)
+
+
+def per_device(x: jax.Array, devices: Sequence[Any]) -> list[np.ndarray]:
+    """The shards of x on `devices`, in that order (for `per_device_shards=True`)."""
+    shards = {shard.device: shard for shard in x.addressable_shards}
+    return [np.asarray(shards[d].data) for d in devices if d in shards]
+
+
+def assemble(
+    shape: tuple[int, ...],
+    dtype: Any,
+    sharding: Any,
+    host_blocks: dict[int, tuple[Sequence[Any], np.ndarray]],
+    what: str,
+) -> jax.Array:
+    """A global array from per-host blocks (host index -> (host devices, block))."""
+    index_map = sharding.devices_indices_map(tuple(shape))
+    pieces, targets = [], []
+    for devices, block in host_blocks.values():
+        layout = host_layout(sharding, shape, devices, what)
+        if layout is None:
+            continue
+        block = np.asarray(block)
+        if block.shape != layout.shape:
+            raise ArrayLayoutError(
+                f"{what}: a host returned shape {block.shape} but its part of the output "
+                f"{tuple(shape)} under {sharding} is {layout.shape}; return the host's block, or "
+                "give out_specs_fn"
+            )
+        if block.dtype != np.dtype(dtype):
+            raise ArrayLayoutError(
+                f"{what}: a host returned dtype {block.dtype}, the spec says {np.dtype(dtype)}"
+            )
+        for device in devices:
+            if device in index_map:
+                pieces.append(block[layout.local(_normalize(index_map[device], shape))])
+                targets.append(device)
+    arrays = jax.device_put(pieces, targets)
+    return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays)
+
+
+def infer_output_shape(
+    in_shape: tuple[int, ...], in_box: tuple[int, ...], out_box: tuple[int, ...], what: str
+) -> tuple[int, ...]:
+    """Global shape of an output that keeps the first input's sharding (the default rule).
+
+    A dimension the input does not split keeps the host's size; a split one must keep the
+    input's block size. Anything else needs `out_specs_fn`.
+    """
+    if len(out_box) != len(in_box):
+        raise ArrayLayoutError(
+            f"{what}: output rank {len(out_box)} differs from the first array input's rank "
+            f"{len(in_box)}; give out_specs_fn to say how the output is sharded"
+        )
+    shape = []
+    for n, box, out in zip(in_shape, in_box, out_box, strict=True):
+        if box == n:
+            shape.append(out)
+        elif out == box:
+            shape.append(n)
+        else:
+            raise ArrayLayoutError(
+                f"{what}: a host returned shape {out_box} for an input block of {in_box} along a "
+                "sharded dimension; give out_specs_fn to say the output's global shape"
+            )
+    return tuple(shape)

@@ -1,0 +1,293 @@
+"""One call of shipped code on one host: request building, code caching, futures, errors.
+
+Runs in the controller. The code travels once per sidecar: calls carry its hash, and a
+NOT_FOUND answer (new or restarted sidecar) makes the call go again with the code. Results are
+decoded in the thread that asks for them, never in gRPC's callback threads.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from typing import Any
+
+import grpc
+
+from colocar.errors import ColocarError, RemoteError, RemoteTraceback
+from colocar.protocol import colocar_pb2 as pb
+from colocar.protocol import serialization
+
+from .connection import HostConnection
+
+
+class ShippedCode:
+    """A function or class pickled once (lazily) and identified by its hash."""
+
+    def __init__(self, target: Any, ship_modules: tuple[Any, ...] = ()):
+        self.target = target
+        self.ship_modules = ship_modules
+        self.name = f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', target)}"
+        self._code: bytes | None = None
+        self._hash = b""
+        self._lock = threading.Lock()
+
+    def pickled(self) -> tuple[bytes, bytes]:
+        with self._lock:
+            if self._code is None:
+                self._code = serialization.dumps_code(self.target, self.ship_modules)
+                self._hash = serialization.code_hash(self._code)
+            return self._hash, self._code
+
+
+def _is_code_miss(e: grpc.RpcError) -> bool:
+    return e.code() == grpc.StatusCode.NOT_FOUND and (e.details() or "").startswith("code:")
+
+
+class Call:
+    """A request to one host; `start()` sends it in program order, `result()` decodes."""
+
+    def __init__(
+        self,
+        conn: HostConnection,
+        request: pb.CallRequest,
+        code: ShippedCode | None,
+        timeout: float | None,
+        keepalive: list[Any],
+    ):
+        self.conn = conn
+        self.request = request
+        self.code = code
+        self.timeout = timeout
+        self._keepalive = keepalive
+        self._future: Future | None = None
+        self._reply: pb.CallReply | None = None
+
+    @classmethod
+    def build(
+        cls,
+        conn: HostConnection,
+        kind: int,
+        args: tuple,
+        kwargs: dict,
+        *,
+        code: ShippedCode | None = None,
+        object_id: int = 0,
+        method: str = "",
+        name: str = "",
+        processes: bool = False,
+        timeout: float | None = None,
+        object_name: str = "",
+        object_ttl: float = 0.0,
+    ) -> Call:
+        conn.check_alive()
+        label = name or (code.name if code else method)
+        payload, consumed, keepalive = conn.encode((args, kwargs), what=f"the arguments of {label}")
+        request = pb.CallRequest(
+            session_id=conn.session_id,
+            kind=kind,
+            args=payload,
+            object_id=object_id,
+            method=method,
+            processes=processes,
+            name=label,
+            consume_blocks=consumed,
+            object_name=object_name,
+            object_ttl_seconds=object_ttl,
+        )
+        return cls(conn, request, code, timeout, keepalive)
+
+    def _with_code(self, force: bool) -> pb.CallRequest:
+        if self.code is None:
+            return self.request
+        code_hash, code = self.code.pickled()
+        self.request.code_hash = code_hash
+        self.request.code = code if force or code_hash not in self.conn.known_code else b""
+        return self.request
+
+    def _sent(self) -> None:
+        if self.code is not None:
+            self.conn.known_code.add(self.request.code_hash)
+
+    def run(self) -> Any:
+        """Sends and waits; goes straight to gRPC when this thread has nothing else in flight."""
+        if not self.conn.lane_idle():
+            return self.start().result()
+        conn = self.conn
+        try:
+            try:
+                self._reply = conn.stub.Call(
+                    self._with_code(False), metadata=conn.metadata, timeout=self.timeout
+                )
+            except grpc.RpcError as e:
+                if not _is_code_miss(e):
+                    raise
+                self._reply = conn.stub.Call(
+                    self._with_code(True), metadata=conn.metadata, timeout=self.timeout
+                )
+        except grpc.RpcError as e:
+            raise self.conn.translate(e, f"call of {self.request.name}") from None
+        finally:
+            self._keepalive = []
+        self._sent()
+        return self.result()
+
+    def start(self) -> CallFuture:
+        conn = self.conn
+
+        def send() -> Future:
+            outer: Future = Future()
+
+            def attempt(force: bool) -> None:
+                rpc = conn.stub.Call.future(
+                    self._with_code(force), metadata=conn.metadata, timeout=self.timeout
+                )
+
+                def done(f: Any) -> None:
+                    try:
+                        reply = f.result()
+                    except grpc.RpcError as e:
+                        if not force and _is_code_miss(e):
+                            attempt(True)
+                            return
+                        outer.set_exception(conn.translate(e, f"call of {self.request.name}"))
+                        return
+                    except BaseException as e:  # cancelled
+                        outer.set_exception(e)
+                        return
+                    self._sent()
+                    outer.set_result(reply)
+
+                rpc.add_done_callback(done)
+
+            attempt(False)
+            return outer
+
+        self._future = conn.submit(send)
+        return CallFuture(self)
+
+    def result(self, timeout: float | None = None) -> Any:
+        if self._reply is None:
+            assert self._future is not None
+            self._reply = self._future.result(timeout)
+            self._keepalive = []
+        reply = self._reply
+        if reply.HasField("error"):
+            raise rebuild_exception(reply.error, self.conn.name)
+        if self.request.kind == pb.CallRequest.NEW_OBJECT:
+            return reply.object_id
+        return self.conn.decode(reply.result)
+
+
+class CallFuture:
+    """The future of one host call (concurrent.futures-like: result, exception, done, cancel)."""
+
+    def __init__(self, call: Call):
+        self._call = call
+        self._value: Any = None
+        self._decoded = False
+        self._lock = threading.Lock()
+
+    @property
+    def host(self) -> str:
+        return self._call.conn.name
+
+    def result(self, timeout: float | None = None) -> Any:
+        with self._lock:
+            if not self._decoded:
+                self._value = self._call.result(timeout)
+                self._decoded = True
+            return self._value
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        try:
+            self.result(timeout)
+        except BaseException as e:  # noqa: BLE001
+            return e
+        return None
+
+    def done(self) -> bool:
+        f = self._call._future
+        return f is None or f.done()
+
+    def cancel(self) -> bool:
+        f = self._call._future
+        return f is not None and f.cancel()
+
+    def add_done_callback(self, fn: Callable[[CallFuture], None]) -> None:
+        f = self._call._future
+        if f is None:
+            fn(self)
+        else:
+            f.add_done_callback(lambda _: fn(self))
+
+
+def rebuild_exception(error: pb.RemoteError, host: str) -> BaseException:
+    """The remote exception as its own type when possible, with the remote traceback attached."""
+    exc: BaseException | None = None
+    if error.exception:
+        try:
+            exc = serialization.loads(error.exception)
+        except Exception:
+            exc = None
+    if not isinstance(exc, BaseException):
+        exc = RemoteError(error.type, error.message, host, error.traceback)
+    exc.__cause__ = RemoteTraceback(f"\n\nRemote traceback (on {host}):\n{error.traceback}")
+    try:
+        exc.add_note(f"raised on colocar host {host}")
+        exc.colocar_host = host  # type: ignore[attr-defined]
+    except AttributeError:
+        pass
+    return exc
+
+
+class RemoteIterator:
+    """Items of a remote generator, streamed with flow control (at most `prefetch` in flight)."""
+
+    def __init__(self, conn: HostConnection, request: pb.CallRequest, code: ShippedCode, prefetch: int = 2):
+        import queue
+
+        self._conn = conn
+        code_hash, body = code.pickled()
+        request.code_hash, request.code = code_hash, body
+        self._requests: queue.Queue = queue.Queue()
+        self._requests.put(pb.StreamRequest(call=request, credits=max(1, prefetch)))
+        self._responses = conn.stub.Stream(iter(self._requests.get, None), metadata=conn.metadata)
+        self._name = request.name
+        self._closed = False
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        if self._closed:
+            raise StopIteration
+        try:
+            reply = next(self._responses)
+        except StopIteration:
+            self.close()
+            raise ColocarError(f"stream of {self._name} on {self._conn.name} ended early") from None
+        except grpc.RpcError as e:
+            self.close()
+            raise self._conn.translate(e, f"stream of {self._name}") from None
+        if reply.HasField("error"):
+            self.close()
+            raise rebuild_exception(reply.error, self._conn.name)
+        if reply.done:
+            self.close()
+            raise StopIteration
+        self._requests.put(pb.StreamRequest(credits=1))
+        return self._conn.decode(reply.result)
+
+    def close(self) -> None:
+        """Stops the remote generator (it is closed on the sidecar)."""
+        if not self._closed:
+            self._closed = True
+            self._requests.put(None)
+            self._responses.cancel()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass

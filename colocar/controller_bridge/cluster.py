@@ -1,0 +1,226 @@
+"""Hosts, clusters and finding sidecars: `connect(...)` and the `COLOCAR_SIDECARS` variable.
+
+Runs in the controller. A `Host` is one sidecar plus the JAX devices it stands next to; a
+`Cluster` is the hosts of a job, in host-major device order. Active clusters are registered so
+that a colocated call can find the host of each device its array arguments live on.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from colocar.errors import ColocarError
+
+from .connection import HostConnection
+
+_active: list[Cluster] = []
+_active_lock = threading.Lock()
+
+
+class Host:
+    """One sidecar and the devices of its host."""
+
+    def __init__(self, index: int, connection: HostConnection, devices: Sequence[Any]):
+        self.index = index
+        self.connection = connection
+        self.devices = list(devices)
+
+    @property
+    def name(self) -> str:
+        return self.connection.name
+
+    @property
+    def address(self) -> str:
+        return self.connection.address
+
+    @property
+    def shm(self) -> bool:
+        """True when this controller maps the host's arena (bulk data skips gRPC)."""
+        return self.connection.shm
+
+    def stats(self) -> dict[str, Any]:
+        """The sidecar's counters: calls, errors, latency, sessions, objects, arena per pool."""
+        from google.protobuf.json_format import MessageToDict
+
+        return MessageToDict(
+            self.connection.stats(),
+            preserving_proto_field_name=True,
+            always_print_fields_with_no_presence=True,
+        )
+
+    def object(self, name: str) -> Any:
+        """A handle on the detached object `name` living on this host (see `colocated_class`)."""
+        from .obj import find_detached
+
+        return find_detached(self, name)
+
+    def __repr__(self) -> str:
+        return f"Host({self.name!r}, {self.address}, devices={[d.id for d in self.devices]})"
+
+
+class Cluster:
+    """The sidecars of a job; a context manager that closes them."""
+
+    def __init__(self, hosts: list[Host], on_close: Callable[[], None] | None = None):
+        self.hosts = hosts
+        self._on_close = on_close
+        self._closed = False
+        self._device_hosts = {d: h for h in hosts for d in h.devices}
+        with _active_lock:
+            _active.append(self)
+
+    @property
+    def devices(self) -> list[Any]:
+        """All devices, host-major."""
+        return [d for h in self.hosts for d in h.devices]
+
+    def host_of(self, device: Any) -> Host | None:
+        return self._device_hosts.get(device)
+
+    def mesh(self, axis_names: str | Sequence[str], shape: Sequence[int] | None = None) -> jax.sharding.Mesh:
+        """A mesh over the cluster's devices in host-major order.
+
+        With one axis the shape defaults to all devices; with two, to (hosts, devices per host).
+        """
+        names = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
+        devices = self.devices
+        if shape is None:
+            if len(names) == 1:
+                shape = (len(devices),)
+            elif len(names) == 2 and len({len(h.devices) for h in self.hosts}) == 1:
+                shape = (len(self.hosts), len(self.hosts[0].devices))
+            else:
+                raise ValueError(f"give the shape of a mesh with axes {names}")
+        shape = tuple(shape)
+        if int(np.prod(shape)) != len(devices) or len(shape) != len(names):
+            raise ValueError(f"mesh shape {shape} does not fit {len(devices)} devices and axes {names}")
+        return jax.sharding.Mesh(np.array(devices, dtype=object).reshape(shape), names)
+
+    def close(self) -> None:
+        """Ends the sessions (freeing remote objects and blocks) and stops owned sidecars."""
+        if self._closed:
+            return
+        self._closed = True
+        with _active_lock:
+            if self in _active:
+                _active.remove(self)
+        for host in self.hosts:
+            host.connection.close()
+        if self._on_close is not None:
+            self._on_close()
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Cluster({self.hosts})"
+
+
+def host_of_device(device: Any) -> Host:
+    """The host (of the most recently opened active cluster) that a device belongs to."""
+    with _active_lock:
+        clusters = list(reversed(_active))
+    for cluster in clusters:
+        host = cluster.host_of(device)
+        if host is not None:
+            return host
+    raise ColocarError(
+        f"device {device} belongs to no open colocar cluster: open one with "
+        "colocar.local_cluster(...) or colocar.connect(...) first"
+    )
+
+
+def split_devices(devices: Sequence[Any], hosts: int) -> list[list[Any]]:
+    """Contiguous, equal groups of devices, one per host."""
+    devices = list(devices)
+    if hosts < 1 or len(devices) % hosts:
+        raise ValueError(
+            f"cannot split {len(devices)} devices evenly among {hosts} hosts; pass devices=... "
+            "or set XLA_FLAGS=--xla_force_host_platform_device_count=N on CPU"
+        )
+    per = len(devices) // hosts
+    return [devices[i * per : (i + 1) * per] for i in range(hosts)]
+
+
+def _token_from_env(token: str | None, token_file: str | None) -> str | None:
+    if token:
+        return token
+    token_file = token_file or os.environ.get("COLOCAR_TOKEN_FILE")
+    if token_file:
+        with open(token_file) as f:
+            return f.read().strip()
+    return os.environ.get("COLOCAR_TOKEN") or None
+
+
+def connect(
+    addresses: str | Sequence[str] | None = None,
+    *,
+    token: str | None = None,
+    token_file: str | None = None,
+    devices: Sequence[Sequence[Any]] | None = None,
+    shm: bool = True,
+    lease_seconds: float = 30.0,
+    heartbeat_seconds: float = 1.0,
+    connect_timeout: float = 30.0,
+    tls_ca: str | None = None,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+) -> Cluster:
+    """Connects to running sidecars.
+
+    `addresses` defaults to the comma-separated `COLOCAR_SIDECARS`; the token to `COLOCAR_TOKEN`
+    or the file named by `COLOCAR_TOKEN_FILE`. `devices` gives each host its devices; by default
+    one address gets this process's local devices (multi-controller JAX: one sidecar per
+    process), several split them evenly. `shm=False` forces bulk data through gRPC streams.
+    """
+    if addresses is None:
+        addresses = os.environ.get("COLOCAR_SIDECARS", "")
+    if isinstance(addresses, str):
+        addresses = [a.strip() for a in addresses.split(",") if a.strip()]
+    if not addresses:
+        raise ColocarError("no sidecar addresses: pass connect([...]) or set COLOCAR_SIDECARS=host:port,...")
+    secret = _token_from_env(token, token_file)
+    groups = (
+        [list(g) for g in devices]
+        if devices is not None
+        else split_devices(jax.local_devices(), len(addresses))
+    )
+    credentials = None
+    if tls_ca or tls_cert:
+        import grpc
+
+        def read(path: str | None) -> bytes | None:
+            if path is None:
+                return None
+            with open(path, "rb") as f:
+                return f.read()
+
+        credentials = grpc.ssl_channel_credentials(read(tls_ca), read(tls_key), read(tls_cert))
+    hosts = []
+    try:
+        for i, address in enumerate(addresses):
+            conn = HostConnection(
+                address,
+                f"host{i}",
+                secret,
+                shm=shm,
+                lease_seconds=lease_seconds,
+                heartbeat_seconds=heartbeat_seconds,
+                connect_timeout=connect_timeout,
+                credentials=credentials,
+            )
+            hosts.append(Host(i, conn, groups[i]))
+    except BaseException:
+        for host in hosts:
+            host.connection.close()
+        raise
+    return Cluster(hosts)

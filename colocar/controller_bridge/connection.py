@@ -1,0 +1,476 @@
+"""The controller's link to one sidecar: session, keepalive, ordered calls and bulk data.
+
+Runs in the controller (device owner). One `HostConnection` per sidecar holds the gRPC channel,
+the session (renewed by the cluster's heartbeat), the set of code hashes the sidecar already has,
+and the block transport: the sidecar's arena mapped here when it is reachable (same host, same
+shm dir; detected by attaching and checking the arena's nonce), else chunked gRPC streams.
+
+Calls from one controller thread to one host run in program order: each (thread, host) pair has
+a lane, and a call is sent only when the lane's previous call has completed.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import socket
+import sys
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from typing import Any
+
+import grpc
+import numpy as np
+
+from colocar.errors import (
+    AuthError,
+    CallTimeoutError,
+    ColocarError,
+    HostLostError,
+    VersionSkewError,
+)
+from colocar.protocol import colocar_pb2 as pb
+from colocar.protocol import colocar_pb2_grpc as pb_grpc
+from colocar.protocol import serialization, versions
+from colocar.shm import (
+    Arena,
+    ArenaFullError,
+    ShmUnavailableError,
+    block_of,
+    copy_into,
+    ndarray_view,
+)
+from colocar.shm.reclaim import Reclaimer
+
+TOKEN_METADATA_KEY = "x-colocar-token"
+CHUNK_BYTES = 1 << 20
+MiB = 1 << 20
+LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+
+
+def channel_options(heartbeat_seconds: float) -> list[tuple[str, Any]]:
+    """gRPC keepalive pings detect a dead or stopped sidecar even in the middle of a call."""
+    ping_ms = max(200, int(heartbeat_seconds * 1000))
+    return [
+        ("grpc.max_receive_message_length", 64 * MiB),
+        ("grpc.max_send_message_length", 64 * MiB),
+        ("grpc.keepalive_time_ms", ping_ms),
+        ("grpc.keepalive_timeout_ms", 2 * ping_ms),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.enable_retries", 0),
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", 1000),
+    ]
+
+
+class _Lane:
+    __slots__ = ("pending", "busy")
+
+    def __init__(self) -> None:
+        self.pending: collections.deque[tuple[Callable[[], Any], Future]] = collections.deque()
+        self.busy = False
+
+
+class HostConnection:
+    """A session with one sidecar, and the transport of calls and arrays to it."""
+
+    def __init__(
+        self,
+        address: str,
+        name: str,
+        token: str | None,
+        *,
+        shm: bool = True,
+        lease_seconds: float = 30.0,
+        heartbeat_seconds: float = 1.0,
+        connect_timeout: float = 30.0,
+        alloc_timeout: float = 30.0,
+        credentials: grpc.ChannelCredentials | None = None,
+        process_status: Callable[[], str | None] | None = None,
+    ):
+        self.address = address
+        self.name = name
+        self.lease_seconds = lease_seconds
+        self.heartbeat_seconds = heartbeat_seconds
+        self.alloc_timeout = alloc_timeout
+        self.metadata = ((TOKEN_METADATA_KEY, token or ""),)
+        options = channel_options(heartbeat_seconds)
+        if credentials is not None:
+            self.channel = grpc.secure_channel(address, credentials, options=options)
+        else:
+            self.channel = grpc.insecure_channel(address, options=options)
+        self.stub = pb_grpc.SidecarStub(self.channel)
+        self.session_id = uuid.uuid4().hex
+        self.lost: HostLostError | None = None
+        self.generation = 0  # bumped at every (re)connect: remote objects of older ones are gone
+        self.known_code: set[bytes] = set()
+        self._want_shm = shm
+        self.arena: Arena | None = None
+        self._views: dict[int, int] = {}  # offset -> block id of arena views we hold
+        self._views_lock = threading.Lock()
+        self._lanes: dict[int, _Lane] = {}
+        self._lanes_lock = threading.Lock()
+        self._reclaimer = Reclaimer(self._release, name=f"colocar-release-{name}")
+        self._closed = False
+        self.info = self._connect(connect_timeout)
+        self._log_thread = threading.Thread(
+            target=self._forward_logs, name=f"colocar-logs-{name}", daemon=True
+        )
+        self._log_thread.start()
+        self._process_status = process_status
+        self._stop = threading.Event()
+        self._heartbeat_thread = threading.Thread(
+            target=self._heartbeat_loop, name=f"colocar-heartbeat-{name}", daemon=True
+        )
+        self._heartbeat_thread.start()
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(self.heartbeat_seconds):
+            reason = self._process_status() if self._process_status else None
+            if reason is not None:
+                self.mark_lost(reason)
+                return
+            self.heartbeat()
+
+    # --- session ---------------------------------------------------------------------------
+    def _connect(self, timeout: float) -> pb.ConnectReply:
+        local = versions.local_versions()
+        request = pb.ConnectRequest(
+            session_id=self.session_id,
+            python_version=local["python"],
+            cloudpickle_version=local["cloudpickle"],
+            jax_version=local["jax"],
+            sys_path=[p for p in sys.path if p],
+            cwd=os.getcwd(),
+            lease_seconds=self.lease_seconds,
+            controller=f"{socket.gethostname()}:{os.getpid()}",
+        )
+        try:
+            reply = self.stub.Connect(request, metadata=self.metadata, timeout=timeout, wait_for_ready=True)
+        except grpc.RpcError as e:
+            raise self._connect_error(e) from None
+        self.generation += 1
+        self.known_code.clear()
+        self.lost = None
+        if self._want_shm and self.arena is None:
+            try:
+                self.arena = Arena.attach(reply.arena_path, reply.arena_size, reply.arena_nonce)
+            except ShmUnavailableError:
+                self.arena = None  # another host or another shm dir: bytes go through gRPC
+        return reply
+
+    def _connect_error(self, e: grpc.RpcError) -> ColocarError:
+        code, details = e.code(), e.details()
+        if code == grpc.StatusCode.UNAUTHENTICATED:
+            return AuthError(
+                f"sidecar {self.name} at {self.address} refused the token: pass the token the "
+                "sidecar was started with (connect(token=...), COLOCAR_TOKEN or COLOCAR_TOKEN_FILE)"
+            )
+        if code == grpc.StatusCode.FAILED_PRECONDITION:
+            return VersionSkewError(f"sidecar {self.name} at {self.address}: {details}")
+        return HostLostError(f"cannot reach sidecar {self.name} at {self.address}: {details}")
+
+    def heartbeat(self) -> None:
+        """Renews the session; reconnects after a sidecar restart; marks the host lost when silent."""
+        if self._closed:
+            return
+        try:
+            reply = self.stub.Keepalive(
+                pb.SessionRef(session_id=self.session_id),
+                metadata=self.metadata,
+                timeout=max(2.0, 3 * self.heartbeat_seconds),
+            )
+        except grpc.RpcError as e:
+            self.mark_lost(f"no answer to keepalive ({e.code().name}: {e.details()})")
+            return
+        if not reply.known or self.lost is not None:
+            try:
+                self.info = self._connect(timeout=max(2.0, 3 * self.heartbeat_seconds))
+            except ColocarError as e:
+                self.mark_lost(str(e))
+
+    def mark_lost(self, reason: str) -> None:
+        if self.lost is None and not self._closed:
+            self.lost = HostLostError(f"sidecar {self.name} at {self.address} is lost: {reason}")
+
+    def check_alive(self) -> None:
+        if self._closed:
+            raise ColocarError(f"connection to sidecar {self.name} is closed")
+        if self.lost is not None:
+            raise HostLostError(str(self.lost))
+
+    def translate(self, e: grpc.RpcError, what: str) -> Exception:
+        """A gRPC failure as the error a user should see."""
+        code, details = e.code(), e.details()
+        if code in LOST_CODES:
+            self.mark_lost(f"{what}: {details}")
+            return HostLostError(f"sidecar {self.name} at {self.address} is lost ({what}: {details})")
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return CallTimeoutError(f"{what} on {self.name} timed out (it may still run there)")
+        if code == grpc.StatusCode.UNAUTHENTICATED:
+            return AuthError(f"{what} on {self.name}: {details}")
+        if code == grpc.StatusCode.FAILED_PRECONDITION and details.startswith("unknown session"):
+            self.mark_lost(details)
+            return HostLostError(
+                f"{what} on {self.name}: the sidecar lost this session (restart or expired "
+                "lease); remote objects and arrays on it are gone"
+            )
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return ArenaFullError(f"{what} on {self.name}: {details}")
+        return ColocarError(f"{what} on {self.name} failed: {code.name}: {details}")
+
+    # --- calls -----------------------------------------------------------------------------
+    def unary(self, method: str, request: Any, timeout: float | None = None) -> Any:
+        self.check_alive()
+        try:
+            return getattr(self.stub, method)(request, metadata=self.metadata, timeout=timeout)
+        except grpc.RpcError as e:
+            raise self.translate(e, method) from None
+
+    def submit(self, send: Callable[[], Any]) -> Future:
+        """Runs `send()` (which starts an RPC and returns a grpc future) after this thread's
+        earlier calls to this host; the returned future resolves to the RPC's reply."""
+        future: Future = Future()
+        key = threading.get_ident()
+        with self._lanes_lock:
+            lane = self._lanes.get(key)
+            if lane is None:
+                lane = self._lanes[key] = _Lane()
+            lane.pending.append((send, future))
+            if lane.busy:
+                return future
+            lane.busy = True
+        self._pump(key, lane)
+        return future
+
+    def lane_idle(self) -> bool:
+        """True when this thread has no call in flight to this host (sync calls may go direct)."""
+        lane = self._lanes.get(threading.get_ident())
+        return lane is None or not lane.busy
+
+    def _pump(self, key: int, lane: _Lane) -> None:
+        with self._lanes_lock:
+            if not lane.pending:
+                lane.busy = False
+                if self._lanes.get(key) is lane:
+                    del self._lanes[key]
+                return
+            send, future = lane.pending.popleft()
+        if not future.set_running_or_notify_cancel():
+            self._pump(key, lane)
+            return
+        try:
+            rpc = send()
+        except BaseException as e:
+            future.set_exception(e)
+            self._pump(key, lane)
+            return
+
+        def done(rpc_future: Any) -> None:
+            try:
+                future.set_result(rpc_future.result())
+            except BaseException as e:
+                future.set_exception(e)
+            self._pump(key, lane)
+
+        rpc.add_done_callback(done)
+
+    # --- arrays ----------------------------------------------------------------------------
+    @property
+    def shm(self) -> bool:
+        return self.arena is not None
+
+    def own_block(self, array: np.ndarray) -> int | None:
+        """Block id if `array` is exactly one of our views of this sidecar's arena."""
+        found = block_of(array)
+        if found is None or found[0] is not self.arena:
+            return None
+        with self._views_lock:
+            return self._views.get(found[1])
+
+    def _view(self, desc: pb.BlockDesc, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        assert self.arena is not None
+        with self._views_lock:
+            self._views[desc.offset] = desc.id
+        block_id, offset = desc.id, desc.offset
+
+        def release() -> None:
+            self._reclaimer.push(("block", block_id, offset))
+
+        return ndarray_view(self.arena, desc.offset, shape, dtype, on_release=release)
+
+    def empty(self, specs: list[tuple[tuple[int, ...], np.dtype]]) -> list[np.ndarray]:
+        """Staging arrays in the sidecar's arena (shm only), one Allocate for all of them;
+        passing them to a call copies nothing."""
+        sizes = [int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize for shape, dtype in specs]
+        descs = self.allocate(sizes)
+        return [self._view(d, tuple(shape), np.dtype(dtype)) for d, (shape, dtype) in zip(descs, specs)]
+
+    def allocate(self, sizes: list[int]) -> list[pb.BlockDesc]:
+        request = pb.AllocateRequest(
+            session_id=self.session_id, sizes=sizes, timeout_seconds=self.alloc_timeout
+        )
+        return list(self.unary("Allocate", request, timeout=self.alloc_timeout + 30).blocks)
+
+    def delete_object_soon(self, object_id: int, generation: int) -> None:
+        """Deletes a remote object in the background (called from handle finalizers)."""
+        self._reclaimer.push(("object", object_id, generation))
+
+    def _release(self, items: list[tuple[str, int, int]]) -> None:
+        """Background: tells the sidecar which blocks and objects we no longer hold."""
+        blocks = []
+        with self._views_lock:
+            for kind, ident, extra in items:
+                if kind == "block":
+                    blocks.append(ident)
+                    if self._views.get(extra) == ident:
+                        del self._views[extra]
+        if self._closed or self.lost is not None:
+            return
+        try:
+            if blocks:
+                self.stub.Release(
+                    pb.ReleaseRequest(session_id=self.session_id, block_ids=blocks),
+                    metadata=self.metadata,
+                    timeout=30,
+                )
+            for kind, ident, generation in items:
+                if kind == "object" and generation == self.generation:
+                    self.stub.DeleteObject(
+                        pb.ObjectRef(session_id=self.session_id, object_id=ident),
+                        metadata=self.metadata,
+                        timeout=30,
+                    )
+        except grpc.RpcError:
+            pass  # the session's lease frees them if the sidecar cannot be told
+
+    def encode(self, value: Any, what: str) -> tuple[pb.Payload, list[int], list[np.ndarray]]:
+        """Pickles call arguments; large arrays go to arena blocks (or uploads).
+
+        Returns the payload, the block ids the call consumes (allocated for it here), and the
+        arrays it references, which the caller keeps alive until the call completed (so that
+        a Release of a block we hold cannot overtake the call).
+        """
+        arrays: list[np.ndarray] = []
+
+        def sink(array: np.ndarray) -> int:
+            arrays.append(array)
+            return len(arrays) - 1
+
+        data = serialization.dumps(value, sink, what=what)
+        if not arrays:
+            return pb.Payload(pickle=data), [], []
+        descs: list[pb.BlockDesc | None] = [None] * len(arrays)
+        fresh = []
+        for i, array in enumerate(arrays):
+            block_id = self.own_block(array) if self.shm else None
+            if block_id is None:
+                fresh.append(i)
+            else:
+                descs[i] = pb.BlockDesc(id=block_id, offset=_offset(self.arena, array), nbytes=array.nbytes)
+        consumed = []
+        if self.shm:
+            for i, desc in zip(fresh, self.allocate([arrays[i].nbytes for i in fresh]), strict=True):
+                copy_into(self.arena, desc.offset, arrays[i])  # type: ignore[arg-type]
+                descs[i] = desc
+                consumed.append(desc.id)
+        else:
+            for i in fresh:
+                descs[i] = self.upload(arrays[i])
+                consumed.append(descs[i].id)  # type: ignore[union-attr]
+        return pb.Payload(pickle=data, blocks=descs), consumed, arrays
+
+    def decode(self, payload: pb.Payload) -> Any:
+        """Unpickles a result; arrays become views of the arena (or downloads, without shm)."""
+        descs = list(payload.blocks)
+        used: set[int] = set()
+
+        def source(index: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+            desc = descs[index]
+            used.add(index)
+            if self.shm:
+                return self._view(desc, shape, dtype)
+            return self.download(desc, shape, dtype)
+
+        try:
+            return serialization.loads(payload.pickle, source)
+        finally:
+            for i, desc in enumerate(descs):
+                if i not in used or not self.shm:
+                    self._reclaimer.push(("block", desc.id, desc.offset))
+
+    def upload(self, array: np.ndarray) -> pb.BlockDesc:
+        data = memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+        total = data.nbytes
+
+        def chunks() -> Iterator[pb.Chunk]:
+            yield pb.Chunk(session_id=self.session_id, total_bytes=total, data=bytes(data[:CHUNK_BYTES]))
+            for start in range(CHUNK_BYTES, total, CHUNK_BYTES):
+                yield pb.Chunk(data=bytes(data[start : start + CHUNK_BYTES]))
+
+        self.check_alive()
+        try:
+            return self.stub.Upload(chunks(), metadata=self.metadata)
+        except grpc.RpcError as e:
+            raise self.translate(e, "upload") from None
+
+    def download(self, desc: pb.BlockDesc, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        out = np.empty(shape, dtype)
+        target = out.reshape(-1).view(np.uint8)
+        position = 0
+        try:
+            for chunk in self.stub.Download(
+                pb.BlockRef(session_id=self.session_id, block_id=desc.id), metadata=self.metadata
+            ):
+                n = len(chunk.data)
+                target[position : position + n] = np.frombuffer(chunk.data, np.uint8)
+                position += n
+        except grpc.RpcError as e:
+            raise self.translate(e, "download") from None
+        if position != out.nbytes:
+            raise ColocarError(f"download of block {desc.id} ended after {position} of {out.nbytes} bytes")
+        return out
+
+    # --- logs and shutdown -----------------------------------------------------------------
+    def _forward_logs(self) -> None:
+        prefix = f"[{self.name}] "
+        while not self._closed:
+            try:
+                for line in self.stub.Logs(pb.SessionRef(session_id=self.session_id), metadata=self.metadata):
+                    print(prefix + line.text, file=sys.stdout, flush=True)
+            except grpc.RpcError:
+                pass
+            except ValueError:  # the channel was closed under us
+                return
+            if self._closed:
+                return
+            threading.Event().wait(self.heartbeat_seconds)
+
+    def stats(self) -> pb.StatsReply:
+        return self.unary("Stats", pb.Empty(), timeout=10)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._reclaimer.flush(timeout=5)
+        self._closed = True
+        self._stop.set()
+        if self.lost is None:
+            try:
+                self.stub.Disconnect(
+                    pb.SessionRef(session_id=self.session_id), metadata=self.metadata, timeout=5
+                )
+            except grpc.RpcError:
+                pass
+        self._reclaimer.close()
+        self.channel.close()
+        self._log_thread.join(timeout=5)
+
+
+def _offset(arena: Arena | None, array: np.ndarray) -> int:
+    found = block_of(array)
+    assert found is not None and found[0] is arena
+    return found[1]

@@ -1,0 +1,179 @@
+"""`local_cluster`: N sidecar processes on loopback, each standing for one host.
+
+Runs in the controller, which owns every local device and plays device owner for all simulated
+hosts. Used by the demo, the tests and the benchmarks; the same code runs against real hosts
+through `connect(...)`. A token is generated and kept in a 0600 file; sidecars exit when the
+controller dies (unless `persist=True`), and `close()` removes their arenas even if they were
+killed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+from colocar.errors import ColocarError
+from colocar.sidecar.auth import new_token, write_token_file
+
+from .cluster import Cluster, Host, split_devices
+from .connection import HostConnection
+
+MiB = 1 << 20
+
+
+class _Sidecar:
+    """One spawned sidecar process and its files."""
+
+    def __init__(self, index: int, workdir: str, argv: list[str], env: dict[str, str], persist: bool):
+        self.index = index
+        self.ready_file = os.path.join(workdir, f"host{index}.ready")
+        self.log_file = os.path.join(workdir, f"host{index}.log")
+        with open(self.log_file, "wb") as log:
+            self.process = subprocess.Popen(
+                [*argv, "--ready-file", self.ready_file, "--label", f"host{index}"],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=persist,
+            )
+        self.info: dict[str, Any] | None = None
+
+    def poll_ready(self) -> bool:
+        if self.info is None and os.path.exists(self.ready_file):
+            with open(self.ready_file) as f:
+                self.info = json.load(f)
+        return self.info is not None
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            with open(self.log_file, errors="replace") as f:
+                return "".join(f.readlines()[-lines:])
+        except OSError:
+            return ""
+
+    def status(self) -> str | None:
+        code = self.process.poll()
+        return None if code is None else f"sidecar process exited with code {code}"
+
+    def stop(self, grace: float) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+        arena = (self.info or {}).get("arena")
+        if arena and os.path.exists(arena):  # killed before it could clean up
+            os.unlink(arena)
+
+
+def local_cluster(
+    hosts: int = 2,
+    *,
+    devices: Sequence[Any] | None = None,
+    arena_size: int = 256 * MiB,
+    pools: dict[str, int] | None = None,
+    shm_dir: str | None = None,
+    shm: bool = True,
+    lease_seconds: float = 30.0,
+    heartbeat_seconds: float = 1.0,
+    processes: int = 2,
+    threads: int = 32,
+    persist: bool = False,
+    startup_timeout: float = 120.0,
+    env: dict[str, str] | None = None,
+) -> Cluster:
+    """Starts `hosts` sidecars on loopback and connects to them.
+
+    `devices` (default: all local JAX devices) are split into equal contiguous groups, one per
+    host. `shm_dir` defaults to `COLOCAR_SHM_DIR` or /dev/shm. `shm=False` makes the controller
+    move bulk data through gRPC streams as it would for remote sidecars. With `persist=True`
+    the sidecars outlive this process; `cluster.token_file` and the host addresses let a later
+    process `connect(...)` to them.
+    """
+    groups = split_devices(devices if devices is not None else jax.local_devices(), hosts)
+    shm_dir = shm_dir or os.environ.get("COLOCAR_SHM_DIR", "/dev/shm")
+    workdir = tempfile.mkdtemp(prefix="colocar-")
+    token = new_token()
+    token_file = os.path.join(workdir, "token")
+    write_token_file(token_file, token)
+    argv = [
+        sys.executable,
+        "-m",
+        "colocar.sidecar",
+        "--address",
+        "127.0.0.1:0",
+        "--shm-dir",
+        shm_dir,
+        "--arena-size",
+        str(arena_size),
+        "--token-file",
+        token_file,
+        "--lease-seconds",
+        str(lease_seconds),
+        "--processes",
+        str(processes),
+        "--threads",
+        str(threads),
+    ]
+    for name, size in (pools or {}).items():
+        argv += ["--pool", f"{name}={size}"]
+    if not persist:
+        argv += ["--parent-pid", str(os.getpid())]
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    child_env = {**os.environ, **(env or {})}
+    child_env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, child_env.get("PYTHONPATH", "")) if p)
+    sidecars = [_Sidecar(i, workdir, argv, child_env, persist) for i in range(hosts)]
+
+    def shutdown() -> None:
+        if persist:
+            return
+        for sidecar in sidecars:
+            sidecar.stop(grace=10)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    connected: list[Host] = []
+    try:
+        deadline = time.monotonic() + startup_timeout
+        while not all(s.poll_ready() for s in sidecars):
+            for s in sidecars:
+                if s.status() is not None:
+                    raise ColocarError(f"sidecar host{s.index} failed to start:\n{s.log_tail()}")
+            if time.monotonic() > deadline:
+                raise ColocarError(f"sidecars did not start within {startup_timeout} s")
+            time.sleep(0.02)
+        for s, group in zip(sidecars, groups, strict=True):
+            assert s.info is not None
+            conn = HostConnection(
+                s.info["address"],
+                f"host{s.index}",
+                token,
+                shm=shm,
+                lease_seconds=lease_seconds,
+                heartbeat_seconds=heartbeat_seconds,
+                process_status=s.status,
+            )
+            connected.append(Host(s.index, conn, group))
+    except BaseException:
+        for host in connected:
+            host.connection.close()
+        persist = False
+        shutdown()
+        raise
+    cluster = Cluster(connected, on_close=shutdown)
+    cluster.token_file = token_file  # type: ignore[attr-defined]
+    cluster.processes = [s.process for s in sidecars]  # type: ignore[attr-defined]
+    cluster.log_files = [s.log_file for s in sidecars]  # type: ignore[attr-defined]
+    return cluster

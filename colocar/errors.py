@@ -1,0 +1,53 @@
+"""Exceptions that colocar raises on the controller (they name the host and say what to do)."""
+
+from __future__ import annotations
+
+
+class ColocarError(RuntimeError):
+    """Base class of colocar's own errors."""
+
+
+class HostLostError(ColocarError):
+    """A sidecar died, stopped answering or became unreachable; its calls cannot complete."""
+
+
+class RemoteError(ColocarError):
+    """An exception raised by a shipped function that could not be re-raised as its own type."""
+
+    def __init__(self, type_name: str, message: str, host: str, traceback: str):
+        super().__init__(f"{type_name}: {message} (on {host})")
+        self.type_name = type_name
+        self.remote_message = message
+        self.host = host
+        self.remote_traceback = traceback
+
+
+class RemoteTraceback(Exception):
+    """Carries the sidecar-side traceback as the `__cause__` of a re-raised remote exception."""
+
+    def __init__(self, text: str):
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+
+class VersionSkewError(ColocarError):
+    """Controller and sidecar run Python / cloudpickle / JAX versions that cannot exchange code."""
+
+
+class AuthError(ColocarError):
+    """The sidecar refused the token (or none was given)."""
+
+
+class SerializationError(ColocarError, TypeError):
+    """An argument or a result could not be pickled or unpickled; the message names the value."""
+
+
+class CallTimeoutError(ColocarError, TimeoutError):
+    """A call did not finish within its timeout (the function may still be running remotely)."""
+
+
+class ArrayLayoutError(ColocarError, ValueError):
+    """A host's shards of an input do not form one block, or an output does not fit its spec."""

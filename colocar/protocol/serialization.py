@@ -1,0 +1,123 @@
+"""Pickling of values between controller and sidecar, with large arrays kept out of the pickle.
+
+Both sides use cloudpickle. A numpy array of at least `ARRAY_THRESHOLD` bytes is not pickled:
+`dumps` hands it to a sink (which places it in an arena block, or queues it for a chunked
+upload) and writes only a small reference; `loads` asks a source for the array behind each
+reference (a zero-copy view of the block). So bulk bytes never travel inside an RPC message.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import pickle
+from collections.abc import Callable
+from typing import Any
+
+import cloudpickle
+import numpy as np
+
+from colocar.errors import SerializationError
+
+ARRAY_THRESHOLD = 64 * 1024
+_REF_TAG = "colocar.array"
+_INLINE_TAG = "colocar.inline"
+
+# sink(array) -> index of the array in the payload's block list
+ArraySink = Callable[[np.ndarray], int]
+# source(index, shape, dtype) -> the array
+ArraySource = Callable[[int, tuple[int, ...], np.dtype], np.ndarray]
+
+
+def _as_numpy(obj: Any) -> np.ndarray | None:
+    """numpy arrays as they are; jax.Arrays (without importing jax) converted on the host."""
+    if type(obj) is np.ndarray:
+        return obj
+    module = type(obj).__module__ or ""
+    if module.startswith(("jax", "jaxlib")) and hasattr(obj, "__array__") and hasattr(obj, "shape"):
+        return np.asarray(obj)
+    return None
+
+
+class _Pickler(cloudpickle.Pickler):
+    def __init__(self, file: io.BytesIO, sink: ArraySink | None):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self._sink = sink
+
+    def persistent_id(self, obj: Any) -> Any:
+        array = _as_numpy(obj)
+        if array is None:
+            return None
+        if self._sink is not None and array.nbytes >= ARRAY_THRESHOLD and not array.dtype.hasobject:
+            return (_REF_TAG, self._sink(array), array.shape, array.dtype)
+        if array is not obj:  # a small jax.Array: travels as numpy
+            return (_INLINE_TAG, array)
+        return None
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, source: ArraySource | None):
+        super().__init__(file)
+        self._source = source
+
+    def persistent_load(self, pid: Any) -> Any:
+        if pid[0] == _INLINE_TAG:
+            return pid[1]
+        if pid[0] != _REF_TAG or self._source is None:
+            raise pickle.UnpicklingError(f"unexpected array reference {pid[0]!r}")
+        _, index, shape, dtype = pid
+        return self._source(index, tuple(shape), np.dtype(dtype))
+
+
+def dumps(obj: Any, sink: ArraySink | None = None, what: str = "value") -> bytes:
+    """Pickles obj; arrays of at least ARRAY_THRESHOLD bytes go to `sink` when one is given."""
+    buffer = io.BytesIO()
+    try:
+        _Pickler(buffer, sink).dump(obj)
+    except Exception as e:
+        raise SerializationError(f"cannot pickle {what}: {_describe_unpicklable(obj, e)}") from e
+    return buffer.getvalue()
+
+
+def loads(data: bytes, source: ArraySource | None = None) -> Any:
+    """Inverse of `dumps`; array references are resolved through `source`."""
+    return _Unpickler(io.BytesIO(data), source).load()
+
+
+def dumps_code(fn: Any, by_value_modules: tuple[Any, ...] = ()) -> bytes:
+    """Pickles a function or class, shipping the given modules by value instead of by name."""
+    for module in by_value_modules:
+        cloudpickle.register_pickle_by_value(module)
+    try:
+        return dumps(fn, None, what=f"function {getattr(fn, '__qualname__', fn)!r}")
+    finally:
+        for module in by_value_modules:
+            cloudpickle.unregister_pickle_by_value(module)
+
+
+def code_hash(code: bytes) -> bytes:
+    return hashlib.sha256(code).digest()
+
+
+def _describe_unpicklable(obj: Any, error: Exception) -> str:
+    """Names the first element of a tuple/list/dict that fails to pickle, to point at the culprit."""
+    items: list[tuple[str, Any]] = []
+    if isinstance(obj, tuple) and len(obj) == 2 and isinstance(obj[1], dict):
+        args, kwargs = obj
+        if isinstance(args, tuple):
+            items = [(f"argument {i}", a) for i, a in enumerate(args)]
+            items += [(f"keyword argument {k!r}", v) for k, v in kwargs.items()]
+    for label, value in items:
+        try:
+            cloudpickle.dumps(value)
+        except Exception as inner:
+            return f"{label} ({_short_repr(value)}) is not picklable: {type(inner).__name__}: {inner}"
+    return f"{_short_repr(obj)} is not picklable: {type(error).__name__}: {error}"
+
+
+def _short_repr(value: Any, limit: int = 80) -> str:
+    try:
+        text = repr(value)
+    except Exception:
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."

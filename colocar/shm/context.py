@@ -1,0 +1,35 @@
+"""`colocar.shm.empty`: allocate a result directly in the arena of the current sidecar.
+
+Inside a shipped function, an array made with `empty` lives in the sidecar's arena, so
+returning it to the controller copies nothing. Elsewhere (plain Python, tests, the
+controller) it is an ordinary `np.empty`, so the same function runs anywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+Allocate = Callable[[tuple[int, ...], np.dtype, str], np.ndarray]
+_allocate: Allocate | None = None
+
+
+def install(allocate: Allocate | None) -> None:
+    """Called by the sidecar (and its worker processes) at start-up."""
+    global _allocate
+    _allocate = allocate
+
+
+def empty(shape: int | tuple[int, ...], dtype: Any = np.float32, pool: str = "default") -> np.ndarray:
+    """An uninitialised C-contiguous array, in the arena when running on a sidecar."""
+    shape = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
+    if _allocate is None:
+        return np.empty(shape, dtype)
+    return _allocate(shape, np.dtype(dtype), pool)
+
+
+def in_sidecar() -> bool:
+    """True when running inside a sidecar process or one of its workers."""
+    return _allocate is not None

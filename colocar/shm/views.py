@@ -1,0 +1,109 @@
+"""Zero-copy numpy views over arena bytes (any process that has the arena mapped).
+
+Every view's ``.base`` chain ends in a small holder of ours, which keeps the arena's
+mapping alive and calls ``on_release`` once no array derived from the view is alive
+any more (that is how a block's lease is returned). ``block_of`` finds the arena
+region an array came from, so an array already in the arena is never copied again.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from numpy.lib.array_utils import byte_bounds
+
+from .arena import Arena
+
+
+class _Holder:
+    """Owns one arena region for numpy: exposes it via ``__array_interface__``."""
+
+    __slots__ = ("arena", "offset", "nbytes", "address", "_buffer", "__weakref__")
+
+    def __init__(self, arena: Arena, offset: int, nbytes: int) -> None:
+        # The memoryview pins the mmap: the arena cannot be unmapped under live views.
+        self._buffer = arena.buffer(offset, nbytes)
+        self.arena = arena
+        self.offset = offset
+        self.nbytes = nbytes
+        self.address = arena.base_address + offset
+
+    @property
+    def __array_interface__(self) -> dict[str, Any]:
+        return {
+            "version": 3,
+            "shape": (self.nbytes,),
+            "typestr": "|u1",
+            "data": (self.address, False),
+        }
+
+
+def ndarray_view(
+    arena: Arena,
+    offset: int,
+    shape: tuple[int, ...],
+    dtype: Any,
+    on_release: Callable[[], None] | None = None,
+) -> np.ndarray:
+    """A writable C-contiguous array over arena bytes [offset, offset + nbytes), no copy.
+
+    ``on_release`` runs exactly once, when the last array derived from this view dies
+    (not at interpreter exit if views are still alive then). It is a GC finalizer: it may
+    run in any thread, inside any allocation, even one made under an Allocator's lock, so
+    it must not take locks or block; hand the release to a ``reclaim.Reclaimer`` instead.
+    """
+    dtype = np.dtype(dtype)
+    shape = tuple(int(d) for d in shape)
+    if any(d < 0 for d in shape):
+        raise ValueError(f"negative dimension in shape {shape}")
+    if dtype.itemsize == 0:
+        raise ValueError(f"dtype {dtype} has no size; give a sized dtype such as 'S8' or 'V16'")
+    nbytes = math.prod(shape) * dtype.itemsize
+    holder = _Holder(arena, offset, nbytes)
+    array = np.asarray(holder).view(dtype).reshape(shape)
+    if on_release is not None:
+        finalizer = weakref.finalize(holder, on_release)
+        finalizer.atexit = False
+    return array
+
+
+def _holder_of(array: np.ndarray) -> _Holder | None:
+    base: Any = array
+    while isinstance(base, np.ndarray):
+        base = base.base
+    return base if isinstance(base, _Holder) else None
+
+
+def block_of(array: np.ndarray) -> tuple[Arena, int, int] | None:
+    """(arena, offset, nbytes) if ``array`` is C-contiguous over a whole ndarray_view region."""
+    if not isinstance(array, np.ndarray) or not array.flags.c_contiguous:
+        return None
+    holder = _holder_of(array)
+    if holder is None:
+        return None
+    if array.__array_interface__["data"][0] != holder.address or array.nbytes != holder.nbytes:
+        return None
+    return holder.arena, holder.offset, holder.nbytes
+
+
+def arena_offset(arena: Arena, array: np.ndarray) -> int | None:
+    """Offset in ``arena`` of ``array``'s data if all its memory lies in this mapping, else None."""
+    if not isinstance(array, np.ndarray):
+        return None
+    address = array.__array_interface__["data"][0]
+    if array.size == 0:
+        return address - arena.base_address if arena.contains(address, 0) else None
+    low, high = byte_bounds(array)
+    if not arena.contains(low, high - low):
+        return None
+    return address - arena.base_address
+
+
+def copy_into(arena: Arena, offset: int, array: np.ndarray) -> None:
+    """One copy of ``array`` (any layout) into arena bytes at ``offset``, C-contiguous."""
+    target = np.frombuffer(arena.buffer(offset, array.nbytes), dtype=array.dtype)
+    np.copyto(target.reshape(array.shape), array, casting="no")

@@ -1,0 +1,109 @@
+"""Who may ship code to this sidecar: the token check and the address/TLS safety rules.
+
+Shipped callables are code execution, so every RPC (except the standard health service)
+must carry the sidecar's token, compared in constant time before anything is unpickled.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import os
+import secrets
+import stat
+
+import grpc
+
+TOKEN_METADATA_KEY = "x-colocar-token"
+
+
+class UnsafeConfigError(SystemExit):
+    """The sidecar would accept code from the network without authentication."""
+
+
+def new_token() -> str:
+    return secrets.token_hex(32)
+
+
+def write_token_file(path: str, token: str) -> None:
+    """Writes a token readable by the owner only (0600)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token)
+
+
+def read_token_file(path: str) -> str:
+    """Reads a token file; refuses one that others can read, like ssh does with keys."""
+    mode = os.stat(path).st_mode
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise UnsafeConfigError(
+            f"token file {path} is readable by group or others (mode {oct(mode & 0o777)}); "
+            f"run: chmod 600 {path}"
+        )
+    with open(path) as f:
+        token = f.read().strip()
+    if not token:
+        raise UnsafeConfigError(f"token file {path} is empty")
+    return token
+
+
+def token_matches(expected: str | None, metadata: tuple | None) -> bool:
+    """Constant-time comparison of the caller's token with ours."""
+    if expected is None:
+        return True
+    given = ""
+    for key, value in metadata or ():
+        if key == TOKEN_METADATA_KEY:
+            given = value if isinstance(value, str) else value.decode()
+            break
+    return hmac.compare_digest(given.encode(), expected.encode())
+
+
+def is_loopback(address: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and localhost (with any port); unix sockets count as local."""
+    if address.startswith("unix:"):
+        return True
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_address_safety(address: str, token: str | None, mutual_tls: bool) -> None:
+    """Refuses to serve a non-loopback address without a token or client-certificate TLS."""
+    if is_loopback(address) or token or mutual_tls:
+        return
+    raise UnsafeConfigError(
+        f"refusing to listen on {address} without authentication: anyone who reaches it could "
+        "run code here. Pass --token-file (and give the controller the same token), or "
+        "--tls-cert/--tls-key with --tls-client-ca for mutual TLS. TLS without client "
+        "certificates encrypts but does not authenticate."
+    )
+
+
+def server_credentials(
+    cert: str | None, key: str | None, client_ca: str | None
+) -> grpc.ServerCredentials | None:
+    """TLS credentials, requiring client certificates when a client CA is given."""
+    if not cert and not key:
+        if client_ca:
+            raise UnsafeConfigError("--tls-client-ca needs --tls-cert and --tls-key")
+        return None
+    if not (cert and key):
+        raise UnsafeConfigError("--tls-cert and --tls-key go together")
+    with open(cert, "rb") as f:
+        cert_bytes = f.read()
+    with open(key, "rb") as f:
+        key_bytes = f.read()
+    ca_bytes = None
+    if client_ca:
+        with open(client_ca, "rb") as f:
+            ca_bytes = f.read()
+    return grpc.ssl_server_credentials(
+        [(key_bytes, cert_bytes)],
+        root_certificates=ca_bytes,
+        require_client_auth=ca_bytes is not None,
+    )

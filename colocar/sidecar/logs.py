@@ -1,0 +1,63 @@
+"""Routes what shipped functions print to the controller that called them.
+
+The sidecar replaces sys.stdout and sys.stderr with a router: text written by a thread that is
+running a call goes, line by line, to that call's session (streamed to the controller, which
+prints it prefixed with the host); anything else goes to the sidecar's own streams.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import sys
+import threading
+from collections.abc import Callable, Iterator
+
+_current = threading.local()
+
+
+class _Router(io.TextIOBase):
+    def __init__(self, fallback: io.TextIOBase):
+        self._fallback = fallback
+
+    def write(self, text: str) -> int:
+        sink = getattr(_current, "sink", None)
+        if sink is None:
+            return self._fallback.write(text)
+        buffer = _current.buffer + text
+        *lines, _current.buffer = buffer.split("\n")
+        for line in lines:
+            sink(line)
+        return len(text)
+
+    def flush(self) -> None:
+        if getattr(_current, "sink", None) is None:
+            self._fallback.flush()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return getattr(self._fallback, "encoding", "utf-8")
+
+    def isatty(self) -> bool:
+        return False
+
+
+def install() -> None:
+    """Puts the routers in place (idempotent)."""
+    if not isinstance(sys.stdout, _Router):
+        sys.stdout = _Router(sys.stdout)  # type: ignore[assignment]
+    if not isinstance(sys.stderr, _Router):
+        sys.stderr = _Router(sys.stderr)  # type: ignore[assignment]
+
+
+@contextlib.contextmanager
+def routed_to(sink: Callable[[str], None] | None) -> Iterator[None]:
+    """Within the block, this thread's output goes to `sink` one line at a time."""
+    previous = getattr(_current, "sink", None), getattr(_current, "buffer", "")
+    _current.sink, _current.buffer = sink, ""
+    try:
+        yield
+    finally:
+        if sink is not None and _current.buffer:
+            sink(_current.buffer)
+        _current.sink, _current.buffer = previous

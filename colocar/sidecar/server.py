@@ -1,0 +1,156 @@
+"""The sidecar process: flags, arena, gRPC server, health, graceful shutdown.
+
+`python -m colocar.sidecar` or `colocar sidecar`. The bound address is written to
+`--ready-file` once the server accepts calls (port 0 picks a free port). SIGTERM drains
+in-flight calls for at most `--drain-seconds`, then removes the arena and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+from concurrent import futures
+
+# Before anything imports JAX: the sidecar never takes an accelerator.
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+os.environ.setdefault("TPU_VISIBLE_CHIPS", "")
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import grpc  # noqa: E402
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc  # noqa: E402
+
+from colocar.protocol import colocar_pb2_grpc as pb_grpc  # noqa: E402
+from colocar.shm import context as shm_context  # noqa: E402
+
+from . import auth, logs  # noqa: E402
+from .blocks import SidecarArena  # noqa: E402
+from .service import ServiceConfig, SidecarService  # noqa: E402
+from .workers import WorkerPool  # noqa: E402
+
+SERVICE_NAME = "colocar.v1.Sidecar"
+MiB = 1 << 20
+
+
+def _size(text: str) -> int:
+    """'256M', '1G', '4096' -> bytes."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def _pool(text: str) -> tuple[str, int]:
+    name, _, size = text.partition("=")
+    if not name or not size:
+        raise argparse.ArgumentTypeError(f"expected NAME=SIZE, got {text!r}")
+    return name, _size(size)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="colocar sidecar", description=__doc__)
+    p.add_argument("--address", default="127.0.0.1:0", help="host:port to bind (port 0: any)")
+    p.add_argument("--ready-file", help="write the bound address and pid here as JSON when ready")
+    p.add_argument("--shm-dir", default="/dev/shm", help="directory of the arena (tmpfs)")
+    p.add_argument("--arena-size", type=_size, default=1 << 30, help="arena bytes (e.g. 4G)")
+    p.add_argument("--pool", type=_pool, action="append", default=[], help="reserve NAME=SIZE of the arena")
+    p.add_argument("--token-file", help="file (mode 0600) holding the shared token")
+    p.add_argument("--tls-cert", help="server certificate (PEM)")
+    p.add_argument("--tls-key", help="server private key (PEM)")
+    p.add_argument("--tls-client-ca", help="CA for client certificates (mutual TLS)")
+    p.add_argument("--lease-seconds", type=float, default=30.0, help="session lease")
+    p.add_argument("--threads", type=int, default=32, help="concurrent shipped calls")
+    p.add_argument("--processes", type=int, default=2, help="worker processes for CPU-bound calls")
+    p.add_argument("--drain-seconds", type=float, default=10.0, help="grace period on SIGTERM")
+    p.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone")
+    p.add_argument("--label", default="sidecar", help="name part of the arena file")
+    return p
+
+
+def _watch_parent(pid: int, stop: threading.Event) -> None:
+    """Exits the sidecar when the process that started it is gone (no orphans)."""
+    import psutil
+
+    try:
+        parent = psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        stop.set()
+        return
+    while not stop.is_set():
+        if not parent.is_running() or parent.status() == psutil.STATUS_ZOMBIE:
+            stop.set()
+            return
+        stop.wait(1.0)
+
+
+def serve(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    token = auth.read_token_file(args.token_file) if args.token_file else None
+    credentials = auth.server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
+    auth.check_address_safety(args.address, token, mutual_tls=bool(args.tls_client_ca))
+
+    arena = SidecarArena(args.shm_dir, args.arena_size, dict(args.pool))
+    logs.install()
+    shm_context.install(lambda shape, dtype, pool: arena.empty(shape, dtype, pool))
+    workers = WorkerPool(args.processes, arena) if args.processes > 0 else None
+    config = ServiceConfig(lease_seconds=args.lease_seconds, max_concurrent_calls=args.threads)
+    service = SidecarService(arena, token, workers, config)
+
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=args.threads + 16, thread_name_prefix="colocar-rpc"),
+        options=[
+            ("grpc.max_receive_message_length", 64 * MiB),
+            ("grpc.max_send_message_length", 64 * MiB),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", 500),
+            ("grpc.http2.max_ping_strikes", 0),
+            ("grpc.so_reuseport", 0),
+        ],
+    )
+    pb_grpc.add_SidecarServicer_to_server(service, server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    if credentials is not None:
+        port = server.add_secure_port(args.address, credentials)
+    else:
+        port = server.add_insecure_port(args.address)
+    if port == 0:
+        arena.close()
+        raise SystemExit(f"cannot bind {args.address}")
+    server.start()
+    host = args.address.rsplit(":", 1)[0]
+    bound = f"{host}:{port}"
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    if args.parent_pid:
+        threading.Thread(target=_watch_parent, args=(args.parent_pid, stop), daemon=True).start()
+    if args.ready_file:
+        tmp = args.ready_file + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"address": bound, "pid": os.getpid(), "arena": arena.arena.path}, f)
+        os.replace(tmp, args.ready_file)
+    print(f"colocar sidecar serving on {bound} (arena {arena.arena.path})", file=sys.__stderr__, flush=True)
+
+    while not stop.wait(0.5):
+        pass
+    service.draining = True
+    health_servicer.enter_graceful_shutdown()
+    server.stop(grace=args.drain_seconds).wait()
+    service.stop()
+    if workers is not None:
+        workers.close()
+    arena.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    sys.exit(serve(argv))

@@ -1,0 +1,412 @@
+"""The sidecar's gRPC service: sessions, calls, objects, streams, blocks, logs and stats.
+
+Every handler checks the token first (constant time, before any unpickling), then the session.
+User errors travel back inside the reply (`CallReply.error`); gRPC status codes are kept for
+protocol conditions the controller acts on: UNAUTHENTICATED, NOT_FOUND (unknown code hash:
+resend the code), FAILED_PRECONDITION (unknown session or version skew), INVALID_ARGUMENT
+(a malformed request or a descriptor outside the session's blocks), RESOURCE_EXHAUSTED (a full
+arena pool), UNAVAILABLE (draining).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import grpc
+
+from colocar.protocol import colocar_pb2 as pb
+from colocar.protocol import colocar_pb2_grpc as pb_grpc
+from colocar.protocol import versions
+from colocar.shm import ArenaFullError, UnknownBlockError
+
+from . import logs
+from .auth import token_matches
+from .blocks import BoundsError, SidecarArena
+from .func_backend import CodeCache, CodeLoadError, CodeNotFound, remote_error
+from .objects import ObjectTable, UnknownObjectError
+from .sessions import Session, SessionTable
+from .stats import Stats
+from .workers import WorkerDiedError, WorkerPool
+
+CHUNK_BYTES = 1 << 20
+UNKNOWN_SESSION = "unknown session"
+
+
+@dataclass
+class ServiceConfig:
+    lease_seconds: float = 30.0
+    max_concurrent_calls: int = 32
+    alloc_timeout_seconds: float = 30.0
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+class SidecarService(pb_grpc.SidecarServicer):
+    def __init__(
+        self,
+        arena: SidecarArena,
+        token: str | None,
+        workers: WorkerPool | None,
+        config: ServiceConfig,
+    ):
+        self.id = uuid.uuid4().hex
+        self.arena = arena
+        self.workers = workers
+        self.config = config
+        self._token = token
+        self.stats = Stats()
+        self.objects = ObjectTable()
+        self.code = CodeCache()
+        self.sessions = SessionTable(config.lease_seconds, self._session_ended)
+        self._call_slots = threading.BoundedSemaphore(config.max_concurrent_calls)
+        self._sweeper_stop = threading.Event()
+        threading.Thread(target=self._sweep, name="colocar-sweeper", daemon=True).start()
+        self.draining = False
+
+    # --- plumbing --------------------------------------------------------------------------
+    def _auth(self, context: grpc.ServicerContext) -> None:
+        if not token_matches(self._token, context.invocation_metadata()):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong colocar token")
+
+    def _session(self, session_id: str, context: grpc.ServicerContext) -> Session:
+        self._auth(context)
+        session = self.sessions.get(session_id)
+        if session is None:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{UNKNOWN_SESSION} {session_id!r}: it expired or the sidecar restarted; reconnect",
+            )
+        return session
+
+    def _session_ended(self, session: Session) -> None:
+        self.objects.drop_session(session.id)
+        self.arena.allocator.release_owner(session.id)
+
+    def _sweep(self) -> None:
+        while not self._sweeper_stop.wait(1.0):
+            self.objects.sweep()
+
+    @staticmethod
+    def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
+        context.abort(code, message)
+        raise AssertionError("unreachable")
+
+    # --- sessions --------------------------------------------------------------------------
+    def Connect(self, request: pb.ConnectRequest, context: grpc.ServicerContext) -> pb.ConnectReply:
+        self._auth(context)
+        if self.draining:
+            self._abort(context, grpc.StatusCode.UNAVAILABLE, "sidecar is shutting down")
+        controller = {
+            "python": request.python_version,
+            "cloudpickle": request.cloudpickle_version,
+            "jax": request.jax_version,
+        }
+        problems = versions.skew(controller, versions.local_versions())
+        if problems:
+            self._abort(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "version skew between controller and sidecar: "
+                + "; ".join(problems)
+                + ". Build the sidecar image from the same environment as the trainer.",
+            )
+        for entry in request.sys_path:
+            if entry and entry not in sys.path and os.path.isdir(entry):
+                sys.path.append(entry)
+        if request.cwd and os.path.isdir(request.cwd):
+            os.chdir(request.cwd)
+        session = self.sessions.open(request.session_id, request.controller, request.lease_seconds)
+        a = self.arena.arena
+        return pb.ConnectReply(
+            sidecar_id=self.id,
+            hostname=socket.gethostname(),
+            pid=os.getpid(),
+            boot_id=_boot_id(),
+            arena_path=a.path,
+            arena_size=a.size,
+            arena_nonce=a.nonce,
+            lease_seconds=session.lease_seconds,
+            colocar_version=versions.colocar_version(),
+        )
+
+    def Keepalive(self, request: pb.SessionRef, context: grpc.ServicerContext) -> pb.KeepaliveReply:
+        self._auth(context)
+        return pb.KeepaliveReply(known=self.sessions.get(request.session_id) is not None)
+
+    def Disconnect(self, request: pb.SessionRef, context: grpc.ServicerContext) -> pb.Empty:
+        self._auth(context)
+        self.sessions.close(request.session_id)
+        return pb.Empty()
+
+    # --- calls -----------------------------------------------------------------------------
+    def Call(self, request: pb.CallRequest, context: grpc.ServicerContext) -> pb.CallReply:
+        session = self._session(request.session_id, context)
+        started = self.stats.begin()
+        reply = None
+        try:
+            with self._call_slots:
+                reply = self._run(session, request, context)
+            return reply
+        finally:
+            self.stats.end(started, failed=reply is None or reply.HasField("error"))
+
+    def _target(self, session: Session, request: pb.CallRequest, context: grpc.ServicerContext) -> Any:
+        """The function, class or bound method a request names."""
+        if request.kind == pb.CallRequest.METHOD:
+            try:
+                return getattr(self.objects.get(request.object_id, session.id), request.method)
+            except UnknownObjectError as e:
+                self._abort(context, grpc.StatusCode.NOT_FOUND, f"object: {e.args[0]}")
+        try:
+            return self.code.get(request.code_hash, request.code, request.name)
+        except CodeNotFound:
+            self._abort(context, grpc.StatusCode.NOT_FOUND, f"code: {request.name}")
+
+    def _decode_args(self, session: Session, request: pb.CallRequest, context: Any) -> Any:
+        try:
+            return self.arena.decode(request.args, session.id)
+        except BoundsError as e:
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        finally:
+            for block_id in request.consume_blocks:
+                try:
+                    self.arena.allocator.release(block_id, session.id)
+                except UnknownBlockError:
+                    pass
+
+    def _run(self, session: Session, request: pb.CallRequest, context: Any) -> pb.CallReply:
+        try:
+            target = self._target(session, request, context)
+        except CodeLoadError as e:
+            return pb.CallReply(error=remote_error(e))
+        if request.processes and request.kind == pb.CallRequest.FUNCTION and self.workers:
+            try:
+                return self.workers.run(session.id, request, session.log, self.config.alloc_timeout_seconds)
+            except BoundsError as e:
+                self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except WorkerDiedError as e:
+                return pb.CallReply(error=remote_error(e))
+        args, kwargs = self._decode_args(session, request, context)
+        try:
+            with logs.routed_to(session.log):
+                value = target(*args, **kwargs)
+            del args, kwargs
+            if request.kind == pb.CallRequest.NEW_OBJECT:
+                object_id = self.objects.add(
+                    value, session.id, request.object_name, request.object_ttl_seconds
+                )
+                return pb.CallReply(object_id=object_id)
+            return pb.CallReply(
+                result=self.arena.encode(
+                    value, session.id, f"result of {request.name}", self.config.alloc_timeout_seconds
+                )
+            )
+        except Exception as e:  # noqa: BLE001 - the caller gets it, with its traceback
+            return pb.CallReply(error=remote_error(e))
+
+    def Stream(self, request_iterator: Iterator[pb.StreamRequest], context: Any) -> Iterator[pb.CallReply]:
+        self._auth(context)
+        first = next(request_iterator, None)
+        if first is None or not first.HasField("call"):
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "Stream starts with a call")
+        request = first.call
+        session = self._session(request.session_id, context)
+        credits = threading.Semaphore(first.credits)
+        ended = threading.Event()
+
+        def read_credits() -> None:
+            try:
+                for message in request_iterator:
+                    for _ in range(message.credits):
+                        credits.release()
+            except Exception:
+                pass
+            ended.set()
+            credits.release()
+
+        threading.Thread(target=read_credits, daemon=True, name="colocar-credits").start()
+        context.add_callback(lambda: (ended.set(), credits.release()))
+        try:
+            target = self._target(session, request, context)
+            args, kwargs = self._decode_args(session, request, context)
+            with logs.routed_to(session.log):
+                iterator = iter(target(*args, **kwargs))
+            del args, kwargs
+        except Exception as e:  # noqa: BLE001
+            yield pb.CallReply(error=remote_error(e), done=True)
+            return
+        try:
+            while True:
+                credits.acquire()
+                if ended.is_set() or not context.is_active():
+                    return
+                try:
+                    with logs.routed_to(session.log):
+                        item = next(iterator)
+                except StopIteration:
+                    yield pb.CallReply(done=True)
+                    return
+                except Exception as e:  # noqa: BLE001
+                    yield pb.CallReply(error=remote_error(e), done=True)
+                    return
+                payload = self.arena.encode(item, session.id, f"item of {request.name}")
+                yield pb.CallReply(result=payload)
+        finally:
+            close = getattr(iterator, "close", None)
+            if close is not None:
+                close()
+
+    def DeleteObject(self, request: pb.ObjectRef, context: grpc.ServicerContext) -> pb.Empty:
+        self._auth(context)
+        object_id = request.object_id
+        if request.object_name:
+            try:
+                object_id = self.objects.find(request.object_name)
+            except UnknownObjectError:
+                return pb.Empty()
+        self.objects.delete(object_id, request.session_id)
+        return pb.Empty()
+
+    def FindObject(self, request: pb.ObjectRef, context: grpc.ServicerContext) -> pb.ObjectRef:
+        self._auth(context)
+        try:
+            object_id = self.objects.find(request.object_name)
+        except UnknownObjectError as e:
+            self._abort(context, grpc.StatusCode.NOT_FOUND, f"object: {e.args[0]}")
+        return pb.ObjectRef(object_id=object_id, object_name=request.object_name)
+
+    # --- blocks ----------------------------------------------------------------------------
+    def Allocate(self, request: pb.AllocateRequest, context: grpc.ServicerContext) -> pb.AllocateReply:
+        session = self._session(request.session_id, context)
+        allocator = self.arena.allocator
+        blocks = []
+        try:
+            for size in request.sizes:
+                blocks.append(
+                    allocator.allocate(
+                        size,
+                        owner=session.id,
+                        pool=request.pool or "default",
+                        timeout=request.timeout_seconds,
+                    )
+                )
+        except (ArenaFullError, KeyError) as e:
+            for block in blocks:
+                allocator.release(block.id, session.id)
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED
+            if not isinstance(e, ArenaFullError):
+                code = grpc.StatusCode.INVALID_ARGUMENT
+            self._abort(context, code, str(e.args[0] if e.args else e))
+        return pb.AllocateReply(
+            blocks=[pb.BlockDesc(id=b.id, offset=b.offset, nbytes=b.nbytes) for b in blocks]
+        )
+
+    def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.Empty:
+        session = self._session(request.session_id, context)
+        for block_id in request.block_ids:
+            try:
+                self.arena.allocator.release(block_id, session.id)
+            except UnknownBlockError:
+                pass  # already freed (for example by a reconnect); releasing is idempotent
+        return pb.Empty()
+
+    def Upload(self, request_iterator: Iterator[pb.Chunk], context: Any) -> pb.BlockDesc:
+        self._auth(context)
+        first = next(request_iterator, None)
+        if first is None:
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "empty upload")
+        session = self._session(first.session_id, context)
+        allocator = self.arena.allocator
+        try:
+            block = allocator.allocate(
+                first.total_bytes,
+                owner=session.id,
+                pool=first.pool or "default",
+                timeout=self.config.alloc_timeout_seconds,
+            )
+        except ArenaFullError as e:
+            self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        written = 0
+        try:
+            for chunk in _chain(first, request_iterator):
+                end = written + len(chunk.data)
+                if end > first.total_bytes:
+                    raise BoundsError(f"upload exceeds its announced {first.total_bytes} bytes")
+                self.arena.arena.buffer(block.offset + written, len(chunk.data))[:] = chunk.data
+                written = end
+            if written != first.total_bytes:
+                raise BoundsError(f"upload ended after {written} of {first.total_bytes} bytes")
+        except BoundsError as e:
+            allocator.release(block.id, session.id)
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except BaseException:
+            allocator.release(block.id, session.id)
+            raise
+        return pb.BlockDesc(id=block.id, offset=block.offset, nbytes=first.total_bytes)
+
+    def Download(self, request: pb.BlockRef, context: Any) -> Iterator[pb.Chunk]:
+        session = self._session(request.session_id, context)
+        try:
+            block = self.arena.allocator.check(request.block_id, session.id)
+        except UnknownBlockError:
+            self._abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"block {request.block_id} is not leased by this session",
+            )
+        for start in range(0, block.nbytes, CHUNK_BYTES):
+            n = min(CHUNK_BYTES, block.nbytes - start)
+            yield pb.Chunk(data=bytes(self.arena.arena.buffer(block.offset + start, n)))
+
+    # --- observability ---------------------------------------------------------------------
+    def Logs(self, request: pb.SessionRef, context: Any) -> Iterator[pb.LogLine]:
+        session = self._session(request.session_id, context)
+        while context.is_active() and not session.closed:
+            try:
+                text = session.logs.get(timeout=0.5)
+            except Exception:
+                continue
+            if session.closed:
+                break
+            yield pb.LogLine(text=text)
+
+    def Stats(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.StatsReply:
+        self._auth(context)
+        self.arena.flush()
+        p50, p99 = self.stats.latency_us()
+        pools = [pb.PoolStats(name=name, **values) for name, values in self.arena.allocator.stats().items()]
+        return pb.StatsReply(
+            calls=self.stats.calls,
+            errors=self.stats.errors,
+            latency_p50_us=p50,
+            latency_p99_us=p99,
+            sessions=len(self.sessions),
+            objects=len(self.objects),
+            in_flight=self.stats.in_flight,
+            pools=pools,
+            uptime_seconds=time.monotonic() - self.stats.started,
+            worker_processes=len(self.workers) if self.workers else 0,
+        )
+
+    def stop(self) -> None:
+        self._sweeper_stop.set()
+        self.sessions.stop()
+
+
+def _chain(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
+    yield first
+    yield from rest

@@ -1,0 +1,99 @@
+"""Controller sessions on the sidecar and the lease that keeps their objects and blocks alive.
+
+A controller opens a session at connect and renews it with keepalives (and with every call).
+When a lease runs out (controller killed, disconnected or partitioned), `on_expire` frees
+everything the session owned. A reaper thread checks a few times per lease.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+LOG_QUEUE_LINES = 10_000
+
+
+@dataclass
+class Session:
+    id: str
+    controller: str
+    lease_seconds: float
+    expires_at: float
+    logs: queue.Queue = field(default_factory=lambda: queue.Queue(LOG_QUEUE_LINES))
+    dropped_log_lines: int = 0
+    closed: bool = False
+
+    def renew(self) -> None:
+        self.expires_at = time.monotonic() + self.lease_seconds
+
+    def log(self, text: str) -> None:
+        try:
+            self.logs.put_nowait(text)
+        except queue.Full:
+            self.dropped_log_lines += 1
+
+
+class SessionTable:
+    """Thread-safe table of sessions with lease expiry."""
+
+    def __init__(self, default_lease: float, on_expire: Callable[[Session], None]):
+        self.default_lease = default_lease
+        self._on_expire = on_expire
+        self._sessions: dict[str, Session] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._reaper = threading.Thread(target=self._reap, name="colocar-reaper", daemon=True)
+        self._reaper.start()
+
+    def open(self, session_id: str, controller: str, lease_seconds: float) -> Session:
+        lease = lease_seconds if lease_seconds > 0 else self.default_lease
+        with self._lock:
+            session = self._sessions.get(session_id)
+            if session is None:
+                session = Session(session_id, controller, lease, 0.0)
+                self._sessions[session_id] = session
+            session.lease_seconds = lease
+            session.renew()
+            return session
+
+    def get(self, session_id: str) -> Session | None:
+        """The live session (renewed, since any request is a sign of life), or None."""
+        session = self._sessions.get(session_id)
+        if session is not None:
+            session.renew()
+        return session
+
+    def close(self, session_id: str) -> None:
+        with self._lock:
+            session = self._sessions.pop(session_id, None)
+        if session is not None:
+            self._expire(session)
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def _expire(self, session: Session) -> None:
+        session.closed = True
+        session.log("")  # wakes a Logs stream so it can end
+        self._on_expire(session)
+
+    def _reap(self) -> None:
+        while not self._stop.wait(min(0.25, self.default_lease / 4)):
+            now = time.monotonic()
+            with self._lock:
+                expired = [s for s in self._sessions.values() if s.expires_at < now]
+                for session in expired:
+                    del self._sessions[session.id]
+            for session in expired:
+                self._expire(session)
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._lock:
+            sessions = list(self._sessions.values())
+            self._sessions.clear()
+        for session in sessions:
+            self._expire(session)

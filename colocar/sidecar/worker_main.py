@@ -1,0 +1,129 @@
+"""The body of a sidecar worker process (runs CPU-bound shipped functions off the sidecar's GIL).
+
+The worker maps the sidecar's arena itself: inputs are zero-copy views of the call's blocks,
+and array results are written straight into blocks that the parent allocates on request, so
+no array ever crosses the pipe. The pipe carries only small control tuples:
+
+    parent -> worker: ("call", code_hash, code, name, pickle, [(offset, nbytes), ...]) | None
+    worker -> parent: ("alloc", nbytes) -> ("block", id, offset) | ("full", message)
+                      ("log", line)
+                      ("done", pickle, [block ids])  |  ("error", pickled, type, message, tb)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from typing import Any
+
+import numpy as np
+
+from colocar.protocol import serialization
+from colocar.shm import Arena, ArenaFullError, block_of, ndarray_view
+from colocar.shm import context as shm_context
+
+
+class _PipeLog:
+    """stdout/stderr of the worker while it runs a call: each line goes to the parent."""
+
+    def __init__(self, send: Any):
+        self._send = send
+        self._buffer = ""
+
+    def write(self, text: str) -> int:
+        *lines, self._buffer = (self._buffer + text).split("\n")
+        for line in lines:
+            self._send(("log", line))
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def close_line(self) -> None:
+        if self._buffer:
+            self._send(("log", self._buffer))
+            self._buffer = ""
+
+
+class _Worker:
+    def __init__(self, conn: Any, arena: Arena):
+        self.conn = conn
+        self.arena = arena
+        self.codes: dict[bytes, Any] = {}
+        self.task_blocks: dict[int, tuple[int, int]] = {}  # offset -> (block id, nbytes)
+        self.lock = threading.Lock()
+
+    def allocate(self, nbytes: int) -> tuple[int, int]:
+        with self.lock:
+            self.conn.send(("alloc", nbytes))
+            reply = self.conn.recv()
+        if reply[0] == "full":
+            raise ArenaFullError(reply[1])
+        _, block_id, offset = reply
+        self.task_blocks[offset] = (block_id, nbytes)
+        return block_id, offset
+
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype, pool: str) -> np.ndarray:
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        _, offset = self.allocate(nbytes)
+        return ndarray_view(self.arena, offset, shape, dtype)
+
+    def sink(self, ids: list[int]) -> Any:
+        def put(array: np.ndarray) -> int:
+            found = block_of(array)
+            known = self.task_blocks.get(found[1]) if found and found[0] is self.arena else None
+            if known is not None and known[1] == array.nbytes:
+                ids.append(known[0])
+            else:
+                block_id, offset = self.allocate(array.nbytes)
+                target = np.frombuffer(self.arena.buffer(offset, array.nbytes), dtype=array.dtype)
+                np.copyto(target.reshape(array.shape), array, casting="no")
+                ids.append(block_id)
+            return len(ids) - 1
+
+        return put
+
+    def run(self, code_hash: bytes, code: bytes, name: str, pickle: bytes, blocks: list) -> None:
+        from colocar.sidecar.func_backend import error_fields, load_code
+
+        self.task_blocks.clear()
+        log = _PipeLog(self.conn.send)
+        try:
+            fn = self.codes.get(code_hash)
+            if fn is None:
+                fn = self.codes[code_hash] = load_code(code, name)
+
+            def source(index: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+                offset, _ = blocks[index]
+                return ndarray_view(self.arena, offset, shape, dtype)
+
+            args, kwargs = serialization.loads(pickle, source)
+            sys.stdout = sys.stderr = log  # type: ignore[assignment]
+            try:
+                result = fn(*args, **kwargs)
+            finally:
+                log.close_line()
+                sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+            ids: list[int] = []
+            data = serialization.dumps(result, self.sink(ids), what=f"result of {name}")
+            del args, kwargs, result
+            self.conn.send(("done", data, ids))
+        except BaseException as e:  # noqa: BLE001 - everything goes back to the caller
+            self.conn.send(("error", *error_fields(e)))
+
+
+def main(conn: Any, arena_path: str, arena_size: int, arena_nonce: str) -> None:
+    """Entry point of a worker process (started with forkserver or spawn, never plain fork)."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    worker = _Worker(conn, Arena.attach(arena_path, arena_size, arena_nonce))
+    shm_context.install(worker.empty)
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        if message is None:
+            return
+        _, code_hash, code, name, pickle, blocks = message
+        worker.run(code_hash, code, name, pickle, blocks)

@@ -1,0 +1,165 @@
+"""A pool of worker processes for CPU-bound shipped functions (`@colocated(processes=True)`).
+
+Built on `multiprocess` (dill pickling) with the forkserver start method: the sidecar has gRPC
+threads, so it never forks itself. Each worker maps the arena (see `worker_main`); this side
+allocates blocks on the worker's behalf under a per-task owner, so whatever the worker does,
+blocks it did not return are freed when the task ends, and a worker that dies mid-call costs a
+clear error and a fresh worker, never a leak.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import multiprocess
+
+from colocar.protocol import colocar_pb2 as pb
+from colocar.shm import ArenaFullError
+
+from .blocks import SidecarArena
+
+
+class WorkerDiedError(RuntimeError):
+    """The worker process running the call exited (killed, crashed, out of memory)."""
+
+
+class _Process:
+    def __init__(self, ctx: Any, arena: SidecarArena):
+        from colocar.sidecar import worker_main
+
+        self.conn, child = ctx.Pipe(duplex=True)
+        a = arena.arena
+        self.process = ctx.Process(
+            target=worker_main.main, args=(child, a.path, a.size, a.nonce), daemon=True
+        )
+        self.process.start()
+        child.close()
+
+    def stop(self) -> None:
+        try:
+            self.conn.send(None)
+        except (OSError, ValueError):
+            pass
+        self.process.join(timeout=5)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout=5)
+        self.conn.close()
+
+
+class WorkerPool:
+    """At most `size` worker processes, started on first use and replaced when they die."""
+
+    def __init__(self, size: int, arena: SidecarArena, start_method: str = "forkserver"):
+        self.size = size
+        self._arena = arena
+        self._ctx = multiprocess.get_context(start_method)
+        if start_method == "forkserver":
+            self._ctx.set_forkserver_preload(["numpy", "colocar.sidecar.worker_main"])
+        self._idle: queue.Queue[_Process] = queue.Queue()
+        self._started = 0
+        self._lock = threading.Lock()
+        self._tasks = itertools.count()
+        self._all: list[_Process] = []
+
+    def __len__(self) -> int:
+        return sum(p.process.is_alive() for p in self._all)
+
+    def _acquire(self) -> _Process:
+        with self._lock:
+            if self._idle.empty() and self._started < self.size:
+                self._started += 1
+                worker = _Process(self._ctx, self._arena)
+                self._all.append(worker)
+                return worker
+        return self._idle.get()
+
+    def _discard(self, worker: _Process) -> None:
+        worker.stop()
+        with self._lock:
+            self._started -= 1
+            self._all.remove(worker)
+
+    def run(
+        self,
+        session_id: str,
+        request: pb.CallRequest,
+        log: Callable[[str], None],
+        alloc_timeout: float,
+    ) -> pb.CallReply:
+        """Runs a FUNCTION request in a worker; the reply's blocks are leased to the session."""
+        arena = self._arena
+        owner = f"task:{next(self._tasks)}"
+        blocks = [arena.check(desc, session_id) for desc in request.args.blocks]
+        for block in blocks:
+            arena.allocator.acquire(block.id, owner)
+        for block_id in request.consume_blocks:
+            arena.allocator.release(block_id, session_id)
+        worker = self._acquire()
+        try:
+            worker.conn.send(
+                (
+                    "call",
+                    request.code_hash,
+                    request.code,
+                    request.name,
+                    request.args.pickle,
+                    [(b.offset, b.nbytes) for b in blocks],
+                )
+            )
+            while True:
+                message = self._receive(worker)
+                kind = message[0]
+                if kind == "alloc":
+                    try:
+                        block = arena.allocator.allocate(message[1], owner=owner, timeout=alloc_timeout)
+                        worker.conn.send(("block", block.id, block.offset))
+                    except ArenaFullError as e:
+                        worker.conn.send(("full", str(e)))
+                elif kind == "log":
+                    log(message[1])
+                elif kind == "done":
+                    _, data, ids = message
+                    descs = []
+                    for block_id in ids:
+                        block = arena.allocator.acquire(block_id, session_id)
+                        descs.append(pb.BlockDesc(id=block.id, offset=block.offset, nbytes=block.nbytes))
+                    self._idle.put(worker)
+                    return pb.CallReply(result=pb.Payload(pickle=data, blocks=descs))
+                else:  # error
+                    _, pickled, type_name, text, tb = message
+                    self._idle.put(worker)
+                    error = pb.RemoteError(exception=pickled, type=type_name, message=text, traceback=tb)
+                    return pb.CallReply(error=error)
+        except WorkerDiedError:
+            self._discard(worker)
+            raise
+        finally:
+            arena.allocator.release_owner(owner)
+
+    @staticmethod
+    def _receive(worker: _Process) -> Any:
+        while True:
+            try:
+                if worker.conn.poll(0.5):
+                    return worker.conn.recv()
+            except (EOFError, OSError):
+                pass
+            else:
+                if worker.process.is_alive():
+                    continue
+            worker.process.join(timeout=1)
+            raise WorkerDiedError(
+                f"the worker process (pid {worker.process.pid}) running the call died with exit "
+                f"code {worker.process.exitcode}; a new worker takes the next call"
+            )
+
+    def close(self) -> None:
+        with self._lock:
+            workers, self._all = self._all, []
+        for worker in workers:
+            worker.stop()
