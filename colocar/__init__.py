@@ -53,20 +53,26 @@ _LAZY = {
     "local_cluster",
 }
 
-__all__ = sorted(
-    _LAZY
-    | {
-        "ArrayLayoutError",
-        "AuthError",
-        "CallTimeoutError",
-        "ColocarError",
-        "HostLostError",
-        "RemoteError",
-        "SerializationError",
-        "VersionSkewError",
-        "shm",
-    }
-)
+__all__ = [
+    "ArrayLayoutError",
+    "AuthError",
+    "CallTimeoutError",
+    "Cluster",
+    "ColocarError",
+    "ColocatedClass",
+    "ColocatedFunction",
+    "Host",
+    "HostLostError",
+    "RemoteError",
+    "RemoteObject",
+    "SerializationError",
+    "VersionSkewError",
+    "colocated",
+    "colocated_class",
+    "connect",
+    "local_cluster",
+    "shm",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -46,13 +46,13 @@ class Host:
 
     def stats(self) -> dict[str, Any]:
         """The sidecar's counters: calls, errors, latency, sessions, objects, arena per pool."""
-        from google.protobuf.json_format import MessageToDict
-
-        return MessageToDict(
-            self.connection.stats(),
-            preserving_proto_field_name=True,
-            always_print_fields_with_no_presence=True,
-        )
+        reply = self.connection.stats()
+        values: dict[str, Any] = {f.name: getattr(reply, f.name) for f in reply.DESCRIPTOR.fields}
+        values["pools"] = {
+            p.name: {f.name: getattr(p, f.name) for f in p.DESCRIPTOR.fields if f.name != "name"}
+            for p in reply.pools
+        }
+        return values
 
     def object(self, name: str) -> Any:
         """A handle on the detached object `name` living on this host (see `colocated_class`)."""

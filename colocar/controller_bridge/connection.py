@@ -307,7 +307,10 @@ class HostConnection:
         passing them to a call copies nothing."""
         sizes = [int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize for shape, dtype in specs]
         descs = self.allocate(sizes)
-        return [self._view(d, tuple(shape), np.dtype(dtype)) for d, (shape, dtype) in zip(descs, specs)]
+        return [
+            self._view(d, tuple(shape), np.dtype(dtype))
+            for d, (shape, dtype) in zip(descs, specs, strict=True)
+        ]
 
     def allocate(self, sizes: list[int]) -> list[pb.BlockDesc]:
         request = pb.AllocateRequest(

@@ -210,6 +210,8 @@ class ArrayCallFuture:
                 errors.append(e)
         if errors:
             raise errors[0]
+        if self._fn._options.per_device_shards:
+            return [value for _, value in results]
         return self._assemble(results)
 
     def _assemble(self, results: list[tuple[Host, Any]]) -> Any:

@@ -1,0 +1,34 @@
+# Quick start: `make demo` runs the demo job on a local cluster; `make test` runs the whole suite.
+# Both create .venv at the repo root (Python 3.11+) and reuse it when it is up to date.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.colocar-installed
+export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
+export JAX_PLATFORMS ?= cpu
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "colocar needs Python 3.11+; set PYTHON=python3.11")'
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/demo.py
+
+test: $(STAMP) lint
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(PY) -m ruff check colocar tests benchmarks examples
+	$(PY) -m mypy
+
+bench: $(STAMP)
+	$(VENV)/bin/colocar bench rpc --quick
+	$(VENV)/bin/colocar bench transfer --quick
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

@@ -1,0 +1,91 @@
+"""Shared fixtures: a per-session shm directory, session-scoped clusters, leak checks.
+
+JAX runs on 8 CPU devices. Every arena of the suite lives in one shm directory of its own, so
+the final check (no arena file, no sidecar process left) is exact.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import psutil  # noqa: E402
+import pytest  # noqa: E402
+
+_base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+SHM_DIR = tempfile.mkdtemp(prefix=f"colocar-test-{os.getpid()}-", dir=_base)
+os.environ["COLOCAR_SHM_DIR"] = SHM_DIR
+
+MiB = 1 << 20
+TEST_ARENA = 64 * MiB
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--slow", action="store_true", help="run the long, seeded kill tests too")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--slow"):
+        return
+    skip = pytest.mark.skip(reason="needs --slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+def sidecar_children() -> list[psutil.Process]:
+    """Sidecar processes started by this test process (directly or not) that still run."""
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if "colocar.sidecar" in " ".join(child.cmdline()) and child.status() != psutil.STATUS_ZOMBIE:
+                found.append(child)
+        except psutil.Error:
+            pass
+    return found
+
+
+@pytest.fixture(scope="session")
+def shm_dir() -> str:
+    return SHM_DIR
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    """Two sidecars shared by every test that does not break them."""
+    import colocar
+
+    with colocar.local_cluster(hosts=2, arena_size=TEST_ARENA, lease_seconds=5, heartbeat_seconds=0.5) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def grpc_cluster():
+    """Two sidecars reached without shared memory: bulk data goes through chunked gRPC streams."""
+    import colocar
+
+    with colocar.local_cluster(
+        hosts=2, arena_size=TEST_ARENA, shm=False, lease_seconds=5, heartbeat_seconds=0.5
+    ) as c:
+        yield c
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """The suite fails if it leaves a sidecar process or an arena file behind."""
+    left = sidecar_children()
+    for process in left:
+        process.kill()
+    files = os.listdir(SHM_DIR) if os.path.isdir(SHM_DIR) else []
+    shutil.rmtree(SHM_DIR, ignore_errors=True)
+    problems = []
+    if left:
+        problems.append(f"sidecar processes left running: {[p.pid for p in left]}")
+    if files:
+        problems.append(f"arena files left in the shm dir: {files}")
+    if problems:
+        print("\nLEAK CHECK FAILED: " + "; ".join(problems))
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
