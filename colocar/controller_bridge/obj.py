@@ -4,13 +4,17 @@
 there in program order. Dropping the handle deletes the remote object; so does the end of the
 session. `Cls.on(host, name=..., ttl=...)` creates a detached object instead, owned by the
 sidecar for `ttl` seconds whatever happens to this controller, and found again with
-`host.object(name)`.
+`host.object(name)`. `Cls(*args)` without a host mirrors `colocated_python_class`: an
+instance is created, once per host, on the hosts of the first method call's arrays.
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Sequence
+from dataclasses import replace
+from types import SimpleNamespace
 from typing import Any
 
 from colocar.errors import HostLostError
@@ -18,6 +22,7 @@ from colocar.protocol import colocar_pb2 as pb
 
 from .calls import Call, CallFuture, ShippedCode
 from .cluster import Host
+from .func import ArrayCallFuture, Options
 
 
 class RemoteObject:
@@ -112,11 +117,64 @@ class ColocatedClass:
 
         return construct
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        raise TypeError(f"create a remote {self._cls.__name__} on a host: {self._cls.__name__}.on(host)(...)")
+    def __call__(self, *args: Any, **kwargs: Any) -> LazyRemoteObject:
+        """Like `jax.experimental.colocated_python_class`: one instance per host, created on
+        the hosts of the first method call's array arguments."""
+        return LazyRemoteObject(self, args, kwargs)
 
     def __repr__(self) -> str:
         return f"<colocated class {self._code.name}>"
+
+
+class LazyRemoteObject:
+    """Instances created on demand on the hosts that a method call's arrays live on."""
+
+    def __init__(self, cls: ColocatedClass, args: tuple, kwargs: dict):
+        self._cls = cls
+        self._args = args
+        self._kwargs = kwargs
+        self._objects: dict[int, RemoteObject] = {}
+        self._lock = threading.Lock()
+
+    def _on(self, host: Host) -> RemoteObject:
+        with self._lock:
+            obj = self._objects.get(host.index)
+            if obj is None or obj._generation != host.connection.generation:
+                obj = self._objects[host.index] = self._cls.on(host)(*self._args, **self._kwargs)
+            return obj
+
+    def __getattr__(self, method: str) -> ColocatedMethod:
+        if method.startswith("_"):
+            raise AttributeError(method)
+        return ColocatedMethod(self, method, Options())
+
+
+class ColocatedMethod:
+    """A method of a lazy remote object, with the array semantics of `@colocated` functions."""
+
+    def __init__(self, owner: LazyRemoteObject, method: str, options: Options):
+        self._owner = owner
+        self._method = method
+        self._options = options
+        self.__name__ = method
+        self._code = SimpleNamespace(name=f"{owner._cls.__qualname__}.{method}")
+
+    def specialize(self, out_specs_fn: Any = None, devices: Any = None) -> ColocatedMethod:
+        options = replace(
+            self._options,
+            out_specs_fn=out_specs_fn or self._options.out_specs_fn,
+            devices=tuple(devices) if devices is not None else self._options.devices,
+        )
+        return ColocatedMethod(self._owner, self._method, options)
+
+    def _call(self, host: Host, args: tuple, kwargs: dict) -> Call:
+        return getattr(self._owner._on(host), self._method)._build(args, kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return ArrayCallFuture(self, args, kwargs).result()  # type: ignore[arg-type]
+
+    def submit(self, *args: Any, **kwargs: Any) -> ArrayCallFuture:
+        return ArrayCallFuture(self, args, kwargs)  # type: ignore[arg-type]
 
 
 def colocated_class(cls: type | None = None, *, ship_modules: Sequence[Any] = ()) -> Any:

@@ -193,7 +193,7 @@ class SidecarService(pb_grpc.SidecarServicer):
             target = self._target(session, request, context)
         except CodeLoadError as e:
             return pb.CallReply(error=remote_error(e))
-        if request.processes and request.kind == pb.CallRequest.FUNCTION and self.workers:
+        if request.processes and request.kind == pb.CallRequest.FUNCTION and self.workers is not None:
             try:
                 return self.workers.run(session.id, request, session.log, self.config.alloc_timeout_seconds)
             except BoundsError as e:

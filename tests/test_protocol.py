@@ -1,0 +1,43 @@
+"""The generated gRPC modules match colocar.proto, and the serialization contract holds."""
+
+from __future__ import annotations
+
+import pathlib
+
+import numpy as np
+import pytest
+
+from colocar.protocol import serialization
+from colocar.protocol.generate import HERE, generate
+
+
+def test_generated_code_is_in_sync_with_the_proto(tmp_path: pathlib.Path) -> None:
+    pytest.importorskip("grpc_tools")
+    for fresh in generate(tmp_path):
+        committed = HERE / fresh.name
+        assert committed.read_text() == fresh.read_text(), (
+            f"{committed.name} is stale: run `python -m colocar.protocol.generate`"
+        )
+
+
+def test_large_arrays_leave_the_pickle() -> None:
+    big, small = np.ones(1 << 16, np.float32), np.ones(4, np.float32)
+    sunk: list[np.ndarray] = []
+
+    def sink(a: np.ndarray) -> int:
+        sunk.append(a)
+        return len(sunk) - 1
+
+    data = serialization.dumps({"big": big, "small": small}, sink)
+    assert len(sunk) == 1 and sunk[0] is big
+    assert len(data) < 1024
+    back = serialization.loads(data, lambda i, shape, dtype: sunk[i].reshape(shape).astype(dtype))
+    np.testing.assert_array_equal(back["big"], big)
+    np.testing.assert_array_equal(back["small"], small)
+
+
+def test_unpicklable_argument_is_named() -> None:
+    import threading
+
+    with pytest.raises(serialization.SerializationError, match="argument 1"):
+        serialization.dumps(((1, threading.Lock()), {}), what="the arguments of f")
