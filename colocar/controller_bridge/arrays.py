@@ -9,7 +9,7 @@ on the devices; `jax.make_array_from_single_device_arrays` assembles the global 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,7 +89,7 @@ def assemble(
     shape: tuple[int, ...],
     dtype: Any,
     sharding: Any,
-    host_blocks: dict[int, tuple[Sequence[Any], np.ndarray]],
+    host_blocks: Mapping[int, tuple[Sequence[Any], np.ndarray]],
     what: str,
 ) -> jax.Array:
     """A global array from per-host blocks (host index -> (host devices, block))."""

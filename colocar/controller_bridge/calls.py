@@ -67,7 +67,7 @@ class Call:
     def build(
         cls,
         conn: HostConnection,
-        kind: int,
+        kind: pb.CallRequest.Kind,
         args: tuple,
         kwargs: dict,
         *,

@@ -384,7 +384,7 @@ class HostConnection:
             for i in fresh:
                 descs[i] = self.upload(arrays[i])
                 consumed.append(descs[i].id)  # type: ignore[union-attr]
-        return pb.Payload(pickle=data, blocks=descs), consumed, arrays
+        return pb.Payload(pickle=data, blocks=[d for d in descs if d is not None]), consumed, arrays
 
     def decode(self, payload: pb.Payload) -> Any:
         """Unpickles a result; arrays become views of the arena (or downloads, without shm)."""
@@ -406,7 +406,7 @@ class HostConnection:
                     self._reclaimer.push(("block", desc.id, desc.offset))
 
     def upload(self, array: np.ndarray) -> pb.BlockDesc:
-        data = memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+        data = memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
         total = data.nbytes
 
         def chunks() -> Iterator[pb.Chunk]:

@@ -59,6 +59,7 @@ class ColocatedFunction:
         self._code = code
         self._options = options
         functools.update_wrapper(self, fn)
+        self.__name__: str = getattr(fn, "__name__", "function")
 
     # --- configuration ---------------------------------------------------------------------
     def specialize(
@@ -219,7 +220,7 @@ class ArrayCallFuture:
         name = fn._code.name
         trees = [jax.tree_util.tree_flatten(r, is_leaf=lambda x: x is None) for _, r in results]
         treedef = trees[0][1]
-        if any(t[1] != treedef for t in trees):
+        if any(t[1] != treedef for t in trees):  # type: ignore[operator]
             raise ColocarError(f"{name} returned differently structured results on different hosts")
         n = len(trees[0][0])
         if fn._options.out_specs_fn is not None:

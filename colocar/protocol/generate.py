@@ -13,7 +13,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 
 
 def generate(out_dir: pathlib.Path = HERE) -> list[pathlib.Path]:
-    """Writes colocar_pb2.py and colocar_pb2_grpc.py into out_dir and returns their paths."""
+    """Writes colocar_pb2.py(i) and colocar_pb2_grpc.py into out_dir and returns their paths."""
     from grpc_tools import protoc
 
     rc = protoc.main(
@@ -21,6 +21,7 @@ def generate(out_dir: pathlib.Path = HERE) -> list[pathlib.Path]:
             "protoc",
             f"-I{HERE}",
             f"--python_out={out_dir}",
+            f"--pyi_out={out_dir}",
             f"--grpc_python_out={out_dir}",
             str(HERE / "colocar.proto"),
         ]
@@ -32,7 +33,7 @@ def generate(out_dir: pathlib.Path = HERE) -> list[pathlib.Path]:
     text = grpc_module.read_text()
     text = re.sub(r"^import colocar_pb2 as", "from . import colocar_pb2 as", text, flags=re.M)
     grpc_module.write_text(text)
-    return [out_dir / "colocar_pb2.py", grpc_module]
+    return [out_dir / "colocar_pb2.py", out_dir / "colocar_pb2.pyi", grpc_module]
 
 
 if __name__ == "__main__":

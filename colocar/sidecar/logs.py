@@ -12,12 +12,13 @@ import io
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 _current = threading.local()
 
 
 class _Router(io.TextIOBase):
-    def __init__(self, fallback: io.TextIOBase):
+    def __init__(self, fallback: Any):
         self._fallback = fallback
 
     def write(self, text: str) -> int:
@@ -45,9 +46,9 @@ class _Router(io.TextIOBase):
 def install() -> None:
     """Puts the routers in place (idempotent)."""
     if not isinstance(sys.stdout, _Router):
-        sys.stdout = _Router(sys.stdout)  # type: ignore[assignment]
+        sys.stdout = _Router(sys.stdout)
     if not isinstance(sys.stderr, _Router):
-        sys.stderr = _Router(sys.stderr)  # type: ignore[assignment]
+        sys.stderr = _Router(sys.stderr)
 
 
 @contextlib.contextmanager

@@ -86,7 +86,8 @@ class SidecarService(pb_grpc.SidecarServicer):
         self._auth(context)
         session = self.sessions.get(session_id)
         if session is None:
-            context.abort(
+            self._abort(
+                context,
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"{UNKNOWN_SESSION} {session_id!r}: it expired or the sidecar restarted; reconnect",
             )
@@ -239,7 +240,12 @@ class SidecarService(pb_grpc.SidecarServicer):
             credits.release()
 
         threading.Thread(target=read_credits, daemon=True, name="colocar-credits").start()
-        context.add_callback(lambda: (ended.set(), credits.release()))
+
+        def stop_producing() -> None:
+            ended.set()
+            credits.release()
+
+        context.add_callback(stop_producing)
         try:
             target = self._target(session, request, context)
             args, kwargs = self._decode_args(session, request, context)

@@ -1,0 +1,254 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Empty(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SessionRef(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class ConnectRequest(_message.Message):
+    __slots__ = ("session_id", "python_version", "cloudpickle_version", "jax_version", "sys_path", "cwd", "lease_seconds", "controller")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PYTHON_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CLOUDPICKLE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    JAX_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SYS_PATH_FIELD_NUMBER: _ClassVar[int]
+    CWD_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CONTROLLER_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    python_version: str
+    cloudpickle_version: str
+    jax_version: str
+    sys_path: _containers.RepeatedScalarFieldContainer[str]
+    cwd: str
+    lease_seconds: float
+    controller: str
+    def __init__(self, session_id: _Optional[str] = ..., python_version: _Optional[str] = ..., cloudpickle_version: _Optional[str] = ..., jax_version: _Optional[str] = ..., sys_path: _Optional[_Iterable[str]] = ..., cwd: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., controller: _Optional[str] = ...) -> None: ...
+
+class ConnectReply(_message.Message):
+    __slots__ = ("sidecar_id", "hostname", "pid", "boot_id", "arena_path", "arena_size", "arena_nonce", "lease_seconds", "colocar_version")
+    SIDECAR_ID_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
+    ARENA_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ARENA_NONCE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COLOCAR_VERSION_FIELD_NUMBER: _ClassVar[int]
+    sidecar_id: str
+    hostname: str
+    pid: int
+    boot_id: str
+    arena_path: str
+    arena_size: int
+    arena_nonce: str
+    lease_seconds: float
+    colocar_version: str
+    def __init__(self, sidecar_id: _Optional[str] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., boot_id: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_size: _Optional[int] = ..., arena_nonce: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., colocar_version: _Optional[str] = ...) -> None: ...
+
+class KeepaliveReply(_message.Message):
+    __slots__ = ("known",)
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    def __init__(self, known: _Optional[bool] = ...) -> None: ...
+
+class Payload(_message.Message):
+    __slots__ = ("pickle", "blocks")
+    PICKLE_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    pickle: bytes
+    blocks: _containers.RepeatedCompositeFieldContainer[BlockDesc]
+    def __init__(self, pickle: _Optional[bytes] = ..., blocks: _Optional[_Iterable[_Union[BlockDesc, _Mapping]]] = ...) -> None: ...
+
+class BlockDesc(_message.Message):
+    __slots__ = ("id", "offset", "nbytes")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    offset: int
+    nbytes: int
+    def __init__(self, id: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class CallRequest(_message.Message):
+    __slots__ = ("session_id", "kind", "code_hash", "code", "args", "object_id", "method", "processes", "name", "consume_blocks", "object_name", "object_ttl_seconds")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        FUNCTION: _ClassVar[CallRequest.Kind]
+        NEW_OBJECT: _ClassVar[CallRequest.Kind]
+        METHOD: _ClassVar[CallRequest.Kind]
+    FUNCTION: CallRequest.Kind
+    NEW_OBJECT: CallRequest.Kind
+    METHOD: CallRequest.Kind
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    CODE_HASH_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    ARGS_FIELD_NUMBER: _ClassVar[int]
+    OBJECT_ID_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CONSUME_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    OBJECT_NAME_FIELD_NUMBER: _ClassVar[int]
+    OBJECT_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    kind: CallRequest.Kind
+    code_hash: bytes
+    code: bytes
+    args: Payload
+    object_id: int
+    method: str
+    processes: bool
+    name: str
+    consume_blocks: _containers.RepeatedScalarFieldContainer[int]
+    object_name: str
+    object_ttl_seconds: float
+    def __init__(self, session_id: _Optional[str] = ..., kind: _Optional[_Union[CallRequest.Kind, str]] = ..., code_hash: _Optional[bytes] = ..., code: _Optional[bytes] = ..., args: _Optional[_Union[Payload, _Mapping]] = ..., object_id: _Optional[int] = ..., method: _Optional[str] = ..., processes: _Optional[bool] = ..., name: _Optional[str] = ..., consume_blocks: _Optional[_Iterable[int]] = ..., object_name: _Optional[str] = ..., object_ttl_seconds: _Optional[float] = ...) -> None: ...
+
+class RemoteError(_message.Message):
+    __slots__ = ("exception", "type", "message", "traceback")
+    EXCEPTION_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    TRACEBACK_FIELD_NUMBER: _ClassVar[int]
+    exception: bytes
+    type: str
+    message: str
+    traceback: str
+    def __init__(self, exception: _Optional[bytes] = ..., type: _Optional[str] = ..., message: _Optional[str] = ..., traceback: _Optional[str] = ...) -> None: ...
+
+class CallReply(_message.Message):
+    __slots__ = ("result", "error", "object_id", "done")
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    OBJECT_ID_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    result: Payload
+    error: RemoteError
+    object_id: int
+    done: bool
+    def __init__(self, result: _Optional[_Union[Payload, _Mapping]] = ..., error: _Optional[_Union[RemoteError, _Mapping]] = ..., object_id: _Optional[int] = ..., done: _Optional[bool] = ...) -> None: ...
+
+class StreamRequest(_message.Message):
+    __slots__ = ("call", "credits")
+    CALL_FIELD_NUMBER: _ClassVar[int]
+    CREDITS_FIELD_NUMBER: _ClassVar[int]
+    call: CallRequest
+    credits: int
+    def __init__(self, call: _Optional[_Union[CallRequest, _Mapping]] = ..., credits: _Optional[int] = ...) -> None: ...
+
+class ObjectRef(_message.Message):
+    __slots__ = ("session_id", "object_id", "object_name")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    OBJECT_ID_FIELD_NUMBER: _ClassVar[int]
+    OBJECT_NAME_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    object_id: int
+    object_name: str
+    def __init__(self, session_id: _Optional[str] = ..., object_id: _Optional[int] = ..., object_name: _Optional[str] = ...) -> None: ...
+
+class AllocateRequest(_message.Message):
+    __slots__ = ("session_id", "sizes", "pool", "timeout_seconds")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    pool: str
+    timeout_seconds: float
+    def __init__(self, session_id: _Optional[str] = ..., sizes: _Optional[_Iterable[int]] = ..., pool: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class AllocateReply(_message.Message):
+    __slots__ = ("blocks",)
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    blocks: _containers.RepeatedCompositeFieldContainer[BlockDesc]
+    def __init__(self, blocks: _Optional[_Iterable[_Union[BlockDesc, _Mapping]]] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("session_id", "block_ids")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class BlockRef(_message.Message):
+    __slots__ = ("session_id", "block_id")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    block_id: int
+    def __init__(self, session_id: _Optional[str] = ..., block_id: _Optional[int] = ...) -> None: ...
+
+class Chunk(_message.Message):
+    __slots__ = ("session_id", "total_bytes", "pool", "data")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    total_bytes: int
+    pool: str
+    data: bytes
+    def __init__(self, session_id: _Optional[str] = ..., total_bytes: _Optional[int] = ..., pool: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class LogLine(_message.Message):
+    __slots__ = ("text",)
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    def __init__(self, text: _Optional[str] = ...) -> None: ...
+
+class PoolStats(_message.Message):
+    __slots__ = ("name", "reserved", "used", "peak", "blocks", "largest_free")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_FIELD_NUMBER: _ClassVar[int]
+    USED_FIELD_NUMBER: _ClassVar[int]
+    PEAK_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LARGEST_FREE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    reserved: int
+    used: int
+    peak: int
+    blocks: int
+    largest_free: int
+    def __init__(self, name: _Optional[str] = ..., reserved: _Optional[int] = ..., used: _Optional[int] = ..., peak: _Optional[int] = ..., blocks: _Optional[int] = ..., largest_free: _Optional[int] = ...) -> None: ...
+
+class StatsReply(_message.Message):
+    __slots__ = ("calls", "errors", "latency_p50_us", "latency_p99_us", "sessions", "objects", "in_flight", "pools", "uptime_seconds", "worker_processes")
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_P50_US_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_P99_US_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    calls: int
+    errors: int
+    latency_p50_us: float
+    latency_p99_us: float
+    sessions: int
+    objects: int
+    in_flight: int
+    pools: _containers.RepeatedCompositeFieldContainer[PoolStats]
+    uptime_seconds: float
+    worker_processes: int
+    def __init__(self, calls: _Optional[int] = ..., errors: _Optional[int] = ..., latency_p50_us: _Optional[float] = ..., latency_p99_us: _Optional[float] = ..., sessions: _Optional[int] = ..., objects: _Optional[int] = ..., in_flight: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., worker_processes: _Optional[int] = ...) -> None: ...
