@@ -1,0 +1,1 @@
+"""Async checkpoints written by the sidecars with tensorstore (see issue 4)."""
