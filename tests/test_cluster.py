@@ -1,0 +1,118 @@
+"""Clusters: device splitting, meshes, connect() by address and env, persistent sidecars."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import jax
+import numpy as np
+import psutil
+import pytest
+
+import colocar
+
+
+@colocar.colocated
+def pid():
+    import os
+
+    return os.getpid()
+
+
+def test_hosts_split_devices_host_major(cluster):
+    devices = jax.devices()
+    assert [h.devices for h in cluster.hosts] == [devices[:4], devices[4:]]
+    assert cluster.devices == devices
+    mesh = cluster.mesh(("a", "b"), shape=(4, 2))
+    assert mesh.devices.shape == (4, 2) and list(mesh.devices.flat) == devices
+    with pytest.raises(ValueError, match="mesh shape"):
+        cluster.mesh(("a",), shape=(3,))
+
+
+def test_local_cluster_on_chosen_devices():
+    devices = jax.devices()[2:6]
+    with colocar.local_cluster(hosts=2, devices=devices, arena_size=16 << 20, processes=0) as c:
+        assert [h.devices for h in c.hosts] == [devices[:2], devices[2:]]
+    with pytest.raises(ValueError, match="evenly"):
+        colocar.local_cluster(hosts=3, devices=devices)
+
+
+def test_connect_by_address_and_env(cluster, monkeypatch):
+    token = open(cluster.token_file).read()
+    addresses = [h.address for h in cluster.hosts]
+    with colocar.connect(addresses, token=token) as other:
+        assert pid.on(other.hosts)() == pid.on(cluster.hosts)()
+        assert all(h.shm for h in other.hosts)
+    monkeypatch.setenv("COLOCAR_SIDECARS", ",".join(addresses))
+    monkeypatch.setenv("COLOCAR_TOKEN_FILE", cluster.token_file)
+    with colocar.connect(shm=False) as other:
+        assert not any(h.shm for h in other.hosts)
+        assert pid.on(other.hosts[1])() == pid.on(cluster.hosts[1])()
+    monkeypatch.delenv("COLOCAR_SIDECARS")
+    with pytest.raises(colocar.ColocarError, match="COLOCAR_SIDECARS"):
+        colocar.connect()
+
+
+def test_persistent_sidecars_outlive_the_cluster(shm_dir):
+    first = colocar.local_cluster(hosts=1, arena_size=16 << 20, processes=0, persist=True)
+    process = first.processes[0]
+    address, token_file = first.hosts[0].address, first.token_file
+    arena = first.hosts[0].connection.info.arena_path
+    try:
+        first_pid = pid.on(first.hosts[0])()
+        first.close()
+        assert process.poll() is None, "a persistent sidecar must keep running after close()"
+        with colocar.connect([address], token_file=token_file) as again:
+            assert pid.on(again.hosts[0])() == first_pid
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=30)
+        workdir = os.path.dirname(token_file)
+        for name in os.listdir(workdir):
+            os.unlink(os.path.join(workdir, name))
+        os.rmdir(workdir)
+    assert process.returncode == 0 and not os.path.exists(arena)
+
+
+def test_sidecars_exit_with_their_controller(tmp_path):
+    """A controller killed without closing its cluster leaves no sidecar and no arena behind."""
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "controller.py"
+    script.write_text(
+        "import colocar, sys\n"
+        "c = colocar.local_cluster(hosts=1, arena_size=16 << 20, processes=0)\n"
+        "print(c.processes[0].pid, c.hosts[0].connection.info.arena_path, flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    controller = subprocess.Popen(
+        [sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        sidecar_pid, arena = controller.stdout.readline().split()
+        controller.kill()
+        controller.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while psutil.pid_exists(int(sidecar_pid)) and time.monotonic() < deadline:
+            try:
+                if psutil.Process(int(sidecar_pid)).status() == psutil.STATUS_ZOMBIE:
+                    break
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.1)
+        assert not os.path.exists(arena)
+    finally:
+        controller.kill()
+        controller.wait(timeout=30)
+
+
+def test_stats_have_named_fields(cluster):
+    stats = cluster.hosts[0].stats()
+    for key in ("calls", "errors", "latency_p50_us", "latency_p99_us", "sessions", "objects", "in_flight"):
+        assert key in stats
+    pool = stats["pools"]["default"]
+    assert pool["reserved"] > 0 and set(pool) >= {"used", "peak", "blocks", "largest_free"}
+    assert np.isfinite(stats["uptime_seconds"])
