@@ -55,8 +55,7 @@ def shm_dir() -> str:
 
 
 @pytest.fixture(scope="session")
-def cluster():
-    """Two sidecars shared by every test that does not break them."""
+def _shm_cluster():
     import colocar
 
     with colocar.local_cluster(hosts=2, arena_size=TEST_ARENA, lease_seconds=5, heartbeat_seconds=0.5) as c:
@@ -64,14 +63,25 @@ def cluster():
 
 
 @pytest.fixture(scope="session")
-def grpc_cluster():
-    """Two sidecars reached without shared memory: bulk data goes through chunked gRPC streams."""
+def _grpc_cluster():
     import colocar
 
     with colocar.local_cluster(
         hosts=2, arena_size=TEST_ARENA, shm=False, lease_seconds=5, heartbeat_seconds=0.5
     ) as c:
         yield c
+
+
+@pytest.fixture
+def cluster(_shm_cluster):
+    """Two sidecars shared by every test that does not break them (array calls go to them)."""
+    return _shm_cluster.make_current()
+
+
+@pytest.fixture
+def grpc_cluster(_grpc_cluster):
+    """Two sidecars reached without shared memory: bulk data goes through chunked gRPC streams."""
+    return _grpc_cluster.make_current()
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -102,6 +102,18 @@ class Cluster:
             raise ValueError(f"mesh shape {shape} does not fit {len(devices)} devices and axes {names}")
         return jax.sharding.Mesh(np.array(devices, dtype=object).reshape(shape), names)
 
+    def make_current(self) -> Cluster:
+        """Routes array calls on devices this cluster shares with others to this one.
+
+        A colocated call finds the host of each device in the most recently created (or made
+        current) open cluster that has the device.
+        """
+        with _active_lock:
+            if self in _active:
+                _active.remove(self)
+                _active.append(self)
+        return self
+
     def close(self) -> None:
         """Ends the sessions (freeing remote objects and blocks) and stops owned sidecars."""
         if self._closed:

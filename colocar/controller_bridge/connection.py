@@ -58,6 +58,8 @@ def channel_options(heartbeat_seconds: float) -> list[tuple[str, Any]]:
         ("grpc.max_send_message_length", 64 * MiB),
         ("grpc.keepalive_time_ms", ping_ms),
         ("grpc.keepalive_timeout_ms", 2 * ping_ms),
+        # gRPC >= 1.57 waits for ping acks this long (default 1 min), whatever keepalive_timeout says
+        ("grpc.http2.ping_timeout_ms", 2 * ping_ms),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.enable_retries", 0),
@@ -115,7 +117,12 @@ class HostConnection:
         self._lanes_lock = threading.Lock()
         self._reclaimer = Reclaimer(self._release, name=f"colocar-release-{name}")
         self._closed = False
-        self.info = self._connect(connect_timeout)
+        try:
+            self.info = self._connect(connect_timeout)
+        except BaseException:  # refused (token, version skew) or unreachable: leave nothing behind
+            self._reclaimer.close()
+            self.channel.close()
+            raise
         self._log_thread = threading.Thread(
             target=self._forward_logs, name=f"colocar-logs-{name}", daemon=True
         )

@@ -94,6 +94,7 @@ def local_cluster(
     persist: bool = False,
     startup_timeout: float = 120.0,
     env: dict[str, str] | None = None,
+    alloc_timeout: float = 30.0,
 ) -> Cluster:
     """Starts `hosts` sidecars on loopback and connects to them.
 
@@ -101,7 +102,8 @@ def local_cluster(
     host. `shm_dir` defaults to `COLOCAR_SHM_DIR` or /dev/shm. `shm=False` makes the controller
     move bulk data through gRPC streams as it would for remote sidecars. With `persist=True`
     the sidecars outlive this process; `cluster.token_file` and the host addresses let a later
-    process `connect(...)` to them.
+    process `connect(...)` to them. `alloc_timeout` is how long an arena allocation (on either
+    side) waits for room in a full pool before it fails.
     """
     groups = split_devices(devices if devices is not None else jax.local_devices(), hosts)
     shm_dir = shm_dir or os.environ.get("COLOCAR_SHM_DIR", "/dev/shm")
@@ -127,6 +129,8 @@ def local_cluster(
         str(processes),
         "--threads",
         str(threads),
+        "--alloc-timeout",
+        str(alloc_timeout),
     ]
     for name, size in (pools or {}).items():
         argv += ["--pool", f"{name}={size}"]
@@ -163,6 +167,7 @@ def local_cluster(
                 shm=shm,
                 lease_seconds=lease_seconds,
                 heartbeat_seconds=heartbeat_seconds,
+                alloc_timeout=alloc_timeout,
                 process_status=s.status,
             )
             connected.append(Host(s.index, conn, group))

@@ -42,38 +42,59 @@ def _as_numpy(obj: Any) -> np.ndarray | None:
 class _Pickler(cloudpickle.Pickler):
     def __init__(self, file: io.BytesIO, sink: ArraySink | None):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self._sink = sink
+        self.persistent_id = _array_refs(sink)  # type: ignore[method-assign]
 
-    def persistent_id(self, obj: Any) -> Any:
+
+def _array_refs(sink: ArraySink | None) -> Callable[[Any], Any]:
+    def persistent_id(obj: Any) -> Any:
         array = _as_numpy(obj)
         if array is None:
             return None
-        if self._sink is not None and array.nbytes >= ARRAY_THRESHOLD and not array.dtype.hasobject:
-            return (_REF_TAG, self._sink(array), array.shape, array.dtype)
+        if sink is not None and array.nbytes >= ARRAY_THRESHOLD and not array.dtype.hasobject:
+            return (_REF_TAG, sink(array), array.shape, array.dtype)
         if array is not obj:  # a small jax.Array: travels as numpy
             return (_INLINE_TAG, array)
         return None
 
+    return persistent_id
 
-class _Unpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, source: ArraySource | None):
-        super().__init__(file)
-        self._source = source
 
-    def persistent_load(self, pid: Any) -> Any:
-        if pid[0] == _INLINE_TAG:
-            return pid[1]
-        if pid[0] != _REF_TAG or self._source is None:
-            raise pickle.UnpicklingError(f"unexpected array reference {pid[0]!r}")
-        _, index, shape, dtype = pid
-        return self._source(index, tuple(shape), np.dtype(dtype))
+_PLAIN_SCALARS = (int, float, str, bytes, bool, type(None), complex, np.generic)
+_PLAIN_LIMIT = 256
+_NONE = pickle.dumps(None, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _is_plain(obj: Any, budget: list[int]) -> bool:
+    """Builtin data and numpy arrays only: the stdlib pickler handles these, fast and by value."""
+    budget[0] -= 1
+    if budget[0] < 0:
+        return False
+    kind = type(obj)
+    if kind in _PLAIN_SCALARS or kind is np.ndarray:
+        return kind is not np.ndarray or not obj.dtype.hasobject
+    if kind is tuple or kind is list:
+        return all(_is_plain(item, budget) for item in obj)
+    if kind is dict:
+        return all(type(k) in _PLAIN_SCALARS and _is_plain(v, budget) for k, v in obj.items())
+    return False
 
 
 def dumps(obj: Any, sink: ArraySink | None = None, what: str = "value") -> bytes:
-    """Pickles obj; arrays of at least ARRAY_THRESHOLD bytes go to `sink` when one is given."""
+    """Pickles obj; arrays of at least ARRAY_THRESHOLD bytes go to `sink` when one is given.
+
+    Plain data (builtins, numpy) takes the stdlib C pickler; anything else (functions, lambdas,
+    classes, jax arrays) cloudpickle, which pickles by value what the sidecar cannot import.
+    """
+    if obj is None:
+        return _NONE
     buffer = io.BytesIO()
     try:
-        _Pickler(buffer, sink).dump(obj)
+        if _is_plain(obj, [_PLAIN_LIMIT]):
+            pickler = pickle.Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL)
+            pickler.persistent_id = _array_refs(sink)  # type: ignore[method-assign]
+            pickler.dump(obj)
+        else:
+            _Pickler(buffer, sink).dump(obj)
     except Exception as e:
         raise SerializationError(f"cannot pickle {what}: {_describe_unpicklable(obj, e)}") from e
     return buffer.getvalue()
@@ -81,7 +102,18 @@ def dumps(obj: Any, sink: ArraySink | None = None, what: str = "value") -> bytes
 
 def loads(data: bytes, source: ArraySource | None = None) -> Any:
     """Inverse of `dumps`; array references are resolved through `source`."""
-    return _Unpickler(io.BytesIO(data), source).load()
+    unpickler = pickle.Unpickler(io.BytesIO(data))
+
+    def persistent_load(pid: Any) -> Any:
+        if pid[0] == _INLINE_TAG:
+            return pid[1]
+        if pid[0] != _REF_TAG or source is None:
+            raise pickle.UnpicklingError(f"unexpected array reference {pid[0]!r}")
+        _, index, shape, dtype = pid
+        return source(index, tuple(shape), np.dtype(dtype))
+
+    unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
+    return unpickler.load()
 
 
 def dumps_code(fn: Any, by_value_modules: tuple[Any, ...] = ()) -> bytes:

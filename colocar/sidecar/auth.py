@@ -51,12 +51,11 @@ def token_matches(expected: str | None, metadata: tuple | None) -> bool:
     """Constant-time comparison of the caller's token with ours."""
     if expected is None:
         return True
-    given = ""
     for key, value in metadata or ():
         if key == TOKEN_METADATA_KEY:
-            given = value if isinstance(value, str) else value.decode()
-            break
-    return hmac.compare_digest(given.encode(), expected.encode())
+            given = value.encode() if isinstance(value, str) else value
+            return hmac.compare_digest(given, expected.encode())
+    return False
 
 
 def is_loopback(address: str) -> bool:

@@ -8,6 +8,7 @@ the owner "view". A block is freed when its last lease goes (views release throu
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any
 
@@ -49,14 +50,22 @@ class SidecarArena:
     # --- views -----------------------------------------------------------------------------
     def view(self, block: Block, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         """A zero-copy array over `block`, holding a lease until the array and its views die."""
-        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        dtype = np.dtype(dtype)
+        shape = tuple(int(d) for d in shape)
+        # Checked before the lease is taken: a malformed reference must not leak the block.
+        if dtype.hasobject or dtype.itemsize == 0 or any(d < 0 for d in shape):
+            raise BoundsError(f"array {shape} {dtype} cannot be a view of arena bytes")
+        nbytes = math.prod(shape) * dtype.itemsize  # Python ints: no int64 wrap-around
         if nbytes > block.nbytes:
             raise BoundsError(
-                f"array {shape} {np.dtype(dtype)} needs {nbytes} bytes but block {block.id} "
-                f"holds {block.nbytes}"
+                f"array {shape} {dtype} needs {nbytes} bytes but block {block.id} holds {block.nbytes}"
             )
         self.allocator.acquire(block.id, VIEW_OWNER)
-        return self._make_view(block, shape, dtype)
+        try:
+            return self._make_view(block, shape, dtype)
+        except BaseException:
+            self.allocator.release(block.id, VIEW_OWNER)
+            raise
 
     def empty(
         self, shape: tuple[int, ...], dtype: Any, pool: str = "default", timeout: float = 0.0
@@ -99,7 +108,7 @@ class SidecarArena:
         blocks = [self.check(desc, owner) for desc in payload.blocks]
 
         def source(index: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-            if index >= len(blocks):
+            if not 0 <= index < len(blocks):
                 raise BoundsError(f"array reference {index} but only {len(blocks)} blocks sent")
             return self.view(blocks[index], shape, dtype)
 

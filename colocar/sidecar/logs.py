@@ -7,11 +7,10 @@ prints it prefixed with the host); anything else goes to the sidecar's own strea
 
 from __future__ import annotations
 
-import contextlib
 import io
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 _current = threading.local()
@@ -51,14 +50,19 @@ def install() -> None:
         sys.stderr = _Router(sys.stderr)
 
 
-@contextlib.contextmanager
-def routed_to(sink: Callable[[str], None] | None) -> Iterator[None]:
+class routed_to:  # noqa: N801 - used like a function: `with routed_to(sink):`
     """Within the block, this thread's output goes to `sink` one line at a time."""
-    previous = getattr(_current, "sink", None), getattr(_current, "buffer", "")
-    _current.sink, _current.buffer = sink, ""
-    try:
-        yield
-    finally:
-        if sink is not None and _current.buffer:
-            sink(_current.buffer)
-        _current.sink, _current.buffer = previous
+
+    __slots__ = ("_sink", "_previous")
+
+    def __init__(self, sink: Callable[[str], None] | None):
+        self._sink = sink
+
+    def __enter__(self) -> None:
+        self._previous = getattr(_current, "sink", None), getattr(_current, "buffer", "")
+        _current.sink, _current.buffer = self._sink, ""
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._sink is not None and _current.buffer:
+            self._sink(_current.buffer)
+        _current.sink, _current.buffer = self._previous

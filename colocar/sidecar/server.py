@@ -66,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lease-seconds", type=float, default=30.0, help="session lease")
     p.add_argument("--threads", type=int, default=32, help="concurrent shipped calls")
     p.add_argument("--processes", type=int, default=2, help="worker processes for CPU-bound calls")
+    p.add_argument(
+        "--alloc-timeout",
+        type=float,
+        default=30.0,
+        help="seconds an allocation waits for room in a full pool",
+    )
     p.add_argument("--drain-seconds", type=float, default=10.0, help="grace period on SIGTERM")
     p.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone")
     p.add_argument("--label", default="sidecar", help="name part of the arena file")
@@ -96,9 +102,15 @@ def serve(argv: list[str] | None = None) -> int:
 
     arena = SidecarArena(args.shm_dir, args.arena_size, dict(args.pool))
     logs.install()
-    shm_context.install(lambda shape, dtype, pool: arena.empty(shape, dtype, pool))
+    config = ServiceConfig(
+        lease_seconds=args.lease_seconds,
+        max_concurrent_calls=args.threads,
+        alloc_timeout_seconds=args.alloc_timeout,
+    )
+    shm_context.install(
+        lambda shape, dtype, pool: arena.empty(shape, dtype, pool, config.alloc_timeout_seconds)
+    )
     workers = WorkerPool(args.processes, arena) if args.processes > 0 else None
-    config = ServiceConfig(lease_seconds=args.lease_seconds, max_concurrent_calls=args.threads)
     service = SidecarService(arena, token, workers, config)
 
     server = grpc.server(

@@ -11,6 +11,7 @@ arena pool), UNAVAILABLE (draining).
 from __future__ import annotations
 
 import os
+import queue
 import socket
 import sys
 import threading
@@ -72,7 +73,10 @@ class SidecarService(pb_grpc.SidecarServicer):
         self.objects = ObjectTable()
         self.code = CodeCache()
         self.sessions = SessionTable(config.lease_seconds, self._session_ended)
-        self._call_slots = threading.BoundedSemaphore(config.max_concurrent_calls)
+        # Tokens of a SimpleQueue bound concurrent calls (cheaper than a Semaphore per call).
+        self._call_slots: queue.SimpleQueue[None] = queue.SimpleQueue()
+        for _ in range(config.max_concurrent_calls):
+            self._call_slots.put(None)
         self._sweeper_stop = threading.Event()
         threading.Thread(target=self._sweep, name="colocar-sweeper", daemon=True).start()
         self.draining = False
@@ -159,8 +163,11 @@ class SidecarService(pb_grpc.SidecarServicer):
         started = self.stats.begin()
         reply = None
         try:
-            with self._call_slots:
+            self._call_slots.get()
+            try:
                 reply = self._run(session, request, context)
+            finally:
+                self._call_slots.put(None)
             return reply
         finally:
             self.stats.end(started, failed=reply is None or reply.HasField("error"))
@@ -179,9 +186,16 @@ class SidecarService(pb_grpc.SidecarServicer):
 
     def _decode_args(self, session: Session, request: pb.CallRequest, context: Any) -> Any:
         try:
-            return self.arena.decode(request.args, session.id)
+            args, kwargs = self.arena.decode(request.args, session.id)
+            return args, kwargs
         except BoundsError as e:
             self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Exception as e:  # a malformed pickle, or a class this sidecar cannot import
+            self._abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"cannot unpickle the arguments of {request.name} here: {type(e).__name__}: {e}",
+            )
         finally:
             for block_id in request.consume_blocks:
                 try:
@@ -199,6 +213,8 @@ class SidecarService(pb_grpc.SidecarServicer):
                 return self.workers.run(session.id, request, session.log, self.config.alloc_timeout_seconds)
             except BoundsError as e:
                 self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except CodeNotFound:  # the worker pool forgot the code's bytes: the controller resends
+                self._abort(context, grpc.StatusCode.NOT_FOUND, f"code: {request.name}")
             except WorkerDiedError as e:
                 return pb.CallReply(error=remote_error(e))
         args, kwargs = self._decode_args(session, request, context)
@@ -346,6 +362,8 @@ class SidecarService(pb_grpc.SidecarServicer):
             )
         except ArenaFullError as e:
             self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except KeyError as e:  # unknown pool, as in Allocate
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e.args[0] if e.args else e))
         written = 0
         try:
             for chunk in _chain(first, request_iterator):
@@ -381,7 +399,7 @@ class SidecarService(pb_grpc.SidecarServicer):
     # --- observability ---------------------------------------------------------------------
     def Logs(self, request: pb.SessionRef, context: Any) -> Iterator[pb.LogLine]:
         session = self._session(request.session_id, context)
-        while context.is_active() and not session.closed:
+        while context.is_active() and not session.closed and not self.draining:
             try:
                 text = session.logs.get(timeout=0.5)
             except Exception:

@@ -5,7 +5,7 @@ and array results are written straight into blocks that the parent allocates on 
 no array ever crosses the pipe. The pipe carries only small control tuples:
 
     parent -> worker: ("call", code_hash, code, name, pickle, [(offset, nbytes), ...]) | None
-    worker -> parent: ("alloc", nbytes) -> ("block", id, offset) | ("full", message)
+    worker -> parent: ("alloc", nbytes, pool) -> ("block", id, offset) | ("full" | "nopool", message)
                       ("log", line)
                       ("done", pickle, [block ids])  |  ("error", pickled, type, message, tb)
 """
@@ -54,19 +54,21 @@ class _Worker:
         self.task_blocks: dict[int, tuple[int, int]] = {}  # offset -> (block id, nbytes)
         self.lock = threading.Lock()
 
-    def allocate(self, nbytes: int) -> tuple[int, int]:
+    def allocate(self, nbytes: int, pool: str = "default") -> tuple[int, int]:
         with self.lock:
-            self.conn.send(("alloc", nbytes))
+            self.conn.send(("alloc", nbytes, pool))
             reply = self.conn.recv()
         if reply[0] == "full":
             raise ArenaFullError(reply[1])
+        if reply[0] == "nopool":
+            raise KeyError(reply[1])
         _, block_id, offset = reply
         self.task_blocks[offset] = (block_id, nbytes)
         return block_id, offset
 
     def empty(self, shape: tuple[int, ...], dtype: np.dtype, pool: str) -> np.ndarray:
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        _, offset = self.allocate(nbytes)
+        _, offset = self.allocate(nbytes, pool)
         return ndarray_view(self.arena, offset, shape, dtype)
 
     def sink(self, ids: list[int]) -> Any:

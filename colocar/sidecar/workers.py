@@ -9,6 +9,7 @@ clear error and a fresh worker, never a leak.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import queue
 import threading
@@ -21,6 +22,7 @@ from colocar.protocol import colocar_pb2 as pb
 from colocar.shm import ArenaFullError
 
 from .blocks import SidecarArena
+from .func_backend import MAX_CACHED_CODE, CodeNotFound
 
 
 class WorkerDiedError(RuntimeError):
@@ -32,6 +34,7 @@ class _Process:
         from colocar.sidecar import worker_main
 
         self.conn, child = ctx.Pipe(duplex=True)
+        self.known_code: set[bytes] = set()  # hashes this worker has loaded
         a = arena.arena
         self.process = ctx.Process(
             target=worker_main.main, args=(child, a.path, a.size, a.nonce), daemon=True
@@ -65,6 +68,24 @@ class WorkerPool:
         self._lock = threading.Lock()
         self._tasks = itertools.count()
         self._all: list[_Process] = []
+        # Calls carry code only the first time the sidecar sees it; a worker that has not seen
+        # it yet (another worker, or a fresh one after a death) gets it from here.
+        self._code: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()
+        self._code_lock = threading.Lock()
+
+    def _code_bytes(self, request: pb.CallRequest) -> bytes:
+        """The request's code (remembered, or from the request); CodeNotFound if neither."""
+        with self._code_lock:
+            if request.code:
+                self._code[request.code_hash] = request.code
+            code = self._code.get(request.code_hash, b"")
+            if code:
+                self._code.move_to_end(request.code_hash)
+            while len(self._code) > MAX_CACHED_CODE:
+                self._code.popitem(last=False)
+        if not code:
+            raise CodeNotFound(request.name)  # the controller resends it
+        return code
 
     def __len__(self) -> int:
         return sum(p.process.is_alive() for p in self._all)
@@ -93,6 +114,7 @@ class WorkerPool:
     ) -> pb.CallReply:
         """Runs a FUNCTION request in a worker; the reply's blocks are leased to the session."""
         arena = self._arena
+        code = self._code_bytes(request)
         owner = f"task:{next(self._tasks)}"
         blocks = [arena.check(desc, session_id) for desc in request.args.blocks]
         for block in blocks:
@@ -105,7 +127,7 @@ class WorkerPool:
                 (
                     "call",
                     request.code_hash,
-                    request.code,
+                    b"" if request.code_hash in worker.known_code else code,
                     request.name,
                     request.args.pickle,
                     [(b.offset, b.nbytes) for b in blocks],
@@ -116,14 +138,19 @@ class WorkerPool:
                 kind = message[0]
                 if kind == "alloc":
                     try:
-                        block = arena.allocator.allocate(message[1], owner=owner, timeout=alloc_timeout)
+                        block = arena.allocator.allocate(
+                            message[1], owner=owner, pool=message[2], timeout=alloc_timeout
+                        )
                         worker.conn.send(("block", block.id, block.offset))
                     except ArenaFullError as e:
                         worker.conn.send(("full", str(e)))
+                    except KeyError as e:  # unknown pool
+                        worker.conn.send(("nopool", e.args[0] if e.args else str(e)))
                 elif kind == "log":
                     log(message[1])
                 elif kind == "done":
                     _, data, ids = message
+                    worker.known_code.add(request.code_hash)
                     descs = []
                     for block_id in ids:
                         block = arena.allocator.acquire(block_id, session_id)

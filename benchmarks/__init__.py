@@ -1,0 +1,1 @@
+"""colocar benchmarks: each module has `run(quick, repeats) -> dict`; see `benchmarks.run`."""

@@ -1,0 +1,214 @@
+"""Round trip of a trivial colocated call, against a bare gRPC echo and a raw TCP ping-pong.
+
+The three are measured interleaved (one batch of each per round, the order rotating), so drift
+on a noisy machine hits all of them alike; each figure is the median over rounds of that
+round's percentile. The peers run in separate processes, like the sidecar:
+
+* `grpc_echo`: a synchronous `grpc.server(ThreadPoolExecutor)` with one unary method whose
+  handler returns the request; no (de)serializers on either side (bytes in, bytes out).
+* `socket`: a TCP ping-pong (TCP_NODELAY) of a small message; the floor for any loopback RPC.
+
+`python -m benchmarks.rpc grpc-server|socket-server` runs a peer (it prints its port).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from concurrent import futures
+from typing import Any
+
+PAYLOAD = b"x" * 64
+METHOD = "/colocar.bench.Echo/Echo"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# --- peers (run in their own processes) ----------------------------------------------------
+def _serve_grpc() -> None:
+    import grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    handler = grpc.unary_unary_rpc_method_handler(lambda request, context: request)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("colocar.bench.Echo", {"Echo": handler}),)
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    print(port, flush=True)
+    sys.stdin.read()  # until the parent closes our stdin (or dies)
+    server.stop(0)
+
+
+def _serve_socket() -> None:
+    import threading
+
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    print(listener.getsockname()[1], flush=True)
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        while True:
+            data = conn.recv(65536)
+            if not data:
+                return
+            conn.sendall(data)
+
+    threading.Thread(target=serve, daemon=True).start()
+    sys.stdin.read()
+
+
+class Peer:
+    """A peer process started with `python -m benchmarks.rpc KIND`; stops when closed."""
+
+    def __init__(self, kind: str):
+        path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+        env = {**os.environ, "PYTHONPATH": path}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.rpc", kind],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            cwd=ROOT,
+        )
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        if not line.strip():
+            self.close()
+            raise RuntimeError(f"benchmark peer {kind} did not start")
+        self.port = int(line)
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            assert self.process.stdin is not None
+            self.process.stdin.close()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self.process.stdout is not None:
+            self.process.stdout.close()
+
+
+# --- clients -------------------------------------------------------------------------------
+def _timed(call: Callable[[], Any], n: int) -> list[float]:
+    """Per-call latencies in microseconds."""
+    clock = time.perf_counter_ns
+    out = []
+    for _ in range(n):
+        t0 = clock()
+        call()
+        out.append((clock() - t0) / 1000.0)
+    return out
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _socket_client(port: int) -> tuple[Callable[[], Any], Callable[[], None]]:
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    n = len(PAYLOAD)
+
+    def ping() -> None:
+        sock.sendall(PAYLOAD)
+        got = 0
+        while got < n:
+            got += len(sock.recv(n - got))
+
+    return ping, sock.close
+
+
+def _grpc_client(port: int) -> tuple[Callable[[], Any], Callable[[], None]]:
+    import grpc
+
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    grpc.channel_ready_future(channel).result(timeout=30)
+    echo = channel.unary_unary(METHOD)  # no serializers: bytes in, bytes out
+
+    def ping() -> bytes:
+        return echo(PAYLOAD)
+
+    return ping, channel.close
+
+
+def noop() -> None:
+    return None
+
+
+def run(quick: bool, repeats: int) -> dict:
+    import colocar
+
+    rounds = max(3, repeats)
+    calls = 200 if quick else 1000
+    warmup = 100 if quick else 300
+    remote_noop = colocar.colocated(noop)
+    peers: list[Peer] = []
+    closers: list[Callable[[], None]] = []
+    try:
+        peers = [Peer("grpc-server"), Peer("socket-server")]
+        grpc_ping, close = _grpc_client(peers[0].port)
+        closers.append(close)
+        socket_ping, close = _socket_client(peers[1].port)
+        closers.append(close)
+        with colocar.local_cluster(hosts=1, processes=0) as cluster:
+            host = cluster.hosts[0]
+            colocar_call = remote_noop.on(host)
+            clients = {"colocar": colocar_call, "grpc_echo": grpc_ping, "socket": socket_ping}
+            for call in clients.values():
+                _timed(call, warmup)
+            names = list(clients)
+            per_round: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
+            for r in range(rounds):
+                order = names[r % len(names) :] + names[: r % len(names)]
+                for name in order:
+                    latencies = _timed(clients[name], calls)
+                    per_round[name].append((_percentile(latencies, 0.5), _percentile(latencies, 0.99)))
+            stats = host.stats()
+    finally:
+        for close in closers:
+            close()
+        for peer in peers:
+            peer.close()
+
+    def median(name: str, i: int) -> float:
+        return round(statistics.median(p[i] for p in per_round[name]), 1)
+
+    result = {
+        "benchmark": "rpc",
+        "quick": quick,
+        "rounds": rounds,
+        "calls_per_round": calls,
+        "p50_us": median("colocar", 0),
+        "p99_us": median("colocar", 1),
+        "grpc_echo_p50_us": median("grpc_echo", 0),
+        "grpc_echo_p99_us": median("grpc_echo", 1),
+        "socket_p50_us": median("socket", 0),
+        "socket_p99_us": median("socket", 1),
+        "sidecar_handler_p50_us": round(float(stats.get("latency_p50_us", 0.0)), 1),
+    }
+    result["ratio"] = round(result["p50_us"] / result["grpc_echo_p50_us"], 3)
+    result["p50_us_per_round"] = [round(p[0], 1) for p in per_round["colocar"]]
+    result["grpc_echo_p50_us_per_round"] = [round(p[0], 1) for p in per_round["grpc_echo"]]
+    return result
+
+
+if __name__ == "__main__":
+    kind = sys.argv[1] if len(sys.argv) > 1 else ""
+    if kind == "grpc-server":
+        _serve_grpc()
+    elif kind == "socket-server":
+        _serve_socket()
+    else:
+        print("usage: python -m benchmarks.rpc {grpc-server,socket-server}  (peers of `colocar bench rpc`)")
+        sys.exit(2)

@@ -1,0 +1,47 @@
+"""`colocar bench rpc|transfer --quick --json` run end to end: the last line is the result.
+
+Numbers are not asserted (this machine is shared and noisy); only that each benchmark runs,
+cleans up, and reports the keys RESULTS.md and the CLI promise, with positive values.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+REQUIRED = {
+    "rpc": ("p50_us", "p99_us", "grpc_echo_p50_us", "ratio", "socket_p50_us"),
+    "transfer": ("gbps", "memcpy_gbps", "ratio", "view_ms", "device_put_ms"),
+}
+
+
+def _bench(name: str) -> dict:
+    done = subprocess.run(
+        [sys.executable, "-c", "from colocar.cli import main; main()", "bench", name, "--quick", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, f"colocar bench {name} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    lines = done.stdout.strip().splitlines()
+    assert lines, f"colocar bench {name} printed nothing"
+    result = json.loads(lines[-1])
+    assert isinstance(result, dict)
+    return result
+
+
+@pytest.mark.parametrize("name", sorted(REQUIRED))
+def test_bench_quick_json(name: str) -> None:
+    result = _bench(name)
+    assert result["quick"] is True
+    for key in REQUIRED[name]:
+        value = result[key]
+        assert isinstance(value, (int, float)) and not isinstance(value, bool), (key, value)
+        assert value > 0, (key, value)
+    if name == "transfer":
+        assert isinstance(result["device_put_aliased"], bool)
+        assert result["array_mib"] == 64 and "--quick" in result["array"]
+        assert result["source_builds"] == 1  # the warm source really stayed warm on the sidecar
