@@ -180,7 +180,7 @@ def connect(
     token_file: str | None = None,
     devices: Sequence[Sequence[Any]] | None = None,
     shm: bool = True,
-    lease_seconds: float = 30.0,
+    lease_seconds: float = 0.0,
     heartbeat_seconds: float = 1.0,
     connect_timeout: float = 30.0,
     tls_ca: str | None = None,
@@ -193,6 +193,7 @@ def connect(
     or the file named by `COLOCAR_TOKEN_FILE`. `devices` gives each host its devices; by default
     one address gets this process's local devices (multi-controller JAX: one sidecar per
     process), several split them evenly. `shm=False` forces bulk data through gRPC streams.
+    `lease_seconds=0` takes the sidecar's own lease (`--lease-seconds`).
     """
     if addresses is None:
         addresses = os.environ.get("COLOCAR_SIDECARS", "")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import sys
@@ -100,7 +101,11 @@ def serve(argv: list[str] | None = None) -> int:
     credentials = auth.server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
     auth.check_address_safety(args.address, token, mutual_tls=bool(args.tls_client_ca))
 
-    arena = SidecarArena(args.shm_dir, args.arena_size, dict(args.pool))
+    # gRPC reports handler failures through logging; without a handler they would vanish.
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    # Undecodable requests are the client's fault and answered with an error; no traceback here.
+    logging.getLogger("grpc._common").setLevel(logging.CRITICAL)
+    arena = SidecarArena(args.shm_dir, args.arena_size, dict(args.pool), label=args.label)
     logs.install()
     config = ServiceConfig(
         lease_seconds=args.lease_seconds,
