@@ -164,7 +164,13 @@ def run(quick: bool, repeats: int) -> dict:
         with colocar.local_cluster(hosts=1, processes=0) as cluster:
             host = cluster.hosts[0]
             colocar_call = remote_noop.on(host)
-            clients = {"colocar": colocar_call, "grpc_echo": grpc_ping, "socket": socket_ping}
+            assert host.connection.link is not None, "expected the local link on the same host"
+            clients = {
+                "colocar": colocar_call,  # sync call: the local link (same host)
+                "colocar_grpc": lambda: colocar_call.submit().result(),  # a future: always gRPC
+                "grpc_echo": grpc_ping,
+                "socket": socket_ping,
+            }
             for call in clients.values():
                 _timed(call, warmup)
             names = list(clients)
@@ -191,6 +197,8 @@ def run(quick: bool, repeats: int) -> dict:
         "calls_per_round": calls,
         "p50_us": median("colocar", 0),
         "p99_us": median("colocar", 1),
+        "grpc_path_p50_us": median("colocar_grpc", 0),
+        "grpc_path_p99_us": median("colocar_grpc", 1),
         "grpc_echo_p50_us": median("grpc_echo", 0),
         "grpc_echo_p99_us": median("grpc_echo", 1),
         "socket_p50_us": median("socket", 0),
@@ -198,6 +206,7 @@ def run(quick: bool, repeats: int) -> dict:
         "sidecar_handler_p50_us": round(float(stats.get("latency_p50_us", 0.0)), 1),
     }
     result["ratio"] = round(result["p50_us"] / result["grpc_echo_p50_us"], 3)
+    result["grpc_path_ratio"] = round(result["grpc_path_p50_us"] / result["grpc_echo_p50_us"], 3)
     result["p50_us_per_round"] = [round(p[0], 1) for p in per_round["colocar"]]
     result["grpc_echo_p50_us_per_round"] = [round(p[0], 1) for p in per_round["grpc_echo"]]
     return result

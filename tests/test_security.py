@@ -36,7 +36,7 @@ import pytest
 import colocar
 from colocar.protocol import colocar_pb2 as pb
 from colocar.protocol import colocar_pb2_grpc as pb_grpc
-from colocar.protocol import versions
+from colocar.protocol import link, versions
 from colocar.sidecar.auth import new_token, write_token_file
 
 SHM_DIR = os.environ["COLOCAR_SHM_DIR"]
@@ -86,8 +86,10 @@ def _kill(process: subprocess.Popen, arena: str | None) -> None:
     if process.poll() is None:
         process.kill()
     process.wait(timeout=DEADLINE)
-    if arena and os.path.exists(arena):
-        os.unlink(arena)
+    if arena:  # a killed sidecar leaves its arena and its local-link socket
+        for path in (arena, arena.removesuffix(".arena") + ".sock"):
+            if os.path.exists(path):
+                os.unlink(path)
 
 
 @contextlib.contextmanager
@@ -684,6 +686,7 @@ def test_arena_of_a_killed_sidecar_is_removed_by_the_next_start(sidecar, tmp_pat
         assert os.path.exists(stale), "a SIGKILLed sidecar cannot remove its own arena"
         with running_sidecar(tmp_path, token=new_token()) as fresh:
             assert not os.path.exists(stale), "the next sidecar sweeps the dead one's arena"
+            assert not os.path.exists(stale.removesuffix(".arena") + ".sock"), "and its link socket"
             assert os.path.exists(fresh.arena)
             assert os.path.exists(sidecar.arena), "a live sidecar's arena is never swept"
 
@@ -831,3 +834,44 @@ def test_tls_without_client_certificates_is_not_enough_off_loopback(tmp_path, pk
     done = _run_sidecar(_argv("--address", "127.0.0.1:0", "--tls-client-ca", str(pki.ca), shm_dir=str(shm)))
     assert done.returncode != 0 and "--tls-client-ca needs --tls-cert" in done.stderr
     assert os.listdir(shm) == []
+
+
+# --- 8. the local link --------------------------------------------------------------------------
+def test_local_link_is_private_and_checks_the_token(cluster):
+    conn = cluster.hosts[0].connection
+    assert conn.link is not None, "a same-host controller uses the local link"
+    path = conn.info.link_path
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    for hello in (b"wrong", b"", conn._token.encode()[:-1]):
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.settimeout(DEADLINE)
+            sock.connect(path)
+            link.send_request(sock, link.HELLO, hello)
+            status, _ = link.parse_reply(link.recv_frame(sock))
+            assert status == grpc.StatusCode.UNAUTHENTICATED.value[0]
+            assert sock.recv(1) == b"", "the sidecar closes a link that failed the token check"
+    # A call without the hello is refused too, and nothing runs.
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(DEADLINE)
+        sock.connect(path)
+        link.send_request(sock, "Call", b"\x00garbage")
+        status, _ = link.parse_reply(link.recv_frame(sock))
+        assert status == grpc.StatusCode.UNAUTHENTICATED.value[0]
+    assert colocar.colocated(lambda: 1).on(cluster.hosts[0])() == 1  # still serving
+
+
+def test_local_link_rejects_garbage_frames(cluster):
+    conn = cluster.hosts[1].connection
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(DEADLINE)
+        sock.connect(conn.info.link_path)
+        link.send_request(sock, link.HELLO, conn._token.encode())
+        assert link.parse_reply(link.recv_frame(sock))[0] == 0
+        for method, body in (("Call", b"\xff\xff\xff"), ("Nope", b""), ("Stream", b"")):
+            link.send_request(sock, method, body)
+            status, _ = link.parse_reply(link.recv_frame(sock))
+            expected = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNIMPLEMENTED)
+            assert status in [code.value[0] for code in expected]
+        sock.sendall(link.LENGTH.pack(link.MAX_FRAME + 1))  # an absurd frame closes the link
+        assert sock.recv(1) == b""
+    assert colocar.colocated(lambda: 2).on(cluster.hosts[1])() == 2

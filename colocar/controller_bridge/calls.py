@@ -110,21 +110,18 @@ class Call:
             self.conn.known_code.add(self.request.code_hash)
 
     def run(self) -> Any:
-        """Sends and waits; goes straight to gRPC when this thread has nothing else in flight."""
+        """Sends and waits; skips the ordering queue (and takes the local link when there is one)
+        if this thread has nothing else in flight to the host."""
         if not self.conn.lane_idle():
             return self.start().result()
         conn = self.conn
         try:
             try:
-                self._reply = conn.stub.Call(
-                    self._with_code(False), metadata=conn.metadata, timeout=self.timeout
-                )
+                self._reply = conn.sync("Call", self._with_code(False), self.timeout)
             except grpc.RpcError as e:
                 if not _is_code_miss(e):
                     raise
-                self._reply = conn.stub.Call(
-                    self._with_code(True), metadata=conn.metadata, timeout=self.timeout
-                )
+                self._reply = conn.sync("Call", self._with_code(True), self.timeout)
         except grpc.RpcError as e:
             raise self.conn.translate(e, f"call of {self.request.name}") from None
         finally:

@@ -44,10 +44,21 @@ from colocar.shm import (
 )
 from colocar.shm.reclaim import Reclaimer
 
+from .link_client import LinkClient
+
 TOKEN_METADATA_KEY = "x-colocar-token"
 CHUNK_BYTES = 1 << 20
 MiB = 1 << 20
 LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+# Unary methods that may take the local link, with their reply types.
+LINK_REPLIES = {
+    "Call": pb.CallReply,
+    "Allocate": pb.AllocateReply,
+    "Release": pb.Empty,
+    "DeleteObject": pb.Empty,
+    "FindObject": pb.ObjectRef,
+    "Stats": pb.StatsReply,
+}
 
 
 def channel_options(heartbeat_seconds: float) -> list[tuple[str, Any]]:
@@ -98,7 +109,9 @@ class HostConnection:
         self.lease_seconds = lease_seconds
         self.heartbeat_seconds = heartbeat_seconds
         self.alloc_timeout = alloc_timeout
-        self.metadata = ((TOKEN_METADATA_KEY, token or ""),)
+        self._token = token or ""
+        self.metadata = ((TOKEN_METADATA_KEY, self._token),)
+        self.link: LinkClient | None = None
         options = channel_options(heartbeat_seconds)
         if credentials is not None:
             self.channel = grpc.secure_channel(address, credentials, options=options)
@@ -162,12 +175,29 @@ class HostConnection:
         self.generation += 1
         self.known_code.clear()
         self.lost = None
-        if self._want_shm and self.arena is None:
+        if self._want_shm and (self.arena is None or self.arena.nonce != reply.arena_nonce):
             try:
                 self.arena = Arena.attach(reply.arena_path, reply.arena_size, reply.arena_nonce)
             except ShmUnavailableError:
                 self.arena = None  # another host or another shm dir: bytes go through gRPC
+        if self.link is not None:
+            self.link.close()
+            self.link = None
+        if self.arena is not None and reply.link_path:
+            try:
+                self.link = LinkClient(
+                    reply.link_path, self._token, lambda: self.lost is not None, self.heartbeat_seconds
+                )
+            except (OSError, grpc.RpcError):
+                self.link = None  # not reachable from here: every call goes through gRPC
         return reply
+
+    def sync(self, method: str, request: Any, timeout: float | None = None) -> Any:
+        """A unary call, over the local link when there is one, else gRPC; raises grpc.RpcError."""
+        link = self.link
+        if link is not None and method in LINK_REPLIES:
+            return link.call(method, request, LINK_REPLIES[method], timeout)
+        return getattr(self.stub, method)(request, metadata=self.metadata, timeout=timeout)
 
     def _connect_error(self, e: grpc.RpcError) -> ColocarError:
         code, details = e.code(), e.details()
@@ -233,7 +263,7 @@ class HostConnection:
     def unary(self, method: str, request: Any, timeout: float | None = None) -> Any:
         self.check_alive()
         try:
-            return getattr(self.stub, method)(request, metadata=self.metadata, timeout=timeout)
+            return self.sync(method, request, timeout)
         except grpc.RpcError as e:
             raise self.translate(e, method) from None
 
@@ -342,18 +372,10 @@ class HostConnection:
             return
         try:
             if blocks:
-                self.stub.Release(
-                    pb.ReleaseRequest(session_id=self.session_id, block_ids=blocks),
-                    metadata=self.metadata,
-                    timeout=30,
-                )
+                self.sync("Release", pb.ReleaseRequest(session_id=self.session_id, block_ids=blocks), 30)
             for kind, ident, generation in items:
                 if kind == "object" and generation == self.generation:
-                    self.stub.DeleteObject(
-                        pb.ObjectRef(session_id=self.session_id, object_id=ident),
-                        metadata=self.metadata,
-                        timeout=30,
-                    )
+                    self.sync("DeleteObject", pb.ObjectRef(session_id=self.session_id, object_id=ident), 30)
         except grpc.RpcError:
             pass  # the session's lease frees them if the sidecar cannot be told
 
@@ -476,6 +498,8 @@ class HostConnection:
             except grpc.RpcError:
                 pass
         self._reclaimer.close()
+        if self.link is not None:
+            self.link.close()
         self.channel.close()
         self._log_thread.join(timeout=5)
 

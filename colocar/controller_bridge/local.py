@@ -75,8 +75,10 @@ class _Sidecar:
                 self.process.kill()
                 self.process.wait(timeout=10)
         arena = (self.info or {}).get("arena")
-        if arena and os.path.exists(arena):  # killed before it could clean up
-            os.unlink(arena)
+        if arena:  # killed before it could clean up: its arena and its link socket
+            for path in (arena, arena.removesuffix(".arena") + ".sock"):
+                if os.path.exists(path):
+                    os.unlink(path)
 
 
 def local_cluster(

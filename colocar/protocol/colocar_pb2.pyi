@@ -38,7 +38,7 @@ class ConnectRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., python_version: _Optional[str] = ..., cloudpickle_version: _Optional[str] = ..., jax_version: _Optional[str] = ..., sys_path: _Optional[_Iterable[str]] = ..., cwd: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., controller: _Optional[str] = ...) -> None: ...
 
 class ConnectReply(_message.Message):
-    __slots__ = ("sidecar_id", "hostname", "pid", "boot_id", "arena_path", "arena_size", "arena_nonce", "lease_seconds", "colocar_version")
+    __slots__ = ("sidecar_id", "hostname", "pid", "boot_id", "arena_path", "arena_size", "arena_nonce", "lease_seconds", "colocar_version", "link_path")
     SIDECAR_ID_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,7 @@ class ConnectReply(_message.Message):
     ARENA_NONCE_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     COLOCAR_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LINK_PATH_FIELD_NUMBER: _ClassVar[int]
     sidecar_id: str
     hostname: str
     pid: int
@@ -57,7 +58,8 @@ class ConnectReply(_message.Message):
     arena_nonce: str
     lease_seconds: float
     colocar_version: str
-    def __init__(self, sidecar_id: _Optional[str] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., boot_id: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_size: _Optional[int] = ..., arena_nonce: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., colocar_version: _Optional[str] = ...) -> None: ...
+    link_path: str
+    def __init__(self, sidecar_id: _Optional[str] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., boot_id: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_size: _Optional[int] = ..., arena_nonce: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., colocar_version: _Optional[str] = ..., link_path: _Optional[str] = ...) -> None: ...
 
 class KeepaliveReply(_message.Message):
     __slots__ = ("known",)

@@ -11,6 +11,7 @@ nonce, owner pid), then the data region handed out by the allocator.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -256,6 +257,9 @@ def remove_stale_arenas(shm_dir: str) -> list[str]:
                     removed.append(path)
                 except OSError:
                     pass
+                # the owner's local-link socket lies beside its arena
+                with contextlib.suppress(OSError):
+                    os.unlink(path.removesuffix(".arena") + ".sock")
         finally:
             os.close(fd)
     return removed

@@ -39,9 +39,7 @@ class BoundsError(ValueError):
 class SidecarArena:
     """Owns the arena file and its allocator for the life of the sidecar."""
 
-    def __init__(
-        self, shm_dir: str, size: int, pools: dict[str, int] | None = None, label: str = "sidecar"
-    ):
+    def __init__(self, shm_dir: str, size: int, pools: dict[str, int] | None = None, label: str = "sidecar"):
         self.stale_removed = remove_stale_arenas(shm_dir)
         self.arena = Arena.create(shm_dir, size, label=label)
         self.allocator = Allocator(HEADER_BYTES, size - HEADER_BYTES, pools or {})

@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from concurrent import futures
 
 # Before anything imports JAX: the sidecar never takes an accelerator.
@@ -30,6 +31,7 @@ from colocar.shm import context as shm_context  # noqa: E402
 
 from . import auth, logs  # noqa: E402
 from .blocks import SidecarArena  # noqa: E402
+from .link_server import LinkServer  # noqa: E402
 from .service import ServiceConfig, SidecarService  # noqa: E402
 from .workers import WorkerPool  # noqa: E402
 
@@ -95,6 +97,18 @@ def _watch_parent(pid: int, stop: threading.Event) -> None:
         stop.wait(1.0)
 
 
+def _start_link(service: SidecarService, arena_path: str, token: str | None) -> LinkServer | None:
+    """The local link next to the arena file, if the path fits a Unix socket."""
+    path = arena_path.removesuffix(".arena") + ".sock"
+    try:
+        link = LinkServer(service, path, token)
+    except OSError as e:  # e.g. a path longer than the 107 bytes a Unix socket allows
+        logging.getLogger("colocar.sidecar").warning("no local link at %s: %s", path, e)
+        return None
+    service.link_path = path
+    return link
+
+
 def serve(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     token = auth.read_token_file(args.token_file) if args.token_file else None
@@ -117,6 +131,7 @@ def serve(argv: list[str] | None = None) -> int:
     )
     workers = WorkerPool(args.processes, arena) if args.processes > 0 else None
     service = SidecarService(arena, token, workers, config)
+    link = _start_link(service, arena.arena.path, token)
 
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=args.threads + 16, thread_name_prefix="colocar-rpc"),
@@ -161,7 +176,12 @@ def serve(argv: list[str] | None = None) -> int:
         pass
     service.draining = True
     health_servicer.enter_graceful_shutdown()
+    drain_deadline = time.monotonic() + args.drain_seconds
+    if link is not None:
+        link.close()
     server.stop(grace=args.drain_seconds).wait()
+    if link is not None:
+        link.drain(max(0.0, drain_deadline - time.monotonic()))
     service.stop()
     if workers is not None:
         workers.close()

@@ -80,6 +80,7 @@ class SidecarService(pb_grpc.SidecarServicer):
         self._sweeper_stop = threading.Event()
         threading.Thread(target=self._sweep, name="colocar-sweeper", daemon=True).start()
         self.draining = False
+        self.link_path = ""  # set by the server when the local link listens
 
     # --- plumbing --------------------------------------------------------------------------
     def _auth(self, context: grpc.ServicerContext) -> None:
@@ -146,6 +147,7 @@ class SidecarService(pb_grpc.SidecarServicer):
             arena_nonce=a.nonce,
             lease_seconds=session.lease_seconds,
             colocar_version=versions.colocar_version(),
+            link_path=self.link_path,
         )
 
     def Keepalive(self, request: pb.SessionRef, context: grpc.ServicerContext) -> pb.KeepaliveReply:

@@ -1,0 +1,66 @@
+"""The local link: unary RPCs of the Sidecar service over a Unix socket, for same-host callers.
+
+A synchronous gRPC call in Python costs about 600 us on these machines, ten times a socket
+round trip. A controller on the sidecar's host (the case shared memory already needs) sends
+its synchronous unary calls here instead: the same protobuf messages and the same servicer
+methods, framed on a Unix socket in the sidecar's shm directory (mode 0600). The first frame
+carries the token; a wrong one closes the connection. Streams, uploads and keepalives stay on
+gRPC, so gRPC remains the liveness signal.
+
+Frames: request `u32 length | u8 method length | method | message`;
+reply `u32 length | u8 status (grpc.StatusCode value, 0 = OK) | message or error details`.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+MAX_FRAME = 64 << 20
+HELLO = "hello"
+LINK_METHODS = frozenset({"Call", "Allocate", "Release", "DeleteObject", "FindObject", "Stats", "Disconnect"})
+LENGTH = struct.Struct("!I")
+
+
+class LinkClosed(ConnectionError):
+    """The other end closed the link (or sent a frame we cannot accept)."""
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    chunks = []
+    while n:
+        chunk = sock.recv(min(n, 1 << 20))
+        if not chunk:
+            raise LinkClosed("link closed by peer")
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
+def recv_frame(sock: socket.socket) -> bytes:
+    (length,) = LENGTH.unpack(_recv_exactly(sock, 4))
+    if length > MAX_FRAME:
+        raise LinkClosed(f"frame of {length} bytes exceeds {MAX_FRAME}")
+    return _recv_exactly(sock, length)
+
+
+def send_request(sock: socket.socket, method: str, message: bytes) -> None:
+    name = method.encode()
+    sock.sendall(LENGTH.pack(1 + len(name) + len(message)) + bytes([len(name)]) + name + message)
+
+
+def parse_request(frame: bytes) -> tuple[str, bytes]:
+    if not frame:
+        raise LinkClosed("empty request frame")
+    n = frame[0]
+    return frame[1 : 1 + n].decode(errors="replace"), frame[1 + n :]
+
+
+def send_reply(sock: socket.socket, status: int, body: bytes) -> None:
+    sock.sendall(LENGTH.pack(1 + len(body)) + bytes([status]) + body)
+
+
+def parse_reply(frame: bytes) -> tuple[int, bytes]:
+    if not frame:
+        raise LinkClosed("empty reply frame")
+    return frame[0], frame[1:]

@@ -1,0 +1,153 @@
+"""Serves the local link (see `colocar.protocol.link`) with the sidecar's own servicer methods.
+
+Runs in the sidecar: one accept thread, one thread per connection (a controller thread that
+makes synchronous calls). Handlers get a small context whose `abort` raises, so every check a
+gRPC handler makes (token, session, bounds) applies unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+import grpc
+
+from colocar.protocol import colocar_pb2 as pb
+from colocar.protocol import link
+
+from .auth import TOKEN_METADATA_KEY
+
+MAX_CONNECTIONS = 1024
+_REQUEST_TYPES: dict[str, Any] = {
+    "Call": pb.CallRequest,
+    "Allocate": pb.AllocateRequest,
+    "Release": pb.ReleaseRequest,
+    "DeleteObject": pb.ObjectRef,
+    "FindObject": pb.ObjectRef,
+    "Stats": pb.Empty,
+    "Disconnect": pb.SessionRef,
+}
+
+
+class _Abort(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+class _Context:
+    """The part of grpc.ServicerContext that the unary handlers use."""
+
+    def __init__(self, token: str):
+        self._metadata = ((TOKEN_METADATA_KEY, token),)
+
+    def invocation_metadata(self) -> tuple:
+        return self._metadata
+
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise _Abort(code, details)
+
+    def is_active(self) -> bool:
+        return True
+
+
+class LinkServer:
+    def __init__(self, servicer: Any, path: str, token: str | None):
+        self._servicer = servicer
+        self._token = token or ""
+        self.path = path
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old_umask = os.umask(0o177)  # the socket file is created 0600
+        try:
+            self._listener.bind(path)
+        finally:
+            os.umask(old_umask)
+        self._listener.listen(64)
+        self._connections: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._busy = 0
+        threading.Thread(target=self._accept, name="colocar-link-accept", daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            with self._lock:
+                if len(self._connections) >= MAX_CONNECTIONS:
+                    conn.close()
+                    continue
+                self._connections.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="colocar-link", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            method, token = link.parse_request(link.recv_frame(conn))
+            if method != link.HELLO or not hmac.compare_digest(token, self._token.encode()):
+                link.send_reply(
+                    conn, grpc.StatusCode.UNAUTHENTICATED.value[0], b"missing or wrong colocar token"
+                )
+                return
+            link.send_reply(conn, 0, b"")
+            context = _Context(self._token)
+            while not self._closed:
+                method, body = link.parse_request(link.recv_frame(conn))
+                with self._lock:
+                    self._busy += 1
+                try:
+                    status, reply = self._handle(method, body, context)
+                    link.send_reply(conn, status, reply)
+                finally:
+                    with self._lock:
+                        self._busy -= 1
+        except (link.LinkClosed, OSError):
+            pass
+        finally:
+            with self._lock:
+                self._connections.discard(conn)
+            conn.close()
+
+    def _handle(self, method: str, body: bytes, context: _Context) -> tuple[int, bytes]:
+        request_type = _REQUEST_TYPES.get(method)
+        if request_type is None:
+            return grpc.StatusCode.UNIMPLEMENTED.value[0], f"{method} is not served on the link".encode()
+        try:
+            request = request_type.FromString(body)
+        except Exception:
+            return grpc.StatusCode.INVALID_ARGUMENT.value[0], b"undecodable request"
+        try:
+            reply = getattr(self._servicer, method)(request, context)
+        except _Abort as e:
+            return e.code.value[0], e.details.encode()
+        except Exception as e:  # noqa: BLE001 - a handler bug must not kill the link
+            return grpc.StatusCode.UNKNOWN.value[0], f"{type(e).__name__}: {e}".encode()
+        return 0, reply.SerializeToString()
+
+    def drain(self, timeout: float) -> bool:
+        """Waits until no link call is running (after `close`); True if none is left."""
+        deadline = time.monotonic() + timeout
+        while self._busy and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return not self._busy
+
+    def close(self) -> None:
+        """Stops accepting; open connections end after their current call."""
+        self._closed = True
+        self._listener.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        with self._lock:
+            connections = list(self._connections)
+        for conn in connections:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RD)
