@@ -165,9 +165,13 @@ def run(quick: bool, repeats: int) -> dict:
             host = cluster.hosts[0]
             colocar_call = remote_noop.on(host)
             assert host.connection.link is not None, "expected the local link on the same host"
+            token = open(cluster.token_file).read()
+            remote = colocar.connect([host.address], token=token, shm=False)  # as from another host
+            grpc_call = remote_noop.on(remote.hosts[0])
             clients = {
-                "colocar": colocar_call,  # sync call: the local link (same host)
-                "colocar_grpc": lambda: colocar_call.submit().result(),  # a future: always gRPC
+                "colocar": colocar_call,  # sync call, same host: the local link
+                "colocar_future": lambda: colocar_call.submit().result(),  # a future, same host
+                "colocar_grpc": grpc_call,  # sync call without shared memory: gRPC
                 "grpc_echo": grpc_ping,
                 "socket": socket_ping,
             }
@@ -181,6 +185,7 @@ def run(quick: bool, repeats: int) -> dict:
                     latencies = _timed(clients[name], calls)
                     per_round[name].append((_percentile(latencies, 0.5), _percentile(latencies, 0.99)))
             stats = host.stats()
+            remote.close()
     finally:
         for close in closers:
             close()
@@ -197,6 +202,8 @@ def run(quick: bool, repeats: int) -> dict:
         "calls_per_round": calls,
         "p50_us": median("colocar", 0),
         "p99_us": median("colocar", 1),
+        "future_p50_us": median("colocar_future", 0),
+        "future_p99_us": median("colocar_future", 1),
         "grpc_path_p50_us": median("colocar_grpc", 0),
         "grpc_path_p99_us": median("colocar_grpc", 1),
         "grpc_echo_p50_us": median("grpc_echo", 0),

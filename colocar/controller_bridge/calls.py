@@ -109,30 +109,43 @@ class Call:
         if self.code is not None:
             self.conn.known_code.add(self.request.code_hash)
 
+    def _call_sync(self) -> pb.CallReply:
+        """The reply, resending the code if the sidecar does not know it; raises our errors."""
+        conn = self.conn
+        try:
+            try:
+                reply = conn.sync("Call", self._with_code(False), self.timeout)
+            except grpc.RpcError as e:
+                if not _is_code_miss(e):
+                    raise
+                reply = conn.sync("Call", self._with_code(True), self.timeout)
+        except grpc.RpcError as e:
+            raise conn.translate(e, f"call of {self.request.name}") from None
+        self._sent()
+        return reply
+
     def run(self) -> Any:
         """Sends and waits; skips the ordering queue (and takes the local link when there is one)
         if this thread has nothing else in flight to the host."""
         if not self.conn.lane_idle():
             return self.start().result()
-        conn = self.conn
         try:
-            try:
-                self._reply = conn.sync("Call", self._with_code(False), self.timeout)
-            except grpc.RpcError as e:
-                if not _is_code_miss(e):
-                    raise
-                self._reply = conn.sync("Call", self._with_code(True), self.timeout)
-        except grpc.RpcError as e:
-            raise self.conn.translate(e, f"call of {self.request.name}") from None
+            self._reply = self._call_sync()
         finally:
             self._keepalive = []
-        self._sent()
         return self.result()
 
     def start(self) -> CallFuture:
+        """Queues the call behind this thread's earlier calls to the host; returns its future.
+
+        With a local link the call runs on one of the connection's link threads; otherwise it
+        is an asynchronous gRPC call.
+        """
         conn = self.conn
 
         def send() -> Future:
+            if conn.link is not None:
+                return conn.link_executor().submit(self._call_sync)
             outer: Future = Future()
 
             def attempt(force: bool) -> None:

@@ -18,7 +18,7 @@ import sys
 import threading
 import uuid
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -50,6 +50,7 @@ TOKEN_METADATA_KEY = "x-colocar-token"
 CHUNK_BYTES = 1 << 20
 MiB = 1 << 20
 LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+LINK_THREADS = 16  # futures in flight at once over one host's local link
 # Unary methods that may take the local link, with their reply types.
 LINK_REPLIES = {
     "Call": pb.CallReply,
@@ -58,6 +59,7 @@ LINK_REPLIES = {
     "DeleteObject": pb.Empty,
     "FindObject": pb.ObjectRef,
     "Stats": pb.StatsReply,
+    "Keepalive": pb.KeepaliveReply,
 }
 
 
@@ -112,6 +114,7 @@ class HostConnection:
         self._token = token or ""
         self.metadata = ((TOKEN_METADATA_KEY, self._token),)
         self.link: LinkClient | None = None
+        self._link_executor: ThreadPoolExecutor | None = None
         options = channel_options(heartbeat_seconds)
         if credentials is not None:
             self.channel = grpc.secure_channel(address, credentials, options=options)
@@ -120,6 +123,7 @@ class HostConnection:
         self.stub = pb_grpc.SidecarStub(self.channel)
         self.session_id = uuid.uuid4().hex
         self.lost: HostLostError | None = None
+        self.unresponsive = False  # no answer at all, not even a refusal
         self.generation = 0  # bumped at every (re)connect: remote objects of older ones are gone
         self.known_code: set[bytes] = set()
         self._want_shm = shm
@@ -151,6 +155,7 @@ class HostConnection:
         while not self._stop.wait(self.heartbeat_seconds):
             reason = self._process_status() if self._process_status else None
             if reason is not None:
+                self.unresponsive = True
                 self.mark_lost(reason)
                 return
             self.heartbeat()
@@ -175,6 +180,7 @@ class HostConnection:
         self.generation += 1
         self.known_code.clear()
         self.lost = None
+        self.unresponsive = False
         if self._want_shm and (self.arena is None or self.arena.nonce != reply.arena_nonce):
             try:
                 self.arena = Arena.attach(reply.arena_path, reply.arena_size, reply.arena_nonce)
@@ -186,11 +192,20 @@ class HostConnection:
         if self.arena is not None and reply.link_path:
             try:
                 self.link = LinkClient(
-                    reply.link_path, self._token, lambda: self.lost is not None, self.heartbeat_seconds
+                    reply.link_path, self._token, lambda: self.unresponsive, self.heartbeat_seconds
                 )
             except (OSError, grpc.RpcError):
                 self.link = None  # not reachable from here: every call goes through gRPC
         return reply
+
+    def link_executor(self) -> ThreadPoolExecutor:
+        """Threads that carry futures over the local link (each has its own socket)."""
+        with self._lanes_lock:
+            if self._link_executor is None:
+                self._link_executor = ThreadPoolExecutor(
+                    max_workers=LINK_THREADS, thread_name_prefix=f"colocar-link-{self.name}"
+                )
+            return self._link_executor
 
     def sync(self, method: str, request: Any, timeout: float | None = None) -> Any:
         """A unary call, over the local link when there is one, else gRPC; raises grpc.RpcError."""
@@ -215,12 +230,13 @@ class HostConnection:
         if self._closed:
             return
         try:
-            reply = self.stub.Keepalive(
-                pb.SessionRef(session_id=self.session_id),
-                metadata=self.metadata,
-                timeout=max(2.0, 3 * self.heartbeat_seconds),
+            reply = self.sync(
+                "Keepalive", pb.SessionRef(session_id=self.session_id), max(2.0, 3 * self.heartbeat_seconds)
             )
         except grpc.RpcError as e:
+            # Silence (stopped, hung, cut off) also ends calls waiting on the local link; a
+            # refusal (a draining sidecar) only stops new calls. A dead sidecar closes the link.
+            self.unresponsive = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             self.mark_lost(f"no answer to keepalive ({e.code().name}: {e.details()})")
             return
         if not reply.known or self.lost is not None:
@@ -498,6 +514,8 @@ class HostConnection:
             except grpc.RpcError:
                 pass
         self._reclaimer.close()
+        if self._link_executor is not None:
+            self._link_executor.shutdown(wait=False, cancel_futures=True)
         if self.link is not None:
             self.link.close()
         self.channel.close()

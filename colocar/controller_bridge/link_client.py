@@ -50,12 +50,12 @@ class LinkClient:
         self._socket().close()  # fail now, not at the first call, if the link is unreachable
         self._local.sock = None
 
-    def _socket(self) -> socket.socket:
+    def _socket(self, timeout: float = 10.0) -> socket.socket:
         sock = getattr(self._local, "sock", None)
         if sock is not None:
             return sock
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(10.0)
+        sock.settimeout(timeout)
         try:
             sock.connect(self.path)
             link.send_request(sock, link.HELLO, self._token)
@@ -85,12 +85,15 @@ class LinkClient:
         """One unary call; raises LinkError (with gRPC status codes) like a stub would."""
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            sock = self._socket()
+            sock = self._socket(10.0 if timeout is None else max(0.05, min(10.0, timeout)))
             link.send_request(sock, method, request.SerializeToString())
             frame = self._receive(sock, deadline)
         except LinkError:
             self._drop()
             raise
+        except TimeoutError:  # no answer to the connection's hello within the deadline
+            self._drop()
+            raise LinkError(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer on the local link") from None
         except (OSError, link.LinkClosed) as e:
             self._drop()
             raise LinkError(grpc.StatusCode.UNAVAILABLE, f"local link broke: {e}") from None
@@ -108,20 +111,27 @@ class LinkClient:
     def _read(self, sock: socket.socket, n: int, deadline: float | None) -> bytes:
         """n bytes; waits in `poll` slices, giving up when the host is lost or the deadline passed."""
         buffer = bytearray()
+        last_look = False
         while len(buffer) < n:
             try:
                 chunk = sock.recv(min(n - len(buffer), 1 << 20))
             except TimeoutError:
-                if self._lost() or self._closed:
+                if last_look:
                     raise LinkError(
                         grpc.StatusCode.UNAVAILABLE, "host lost while waiting for the reply"
                     ) from None
+                if self._lost() or self._closed:
+                    last_look = True  # the reply may have landed just before the sidecar went
+                    sock.settimeout(0.05)
+                    continue
                 if deadline is not None and time.monotonic() > deadline:
                     raise LinkError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded") from None
                 continue
             if not chunk:
                 raise link.LinkClosed("link closed by the sidecar")
             buffer += chunk
+        if last_look:
+            sock.settimeout(self._poll)
         return bytes(buffer)
 
     def close(self) -> None:

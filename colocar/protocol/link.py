@@ -5,7 +5,8 @@ round trip. A controller on the sidecar's host (the case shared memory already n
 its synchronous unary calls here instead: the same protobuf messages and the same servicer
 methods, framed on a Unix socket in the sidecar's shm directory (mode 0600). The first frame
 carries the token; a wrong one closes the connection. Streams, uploads and keepalives stay on
-gRPC, so gRPC remains the liveness signal.
+gRPC. Keepalives go over the link too: only an answer from the sidecar's own process tells
+that calls waiting on the link may still complete (a draining sidecar refuses new gRPC calls).
 
 Frames: request `u32 length | u8 method length | method | message`;
 reply `u32 length | u8 status (grpc.StatusCode value, 0 = OK) | message or error details`.

@@ -31,6 +31,7 @@ _REQUEST_TYPES: dict[str, Any] = {
     "FindObject": pb.ObjectRef,
     "Stats": pb.Empty,
     "Disconnect": pb.SessionRef,
+    "Keepalive": pb.SessionRef,
 }
 
 
@@ -100,7 +101,7 @@ class LinkServer:
                 return
             link.send_reply(conn, 0, b"")
             context = _Context(self._token)
-            while not self._closed:
+            while True:
                 method, body = link.parse_request(link.recv_frame(conn))
                 with self._lock:
                     self._busy += 1
@@ -141,13 +142,9 @@ class LinkServer:
         return not self._busy
 
     def close(self) -> None:
-        """Stops accepting; open connections end after their current call."""
+        """Stops accepting connections. Open ones keep serving (keepalives are answered while
+        the sidecar drains; new calls are refused by the service) until the process exits."""
         self._closed = True
         self._listener.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-        with self._lock:
-            connections = list(self._connections)
-        for conn in connections:
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RD)

@@ -89,6 +89,8 @@ class SidecarService(pb_grpc.SidecarServicer):
 
     def _session(self, session_id: str, context: grpc.ServicerContext) -> Session:
         self._auth(context)
+        if self.draining:
+            self._abort(context, grpc.StatusCode.UNAVAILABLE, "sidecar is shutting down")
         session = self.sessions.get(session_id)
         if session is None:
             self._abort(
