@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import psutil
 import pytest
+from helpers import wait_for
 
 import colocar
 from colocar.controller_bridge.cluster import Host
@@ -36,16 +37,6 @@ DEADLINE = 30.0  # seconds any expected event may take before the test fails
 
 
 # --- helpers ------------------------------------------------------------------------------------
-def wait_for(predicate: Callable[[], Any], what: str, timeout: float = DEADLINE) -> Any:
-    """Polls until predicate() is truthy; fails the test after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
 
 
 def in_thread(fn: Callable[[], Any], timeout: float = DEADLINE) -> tuple[Any, BaseException | None]:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import gc
-import time
 
 import jax
 import numpy as np
 import pytest
+from helpers import wait_for
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -23,15 +23,6 @@ class Box:
         return self.value
 
 
-def wait_for(predicate, timeout=30.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_dropping_the_handle_deletes_the_remote_object(cluster):
     host = cluster.hosts[0]
     before = host.stats()["objects"]
@@ -39,7 +30,7 @@ def test_dropping_the_handle_deletes_the_remote_object(cluster):
     assert host.stats()["objects"] == before + 1
     del box
     gc.collect()
-    wait_for(lambda: host.stats()["objects"] == before, what="the remote object to be deleted")
+    wait_for(lambda: host.stats()["objects"] == before, "the remote object to be deleted")
 
 
 def test_detached_object_outlives_its_session_and_is_found_by_name(cluster):
@@ -57,7 +48,7 @@ def test_detached_object_outlives_its_session_and_is_found_by_name(cluster):
 def test_detached_object_expires_after_its_ttl(cluster):
     host = cluster.hosts[0]
     Box.on(host, name="short-lived", ttl=0.5)(1)
-    wait_for(lambda: _missing(host, "short-lived"), what="the detached object to expire")
+    wait_for(lambda: _missing(host, "short-lived"), "the detached object to expire")
 
 
 def _missing(host, name):

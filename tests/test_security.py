@@ -32,6 +32,7 @@ from typing import Any
 
 import grpc
 import pytest
+from helpers import wait_for
 
 import colocar
 from colocar.protocol import colocar_pb2 as pb
@@ -124,14 +125,6 @@ def running_sidecar(
         yield Sidecar(process, info["address"], info["arena"], token, log)
     finally:
         _kill(process, info.get("arena"))
-
-
-def _wait_for(predicate: Callable[[], bool], what: str, timeout: float = DEADLINE) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 # --- raw gRPC helpers --------------------------------------------------------------------------
@@ -263,7 +256,7 @@ def test_connect_refuses_a_wrong_or_missing_token(sidecar, monkeypatch, token):
     with pytest.raises(colocar.AuthError, match="refused the token"):
         colocar.connect([sidecar.address], token=token, connect_timeout=RPC_TIMEOUT)
     # A refused connection leaves no background thread (nor channel) behind.
-    _wait_for(lambda: _release_threads() == threads, "the failed connection's threads to end", timeout=15)
+    wait_for(lambda: _release_threads() == threads, "the failed connection's threads to end", timeout=15)
 
 
 def _every_rpc(stub: pb_grpc.SidecarStub, session_id: str) -> dict[str, Callable[[Any], Any]]:
@@ -497,7 +490,7 @@ def test_malformed_payloads_are_invalid_argument(sidecar, client, stub, session,
     # Refused requests leave no lease behind: once the session lets go of its block, it is free.
     release = pb.ReleaseRequest(session_id=session, block_ids=[block.id])
     stub.Release(release, metadata=md, timeout=RPC_TIMEOUT)
-    _wait_for(lambda: _pool_usage(stub, sidecar.token) == used_before, "the block to be freed", timeout=10)
+    wait_for(lambda: _pool_usage(stub, sidecar.token) == used_before, "the block to be freed", timeout=10)
 
 
 def test_hand_built_array_reference_is_understood(sidecar, stub, session):
@@ -674,7 +667,7 @@ def test_controller_raises_version_skew_error(sidecar, monkeypatch):
     threads = _release_threads()
     with pytest.raises(colocar.VersionSkewError, match="python 2.7 on the controller"):
         colocar.connect([sidecar.address], token=sidecar.token, connect_timeout=RPC_TIMEOUT)
-    _wait_for(lambda: _release_threads() == threads, "the failed connection's threads to end", timeout=15)
+    wait_for(lambda: _release_threads() == threads, "the failed connection's threads to end", timeout=15)
 
 
 # --- 6. stale arenas ---------------------------------------------------------------------------

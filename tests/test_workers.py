@@ -14,29 +14,18 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import psutil
 import pytest
+from helpers import wait_for
 
 import colocar
 from colocar.shm import block_of
 
 MiB = 1 << 20
 DEADLINE = 30.0
-
-
-def wait_for(predicate: Callable[[], Any], what: str, timeout: float = DEADLINE) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
 
 
 def used(host: Any) -> dict[str, int]:
