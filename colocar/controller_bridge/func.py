@@ -226,7 +226,7 @@ class ArrayCallFuture:
         if fn._options.out_specs_fn is not None:
             specs_args, specs_kwargs = self._in_specs
             out_specs = fn._options.out_specs_fn(*specs_args, **specs_kwargs)
-            spec_leaves, spec_tree = jax.tree_util.tree_flatten(out_specs)
+            spec_leaves = jax.tree_util.tree_leaves(out_specs)
             if len(spec_leaves) != n:
                 raise ColocarError(f"{name}: out_specs_fn gave {len(spec_leaves)} outputs, the function {n}")
         else:

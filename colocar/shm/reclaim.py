@@ -13,7 +13,7 @@ import os
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 
@@ -39,10 +39,6 @@ class Reclaimer:
             os.write(self._write_fd, b"x")
         except (BlockingIOError, OSError):
             pass  # the pipe is full (a wake-up is already pending) or closed
-
-    def extend(self, items: Iterable[Any]) -> None:
-        for item in items:
-            self.push(item)
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Waits until everything pushed so far was released; True if it was."""

@@ -171,6 +171,8 @@ def serve(argv: list[str] | None = None) -> int:
             json.dump({"address": bound, "pid": os.getpid(), "arena": arena.arena.path}, f)
         os.replace(tmp, args.ready_file)
     print(f"colocar sidecar serving on {bound} (arena {arena.arena.path})", file=sys.__stderr__, flush=True)
+    for path in arena.stale_removed:
+        print(f"removed the arena of a dead sidecar: {path}", file=sys.__stderr__, flush=True)
 
     while not stop.wait(0.5):
         pass

@@ -403,13 +403,17 @@ class SidecarService(pb_grpc.SidecarServicer):
     # --- observability ---------------------------------------------------------------------
     def Logs(self, request: pb.SessionRef, context: Any) -> Iterator[pb.LogLine]:
         session = self._session(request.session_id, context)
+        reported = 0
         while context.is_active() and not session.closed and not self.draining:
             try:
                 text = session.logs.get(timeout=0.5)
-            except Exception:
+            except queue.Empty:
                 continue
             if session.closed:
                 break
+            if session.dropped_log_lines > reported:
+                dropped, reported = session.dropped_log_lines - reported, session.dropped_log_lines
+                yield pb.LogLine(text=f"({dropped} log lines dropped: the controller read too slowly)")
             yield pb.LogLine(text=text)
 
     def Stats(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.StatsReply:
