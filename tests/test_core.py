@@ -285,3 +285,33 @@ def test_logs_reach_the_controller_with_host_prefix(cluster, capfd):
             break
         time.sleep(0.05)
     assert "[host1] hello from the sidecar" in seen
+
+
+def test_generator_flow_control_bounds_items_in_flight(cluster):
+    """The consumer's credits bound how far the remote generator runs ahead."""
+    import time
+
+    from helpers import wait_for
+
+    @colocar.colocated(prefetch=2)
+    def numbers():
+        import sys
+
+        for i in range(1000):
+            sys.colocar_test_produced = i + 1  # type: ignore[attr-defined]
+            yield i
+
+    @colocar.colocated
+    def produced():
+        import sys
+
+        return getattr(sys, "colocar_test_produced", 0)
+
+    host = cluster.hosts[0]
+    it = numbers.on(host)()
+    assert next(it) == 0
+    wait_for(lambda: produced.on(host)() >= 2, "the generator to run ahead")
+    time.sleep(0.5)  # room to overrun, were credits not enforced
+    assert produced.on(host)() <= 3  # one taken + two credits
+    assert [next(it) for _ in range(5)] == [1, 2, 3, 4, 5]
+    it.close()
