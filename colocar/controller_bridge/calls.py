@@ -254,17 +254,20 @@ def rebuild_exception(error: pb.RemoteError, host: str) -> BaseException:
 class RemoteIterator:
     """Items of a remote generator, streamed with flow control (at most `prefetch` in flight)."""
 
-    def __init__(self, conn: HostConnection, request: pb.CallRequest, code: ShippedCode, prefetch: int = 2):
+    def __init__(
+        self, conn: HostConnection, request: pb.CallRequest, code: ShippedCode | None, prefetch: int = 2
+    ):
         import queue
 
         self._conn = conn
-        code_hash, body = code.pickled()
-        request.code_hash, request.code = code_hash, body
+        if code is not None:  # a function (a method needs no code: its object is there)
+            request.code_hash, request.code = code.pickled()
         self._requests: queue.Queue = queue.Queue()
         self._requests.put(pb.StreamRequest(call=request, credits=max(1, prefetch)))
         self._responses = conn.stub.Stream(iter(self._requests.get, None), metadata=conn.metadata)
         self._name = request.name
         self._closed = False
+        self._finished = False  # the server sent `done` or an error
 
     def __iter__(self) -> Iterator[Any]:
         return self
@@ -275,29 +278,49 @@ class RemoteIterator:
         try:
             reply = next(self._responses)
         except StopIteration:
+            self._finished = True
             self.close()
             raise ColocarError(f"stream of {self._name} on {self._conn.name} ended early") from None
         except grpc.RpcError as e:
+            self._finished = True
             self.close()
             raise self._conn.translate(e, f"stream of {self._name}") from None
-        if reply.HasField("error"):
+        if reply.HasField("error") or reply.done:
+            self._finished = True
             self.close()
-            raise rebuild_exception(reply.error, self._conn.name)
-        if reply.done:
-            self.close()
+            if reply.HasField("error"):
+                raise rebuild_exception(reply.error, self._conn.name)
             raise StopIteration
         self._requests.put(pb.StreamRequest(credits=1))
         return self._conn.decode(reply.result)
 
-    def close(self) -> None:
-        """Stops the remote generator (it is closed on the sidecar)."""
-        if not self._closed:
+    def close(self, timeout: float = 10.0) -> None:
+        """Stops the remote generator (it is closed on the sidecar).
+
+        Items already on their way are received and dropped, so the arena blocks they carry
+        are released now rather than when the session ends.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if not self._finished:
+            self._requests.put(pb.StreamRequest(stop=True))
+            timer = threading.Timer(timeout, self._responses.cancel)
+            timer.start()
+            try:
+                for reply in self._responses:
+                    if reply.done or reply.HasField("error"):
+                        break
+                    self._conn.decode(reply.result)  # dropped at once: its blocks go back
+            except (grpc.RpcError, ColocarError):
+                pass
+            finally:
+                timer.cancel()
+        self._requests.put(None)
+        self._responses.cancel()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):  # dropped without close(): cancel, do not block
             self._closed = True
             self._requests.put(None)
             self._responses.cancel()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass

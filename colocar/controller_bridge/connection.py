@@ -484,11 +484,12 @@ class HostConnection:
 
     # --- logs and shutdown -----------------------------------------------------------------
     def _forward_logs(self) -> None:
+        """Prints the session's log lines, prefixed with the host, for as long as we are open."""
         prefix = f"[{self.name}] "
         while not self._closed:
             try:
                 for line in self.stub.Logs(pb.SessionRef(session_id=self.session_id), metadata=self.metadata):
-                    print(prefix + line.text, file=sys.stdout, flush=True)
+                    _print_line(prefix + line.text)
             except grpc.RpcError:
                 pass
             except ValueError:  # the channel was closed under us
@@ -520,6 +521,15 @@ class HostConnection:
             self.link.close()
         self.channel.close()
         self._log_thread.join(timeout=5)
+
+
+def _print_line(text: str) -> None:
+    """One forwarded line to stdout; a stdout that is closed or replaced meanwhile (test
+    capture, a redirected stream) costs that line, never the forwarding thread."""
+    try:
+        print(text, file=sys.stdout, flush=True)
+    except (ValueError, OSError):
+        pass
 
 
 def _offset(arena: Arena | None, array: np.ndarray) -> int:

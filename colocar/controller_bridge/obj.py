@@ -20,7 +20,7 @@ from typing import Any
 from colocar.errors import HostLostError
 from colocar.protocol import colocar_pb2 as pb
 
-from .calls import Call, CallFuture, ShippedCode
+from .calls import Call, CallFuture, RemoteIterator, ShippedCode
 from .cluster import Host
 from .func import ArrayCallFuture, Options
 
@@ -87,6 +87,11 @@ class RemoteMethod:
 
     def submit(self, *args: Any, **kwargs: Any) -> CallFuture:
         return self._build(args, kwargs).start()
+
+    def stream(self, *args: Any, prefetch: int = 2, **kwargs: Any) -> RemoteIterator:
+        """Iterates over what the method returns (a generator), at most `prefetch` items ahead."""
+        call = self._build(args, kwargs)
+        return RemoteIterator(call.conn, call.request, None, prefetch)
 
 
 class ColocatedClass:

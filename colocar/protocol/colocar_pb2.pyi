@@ -146,12 +146,14 @@ class CallReply(_message.Message):
     def __init__(self, result: _Optional[_Union[Payload, _Mapping]] = ..., error: _Optional[_Union[RemoteError, _Mapping]] = ..., object_id: _Optional[int] = ..., done: _Optional[bool] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
-    __slots__ = ("call", "credits")
+    __slots__ = ("call", "credits", "stop")
     CALL_FIELD_NUMBER: _ClassVar[int]
     CREDITS_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
     call: CallRequest
     credits: int
-    def __init__(self, call: _Optional[_Union[CallRequest, _Mapping]] = ..., credits: _Optional[int] = ...) -> None: ...
+    stop: bool
+    def __init__(self, call: _Optional[_Union[CallRequest, _Mapping]] = ..., credits: _Optional[int] = ..., stop: _Optional[bool] = ...) -> None: ...
 
 class ObjectRef(_message.Message):
     __slots__ = ("session_id", "object_id", "object_name")

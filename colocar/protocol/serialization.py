@@ -4,6 +4,8 @@ Both sides use cloudpickle. A numpy array of at least `ARRAY_THRESHOLD` bytes is
 `dumps` hands it to a sink (which places it in an arena block, or queues it for a chunked
 upload) and writes only a small reference; `loads` asks a source for the array behind each
 reference (a zero-copy view of the block). So bulk bytes never travel inside an RPC message.
+An array that is already a whole arena block goes by reference whatever its size, so that the
+block is shared (a ring slot stays leased while the receiver holds it).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import cloudpickle
 import numpy as np
 
 from colocar.errors import SerializationError
+from colocar.shm.views import block_of
 
 ARRAY_THRESHOLD = 64 * 1024
 _REF_TAG = "colocar.array"
@@ -50,7 +53,11 @@ def _array_refs(sink: ArraySink | None) -> Callable[[Any], Any]:
         array = _as_numpy(obj)
         if array is None:
             return None
-        if sink is not None and array.nbytes >= ARRAY_THRESHOLD and not array.dtype.hasobject:
+        if (
+            sink is not None
+            and not array.dtype.hasobject
+            and (array.nbytes >= ARRAY_THRESHOLD or block_of(array) is not None)
+        ):  # large, or already a whole arena block (a ring slot): shared, never pickled
             return (_REF_TAG, sink(array), array.shape, array.dtype)
         if array is not obj:  # a small jax.Array: travels as numpy
             return (_INLINE_TAG, array)

@@ -214,6 +214,12 @@ class Allocator:
         with self._lock:
             return self._leased(block_id, owner)
 
+    def leases(self, block_id: int) -> int:
+        """How many leases the block has (all owners); 0 once it is freed."""
+        with self._lock:
+            counts = self._leases.get(block_id)
+            return sum(counts.values()) if counts else 0
+
     def release_owner(self, owner: str) -> int:
         """Drop every lease of ``owner`` (e.g. an expired session); return the blocks freed."""
         with self._lock:

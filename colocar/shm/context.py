@@ -14,12 +14,24 @@ import numpy as np
 
 Allocate = Callable[[tuple[int, ...], np.dtype, str], np.ndarray]
 _allocate: Allocate | None = None
+_runtime: Any = None
 
 
-def install(allocate: Allocate | None) -> None:
-    """Called by the sidecar (and its worker processes) at start-up."""
-    global _allocate
-    _allocate = allocate
+def install(allocate: Allocate | None, runtime: Any = None) -> None:
+    """Called by the sidecar (and its worker processes) at start-up; `runtime` is the sidecar's
+    arena (`colocar.sidecar.blocks.SidecarArena`), given in the sidecar process only."""
+    global _allocate, _runtime
+    _allocate, _runtime = allocate, runtime
+
+
+def sidecar_runtime() -> Any:
+    """The sidecar's arena, for sidecar-side libraries (rings of slots, arena facts).
+
+    Only inside a sidecar process, in a thread-mode call: not in worker processes, not elsewhere.
+    """
+    if _runtime is None:
+        raise RuntimeError("this needs to run inside a colocar sidecar (a thread-mode colocated call)")
+    return _runtime
 
 
 def empty(shape: int | tuple[int, ...], dtype: Any = np.float32, pool: str = "default") -> np.ndarray:

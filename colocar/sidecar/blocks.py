@@ -28,6 +28,7 @@ from colocar.shm import (
     remove_stale_arenas,
 )
 from colocar.shm.reclaim import Reclaimer
+from colocar.shm.ring import SlotRing
 
 VIEW_OWNER = "view"
 
@@ -89,6 +90,10 @@ class SidecarArena:
                 if self._view_blocks.get(block.offset) == block.id:
                     del self._view_blocks[block.offset]
             self.allocator.release(block.id, VIEW_OWNER)
+
+    def ring(self, slots: int, nbytes: int, pool: str = "default", timeout: float = 0.0) -> SlotRing:
+        """A ring of `slots` reusable blocks of `nbytes` (see `colocar.shm.ring`)."""
+        return SlotRing(self.allocator, self.view, slots, nbytes, pool=pool, timeout=timeout)
 
     def block_of_view(self, array: np.ndarray) -> int | None:
         """Block id of an array that is exactly a live local view, else None."""

@@ -24,6 +24,7 @@ os.environ.setdefault("TPU_VISIBLE_CHIPS", "")
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import grpc  # noqa: E402
+import multiprocess  # noqa: E402
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc  # noqa: E402
 
 from colocar.protocol import colocar_pb2_grpc as pb_grpc  # noqa: E402
@@ -36,6 +37,7 @@ from .service import ServiceConfig, SidecarService  # noqa: E402
 from .workers import WorkerPool  # noqa: E402
 
 SERVICE_NAME = "colocar.v1.Sidecar"
+FORKSERVER_PRELOAD = ["numpy", "colocar.sidecar.worker_main", "colocar.loaders.worker", "grain"]
 MiB = 1 << 20
 
 
@@ -127,8 +129,11 @@ def serve(argv: list[str] | None = None) -> int:
         alloc_timeout_seconds=args.alloc_timeout,
     )
     shm_context.install(
-        lambda shape, dtype, pool: arena.empty(shape, dtype, pool, config.alloc_timeout_seconds)
+        lambda shape, dtype, pool: arena.empty(shape, dtype, pool, config.alloc_timeout_seconds), arena
     )
+    # Every worker process (call workers, pipeline workers) forks from one forkserver, started on
+    # first use; what it preloads, each worker has at once (grain alone takes a second to import).
+    multiprocess.get_context("forkserver").set_forkserver_preload(FORKSERVER_PRELOAD)
     workers = WorkerPool(args.processes, arena) if args.processes > 0 else None
     service = SidecarService(arena, token, workers, config)
     link = _start_link(service, arena.arena.path, token)

@@ -249,9 +249,14 @@ class SidecarService(pb_grpc.SidecarServicer):
         credits = threading.Semaphore(first.credits)
         ended = threading.Event()
 
+        stop = threading.Event()  # the client asked to end: finish with `done`
+
         def read_credits() -> None:
             try:
                 for message in request_iterator:
+                    if message.stop:
+                        stop.set()
+                        credits.release()
                     for _ in range(message.credits):
                         credits.release()
             except Exception:
@@ -278,6 +283,9 @@ class SidecarService(pb_grpc.SidecarServicer):
         try:
             while True:
                 credits.acquire()
+                if stop.is_set():
+                    yield pb.CallReply(done=True)
+                    return
                 if ended.is_set() or not context.is_active():
                     return
                 try:

@@ -61,8 +61,6 @@ class WorkerPool:
         self.size = size
         self._arena = arena
         self._ctx = multiprocess.get_context(start_method)
-        if start_method == "forkserver":
-            self._ctx.set_forkserver_preload(["numpy", "colocar.sidecar.worker_main"])
         self._idle: queue.Queue[_Process] = queue.Queue()
         self._started = 0
         self._lock = threading.Lock()

@@ -1,0 +1,246 @@
+"""The controller's iterator of global batches (runs in the controller / device owner).
+
+It ships the pipeline once (a `LoaderHost` on each host's sidecar), then, per step, takes each
+host's finished slot (an arena view, no bytes through gRPC), puts every device's segment on its
+device (aliased on CPU, so the slot stays leased while the batch's arrays live) and assembles
+global `jax.Array`s with `jax.make_array_from_single_device_arrays`. Its state is the number of
+the next global batch: JSON-able, and exact on any number of hosts for index-based sources.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+import weakref
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from colocar.controller_bridge import colocated, colocated_class
+from colocar.controller_bridge.cluster import Cluster, Host
+
+from .config import PipelineConfig, load_config
+from .host_backend import LoaderHost
+from .layout import SlotLayout
+
+STATE_VERSION = 1
+
+
+def _slot_holder(view: np.ndarray) -> Any:
+    from colocar.shm.views import _holder_of
+
+    return _holder_of(view)
+
+
+RemoteLoaderHost = colocated_class(LoaderHost)
+
+
+@colocated
+def _probe_fields(config: PipelineConfig) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Runs on a sidecar: the fields of the first record the pipeline keeps."""
+    from colocar.loaders.worker import _record_pipeline
+
+    pipeline = _record_pipeline(config)
+    for index in range(min(len(pipeline), 1000)):
+        record = pipeline[index]
+        if record is not None:
+            return {name: (np.shape(v), np.asarray(v).dtype.name) for name, v in record.items()}
+    raise ValueError("none of the first 1000 records passes the pipeline's filters")
+
+
+def _needs_mask(config: PipelineConfig) -> bool:
+    return config.eval or config.skip_bad_records or any(t.kind == "filter" for t in config.transforms)
+
+
+class DataIterator:
+    """Global batches (dicts of `jax.Array`s, batch axis sharded) from a pipeline config."""
+
+    def __init__(
+        self,
+        config: PipelineConfig,
+        cluster: Cluster,
+        mesh: jax.sharding.Mesh,
+        start: int = 0,
+        starve_timeout: float = 60.0,
+    ):
+        self.config = config
+        self.starve_timeout = starve_timeout
+        self._cluster = cluster
+        self._mesh = mesh
+        axes = config.batch_axes or tuple(mesh.axis_names)
+        B = config.global_batch_size
+        if config.element_spec:
+            fields = {name: (tuple(f.shape), f.dtype) for name, f in config.element_spec.items()}
+        else:
+            fields = _probe_fields.on(cluster.host_of(mesh.devices.flat[0]))(config)
+        if _needs_mask(config):
+            fields["mask"] = ((), "bool")
+        self.fields = fields
+        self.shardings = {
+            name: NamedSharding(mesh, P(axes, *([None] * len(shape)))) for name, (shape, _) in fields.items()
+        }
+        index_map = NamedSharding(mesh, P(axes)).devices_indices_map((B,))
+        by_host: dict[int, list[Any]] = {}
+        for device in mesh.devices.flat:
+            host = cluster.host_of(device)
+            if host is None:
+                raise ValueError(f"device {device} of the mesh belongs to no host of the cluster")
+            by_host.setdefault(host.index, []).append(device)
+        self._plan: list[tuple[Host, SlotLayout, list[tuple[Any, int]]]] = []
+        for index in sorted(by_host):
+            host = cluster.hosts[index]
+            ranges = {
+                d: (index_map[d][0].indices(B)[0], index_map[d][0].indices(B)[1]) for d in by_host[index]
+            }
+            layout = SlotLayout.build(list(ranges.values()), fields)
+            placed = [(d, layout.segments.index(ranges[d])) for d in by_host[index]]
+            covered = sum(b - a for a, b in layout.segments)
+            if covered != layout.rows[1] - layout.rows[0]:
+                raise ValueError(
+                    f"{host.name}'s rows of the batch are not contiguous ({layout.segments}); "
+                    "build the mesh with cluster.mesh(...) (host-major device order)"
+                )
+            self._plan.append((host, layout, placed))
+        self.wait_seconds = 0.0
+        self.batches = 0
+        self._recent: list[tuple[list[weakref.ref], list[weakref.ref]]] = []
+        self._open(start)
+
+    def _open(self, start: int) -> None:
+        self.position = start
+        self._remote = [
+            RemoteLoaderHost.on(host)(self.config, layout, start, host.name, self.starve_timeout)
+            for host, layout, _ in self._plan
+        ]
+        ahead = max(1, self.config.prefetch - 1)
+        self._streams = [obj.batches.stream(prefetch=ahead) for obj in self._remote]
+
+    def __iter__(self) -> DataIterator:
+        return self
+
+    def _free_dropped_slots(self) -> None:
+        """Collects the young cycles that keep slots of batches the program already dropped.
+
+        JAX on CPU aliases a slot's memory in `device_put`, and keeps the numpy view alive
+        through a reference cycle that only the garbage collector breaks. A slot pinned that way
+        would stall the host's ring until some later collection; a young-generation collection,
+        run only when a dropped batch still pins its slot, frees it now.
+        """
+        pinned = False
+        alive = []
+        for arrays, slots in self._recent:
+            if all(s() is None for s in slots):
+                continue
+            alive.append((arrays, slots))
+            pinned = pinned or all(a() is None for a in arrays)
+        self._recent = alive
+        if pinned:
+            gc.collect(1)
+
+    def __next__(self) -> dict[str, jax.Array]:
+        self._free_dropped_slots()
+        started = time.perf_counter()
+        items = [next(stream) for stream in self._streams]
+        self.wait_seconds += time.perf_counter() - started
+        if {item["k"] for item in items} != {self.position}:
+            raise RuntimeError(f"hosts returned batches {[i['k'] for i in items]}, expected {self.position}")
+        pieces, targets, owners = [], [], []
+        for (_, layout, placed), item in zip(self._plan, items, strict=True):
+            for name in self.fields:
+                for device, segment in placed:
+                    pieces.append(layout.segment_view(item["slot"], name, segment))
+                    targets.append(device)
+                    owners.append(name)
+        arrays = jax.device_put(pieces, targets)
+        B = self.config.global_batch_size
+        batch: dict[str, jax.Array] = {}
+        for name, (shape, _) in self.fields.items():
+            mine = [a for a, owner in zip(arrays, owners, strict=True) if owner == name]
+            batch[name] = jax.make_array_from_single_device_arrays((B, *shape), self.shardings[name], mine)
+        self.position += 1
+        self.batches += 1
+        self._recent.append(
+            ([weakref.ref(a) for a in batch.values()], [weakref.ref(_slot_holder(i["slot"])) for i in items])
+        )
+        return batch
+
+    def get_state(self) -> dict[str, Any]:
+        """JSON-able position: resuming from it yields exactly the batches that would come next."""
+        c = self.config
+        return {
+            "version": STATE_VERSION,
+            "next_batch": self.position,
+            "global_batch_size": c.global_batch_size,
+            "seed": c.seed,
+            "shuffle": c.shuffle,
+        }
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        c = self.config
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"iterator state version {state.get('version')!r}, expected {STATE_VERSION}")
+        for key in ("global_batch_size", "seed", "shuffle"):
+            if state[key] != getattr(c, key):
+                raise ValueError(
+                    f"iterator state was saved with {key}={state[key]!r} but the pipeline has "
+                    f"{getattr(c, key)!r}: batches would not continue the saved sequence"
+                )
+        self._close_remote()
+        self._open(int(state["next_batch"]))
+
+    def stats(self) -> dict[str, Any]:
+        """Per-host throughput and ring occupancy, and how long the controller waited for data."""
+        return {
+            "batches": self.batches,
+            "controller_wait_seconds": self.wait_seconds,
+            "hosts": [obj.stats() for obj in self._remote],
+        }
+
+    def _close_remote(self) -> None:
+        # Stop the hosts' pipelines first: their streams then end, and what was in flight is
+        # received and dropped, so no slot stays leased.
+        for obj in self._remote:
+            try:
+                obj.close()
+            except Exception:  # a lost host: its session's lease frees everything
+                pass
+        for stream in self._streams:
+            stream.close()
+        self._streams, self._remote = [], []
+
+    def close(self) -> None:
+        """Stops every host's workers and frees their slots (held batches stay valid)."""
+        self._close_remote()
+        self._free_dropped_slots()
+
+    def __enter__(self) -> DataIterator:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self._close_remote()
+        except Exception:
+            pass
+
+
+def load(
+    config: Any,
+    cluster: Cluster,
+    mesh: jax.sharding.Mesh | None = None,
+    *,
+    start: int = 0,
+    starve_timeout: float = 60.0,
+) -> DataIterator:
+    """An iterator of global batches for `config` (a file path, dict or PipelineConfig).
+
+    `mesh` defaults to `cluster.mesh(("data",))`; the batch axis is sharded over
+    `config.batch_axes` (default: all mesh axes). If the program holds on to every batch of a
+    host's ring for `starve_timeout` seconds, iterating raises instead of waiting forever.
+    """
+    return DataIterator(load_config(config), cluster, mesh or cluster.mesh(("data",)), start, starve_timeout)

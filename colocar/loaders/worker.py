@@ -1,0 +1,98 @@
+"""A pipeline worker process on the sidecar: builds this host's rows of global batches in slots.
+
+Started by `host_backend.LoaderHost` (forkserver, never fork). It maps the arena itself, opens
+the source, runs the record pipeline (grain's dataset operations) on the records of each task's
+batch, and writes every row straight into the slot's segments: no batch crosses a pipe, only
+the tiny tuples `(k, slot)` in and `("done"|"error", ...)` out, over a pipe (no named
+semaphores, so a killed sidecar leaves nothing in /dev/shm).
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from typing import Any
+
+import numpy as np
+
+
+def _record_pipeline(config: Any) -> Any:
+    from .config import resolve_callable
+    from .records import RecordPipeline
+    from .sources import open_source
+
+    s = config.source
+    source = open_source(s.kind, paths=s.paths, n=s.n, columns=s.columns, callable=s.callable, data=s.data)
+    transforms = [
+        (t.kind, resolve_callable(t.fn, f"transforms[{i}].fn")) for i, t in enumerate(config.transforms)
+    ]
+    return RecordPipeline(source, transforms, config.seed, config.skip_bad_records)
+
+
+def sampler_for(config: Any, num_records: int) -> Any:
+    from .sampler import IndexSampler
+
+    return IndexSampler(
+        num_records,
+        config.global_batch_size,
+        seed=config.seed,
+        shuffle=config.shuffle,
+        num_epochs=config.num_epochs,
+        drop_remainder=config.drop_remainder,
+    )
+
+
+def main(conn: Any, arena_info: tuple, config_bytes: bytes, layout: Any, slots: list) -> None:
+    """Entry point of a worker process."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import cloudpickle
+
+    from colocar.shm import Arena, ndarray_view
+
+    arena = Arena.attach(*arena_info)
+    config = cloudpickle.loads(config_bytes)
+    pipeline = _record_pipeline(config)
+    sampler = sampler_for(config, len(pipeline))
+    fields = [name for name in layout.fields if name != "mask"]
+    # per slot: field -> segment -> array view over the slot
+    views = []
+    for offset, nbytes in slots:
+        slot = ndarray_view(arena, offset, (nbytes,), np.uint8)
+        views.append(
+            {
+                name: [layout.segment_view(slot, name, i) for i in range(len(layout.segments))]
+                for name in layout.fields
+            }
+        )
+    r0, r1 = layout.rows
+    while True:
+        try:
+            task = conn.recv()
+        except (EOFError, OSError):
+            return
+        if task is None:
+            return
+        k, slot = task
+        bad_before = pipeline.bad_records
+        try:
+            indices = sampler.batch_indices(k, slice(r0, r1))
+            for row, index in enumerate(indices):
+                segment, j = layout.segment_of_row(r0 + row)
+                record = pipeline[int(index)] if index >= 0 else None
+                for name in fields:
+                    target = views[slot][name][segment]
+                    if record is None:
+                        target[j] = 0
+                    else:
+                        value = np.asarray(record[name])
+                        if value.shape != target.shape[1:]:
+                            raise ValueError(
+                                f"record {int(index)}: field {name!r} has shape {value.shape}, "
+                                f"the element spec says {target.shape[1:]}"
+                            )
+                        target[j] = value
+                if "mask" in views[slot]:
+                    views[slot]["mask"][segment][j] = record is not None
+            conn.send(("done", k, slot, pipeline.bad_records - bad_before))
+        except Exception as e:  # noqa: BLE001 - reported with the batch and record to the controller
+            conn.send(("error", k, slot, f"{type(e).__name__}: {e}", traceback.format_exc()))

@@ -1,0 +1,244 @@
+"""Input pipelines end to end: real sidecars, worker processes, ring slots, global arrays."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import pytest
+from helpers import wait_for
+
+import colocar
+from colocar import loaders
+from colocar.loaders.sampler import IndexSampler
+
+N = 100
+B = 16
+
+
+def features(record):
+    i = int(record["index"])
+    return {"x": np.full((3,), i, np.float32), "label": np.int32(i)}
+
+
+def noisy(record, rng):
+    return {**record, "noise": np.float32(rng.random())}
+
+
+def explode_on_seven(record):
+    if int(record["index"]) % 10 == 7:
+        raise ValueError("bad record")
+    return record
+
+
+def config(**overrides):
+    base = {
+        "source": {"kind": "range", "n": N},
+        "global_batch_size": B,
+        "transforms": [{"kind": "map", "fn": features}, {"kind": "random_map", "fn": noisy}],
+        "seed": 7,
+        "num_epochs": 2,
+        "prefetch": 3,
+        "workers_per_host": 1,
+    }
+    base.update(overrides)
+    return base
+
+
+def labels(batch):
+    return np.asarray(batch["label"]).tolist()
+
+
+def expected_labels(k, **overrides):
+    c = config(**overrides)
+    s = IndexSampler(
+        N, B, seed=c["seed"], num_epochs=c["num_epochs"], drop_remainder=c.get("drop_remainder", True)
+    )
+    return s.batch_indices(k).tolist()
+
+
+@pytest.fixture(scope="module")
+def two_hosts():
+    with colocar.local_cluster(hosts=2, arena_size=32 << 20, processes=0) as c:
+        yield c
+
+
+def take(it, n, view=lambda b: b):
+    """The next n batches through `view`; keep `view` small so the ring is not starved."""
+    return [view(next(it)) for _ in range(n)]
+
+
+def row_values(batch):
+    return labels(batch), np.asarray(batch["noise"]).tolist()
+
+
+def test_batches_are_the_sampled_records_as_global_arrays(two_hosts):
+    c = two_hosts.make_current()
+    with loaders.load(config(), c, c.mesh(("data",))) as it:
+        for k in range(3):
+            batch = next(it)
+            assert labels(batch) == expected_labels(k)
+            assert batch["x"].shape == (B, 3) and batch["x"].sharding.spec[0] == "data"
+            np.testing.assert_array_equal(np.asarray(batch["x"])[:, 0], expected_labels(k))
+
+
+def test_same_batches_on_one_two_and_four_hosts(two_hosts):
+    def first_batches(hosts):
+        if hosts == 2:
+            c = two_hosts.make_current()
+            with loaders.load(config(), c) as it:
+                return take(it, 3, row_values)
+        with colocar.local_cluster(hosts=hosts, arena_size=16 << 20, processes=0) as c:
+            with loaders.load(config(), c) as it:
+                return take(it, 3, row_values)
+
+    reference = first_batches(2)
+    assert first_batches(1) == reference
+    assert first_batches(4) == reference
+
+
+def test_exact_resume_mid_epoch_also_on_another_host_count(two_hosts):
+    c = two_hosts.make_current()
+    with loaders.load(config(), c) as it:
+        uninterrupted = take(it, 7, labels)
+    with loaders.load(config(), c) as it:
+        take(it, 3, labels)
+        state = it.get_state()
+    import json
+
+    state = json.loads(json.dumps(state))  # JSON-able
+    with loaders.load(config(), c) as it:
+        it.set_state(state)
+        assert take(it, 4, labels) == uninterrupted[3:]
+    with colocar.local_cluster(hosts=1, arena_size=16 << 20, processes=0) as one:
+        with loaders.load(config(), one) as it:
+            it.set_state(state)
+            assert take(it, 4, labels) == uninterrupted[3:]
+    two_hosts.make_current()
+
+
+def test_epochs_reshuffle_and_end(two_hosts):
+    c = two_hosts.make_current()
+    with loaders.load(config(num_epochs=2), c) as it:
+        all_batches = [labels(b) for b in it]  # each batch dropped at once
+    per_epoch = N // B
+    assert len(all_batches) == 2 * per_epoch
+    first, second = all_batches[:per_epoch], all_batches[per_epoch:]
+    assert first != second
+    assert len(set(sum(first, []))) == per_epoch * B  # no record twice within an epoch
+
+
+def test_eval_mode_pads_the_last_batch_and_masks_it(two_hosts):
+    c = two_hosts.make_current()
+    cfg = config(eval=True, drop_remainder=False, num_epochs=1, shuffle=False)
+    with loaders.load(cfg, c) as it:
+        batches = [{k: np.asarray(v) for k, v in b.items()} for b in it]  # host copies: the ring cycles
+    assert len(batches) == -(-N // B)
+    last = batches[-1]
+    assert last["mask"].sum() == N % B and last["mask"][: N % B].all()
+    assert last["label"][N % B :].tolist() == [0] * (B - N % B)
+    assert all(b["mask"].all() for b in batches[:-1])
+
+
+def test_a_held_batch_is_never_overwritten(two_hosts):
+    c = two_hosts.make_current()
+    with loaders.load(config(prefetch=3), c) as it:
+        held = next(it)
+        before = np.asarray(held["x"]).copy()
+        take(it, 6, labels)  # three turns of the ring's other two slots, while `held` keeps its own
+        np.testing.assert_array_equal(np.asarray(held["x"]), before)
+
+
+def test_a_ring_starved_by_held_batches_raises(two_hosts):
+    c = two_hosts.make_current()
+    with loaders.load(config(prefetch=2, num_epochs=None), c, starve_timeout=2) as it:
+        held = [next(it), next(it)]  # every slot of the 2-slot ring
+        with pytest.raises(Exception, match="no free slot"):
+            for _ in range(10):
+                held.append(next(it))
+
+
+def test_bad_records_fail_with_index_and_host_or_are_skipped(two_hosts):
+    c = two_hosts.make_current()
+    transforms = [{"kind": "map", "fn": explode_on_seven}, {"kind": "map", "fn": features}]
+    with loaders.load(config(transforms=transforms, shuffle=False), c) as it:
+        with pytest.raises(Exception, match=r"record 7") as info:
+            next(it)
+        assert "host0" in str(info.value)
+    with loaders.load(config(transforms=transforms, shuffle=False, skip_bad_records=True), c) as it:
+        batch = next(it)
+        mask = np.asarray(batch["mask"])
+        assert mask.tolist() == [i % 10 != 7 for i in range(B)]
+        assert sum(h["bad_records"] for h in it.stats()["hosts"]) >= 1
+
+
+def test_killed_worker_raises_in_the_iterator(two_hosts):
+    c = two_hosts.make_current()
+    it = loaders.load(config(num_epochs=None), c)
+    try:
+        next(it)
+        pid = it._remote[1].worker_pids()[0]
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(Exception, match="died"):
+            for _ in range(100):
+                next(it)
+    finally:
+        it.close()
+
+
+def test_killed_sidecar_raises_host_lost():
+    with colocar.local_cluster(hosts=2, arena_size=16 << 20, processes=0, heartbeat_seconds=0.5) as c:
+        it = loaders.load(config(num_epochs=None), c)
+        next(it)
+        c.processes[1].kill()
+        with pytest.raises(colocar.HostLostError):
+            for _ in range(100):
+                next(it)
+        it.close()
+
+
+def test_close_after_an_early_break_stops_workers_and_frees_slots(two_hosts):
+    import psutil
+
+    c = two_hosts.make_current()
+    baseline = [h.stats()["pools"]["default"]["used"] for h in c.hosts]
+    it = loaders.load(config(num_epochs=None), c)
+    for _batch in it:
+        break
+    del _batch
+    pids = [pid for obj in it._remote for pid in obj.worker_pids()]
+    it.close()
+    del it
+    wait_for(
+        lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids),
+        "the pipeline workers to exit",
+    )
+    wait_for(
+        lambda: [h.stats()["pools"]["default"]["used"] for h in c.hosts] == baseline,
+        "the ring slots to be freed",
+    )
+
+
+def test_array_record_source(two_hosts, tmp_path):
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    for f in range(2):
+        writer = ArrayRecordWriter(str(tmp_path / f"part-{f}.array_record"), "group_size:1")
+        for i in range(40):
+            writer.write(np.array([f * 40 + i], np.int64).tobytes())
+        writer.close()
+    c = two_hosts.make_current()
+    cfg = {
+        "source": {"kind": "array_record", "paths": str(tmp_path / "*.array_record")},
+        "global_batch_size": 8,
+        "transforms": [{"kind": "map", "fn": decode_int}],
+        "shuffle": False,
+    }
+    with loaders.load(cfg, c) as it:
+        values = [np.asarray(b["value"]).tolist() for b in it]
+    assert sum(values, []) == list(range(80))
+
+
+def decode_int(record: bytes):
+    return {"value": np.frombuffer(record, np.int64)[0]}
