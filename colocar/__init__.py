@@ -28,7 +28,7 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from . import shm
+    from . import loaders, shm
     from .controller_bridge import (
         Cluster,
         ColocatedClass,
@@ -70,6 +70,7 @@ __all__ = [
     "colocated",
     "colocated_class",
     "connect",
+    "loaders",
     "local_cluster",
     "shm",
 ]
@@ -80,8 +81,8 @@ def __getattr__(name: str) -> Any:
         from . import controller_bridge
 
         return getattr(controller_bridge, name)
-    if name == "shm":
+    if name in ("shm", "loaders"):
         import importlib
 
-        return importlib.import_module(".shm", __name__)
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'colocar' has no attribute {name!r}")

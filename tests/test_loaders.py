@@ -242,3 +242,14 @@ def test_array_record_source(two_hosts, tmp_path):
 
 def decode_int(record: bytes):
     return {"value": np.frombuffer(record, np.int64)[0]}
+
+
+def test_progress_line_and_stats(two_hosts, capsys):
+    c = two_hosts.make_current()
+    with loaders.load(config(num_epochs=1), c, progress=True) as it:
+        take(it, 3, labels)
+        stats = it.stats()
+    assert stats["batches"] == 3 and stats["controller_wait_seconds"] >= 0
+    assert [h["host"] for h in stats["hosts"]] == ["host0", "host1"]
+    assert all(h["ring_slots"] == 3 and h["workers_alive"] == 1 for h in stats["hosts"])
+    assert "input pipeline" in capsys.readouterr().out

@@ -65,9 +65,11 @@ class DataIterator:
         mesh: jax.sharding.Mesh,
         start: int = 0,
         starve_timeout: float = 60.0,
+        progress: bool = False,
     ):
         self.config = config
         self.starve_timeout = starve_timeout
+        self._progress = _Progress(config) if progress else None
         self._cluster = cluster
         self._mesh = mesh
         axes = config.batch_axes or tuple(mesh.axis_names)
@@ -162,6 +164,8 @@ class DataIterator:
             batch[name] = jax.make_array_from_single_device_arrays((B, *shape), self.shardings[name], mine)
         self.position += 1
         self.batches += 1
+        if self._progress is not None:
+            self._progress.advance(self.position, self.wait_seconds)
         self._recent.append(
             ([weakref.ref(a) for a in batch.values()], [weakref.ref(_slot_holder(i["slot"])) for i in items])
         )
@@ -215,6 +219,8 @@ class DataIterator:
         """Stops every host's workers and frees their slots (held batches stay valid)."""
         self._close_remote()
         self._free_dropped_slots()
+        if self._progress is not None:
+            self._progress.stop()
 
     def __enter__(self) -> DataIterator:
         return self
@@ -229,6 +235,31 @@ class DataIterator:
             pass
 
 
+class _Progress:
+    """A terminal progress line for long runs (rich): batches, batches per second, time waited."""
+
+    def __init__(self, config: PipelineConfig):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self._bar = Progress(
+            TextColumn("input pipeline"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[rate]:.1f} batches/s, waited {task.fields[waited]:.1f} s"),
+            TimeElapsedColumn(),
+        )
+        self._started = time.monotonic()
+        self._task = self._bar.add_task("batches", total=None, rate=0.0, waited=0.0)
+        self._bar.start()
+
+    def advance(self, position: int, waited: float) -> None:
+        rate = position / max(time.monotonic() - self._started, 1e-9)
+        self._bar.update(self._task, completed=position, rate=rate, waited=waited)
+
+    def stop(self) -> None:
+        self._bar.stop()
+
+
 def load(
     config: Any,
     cluster: Cluster,
@@ -236,11 +267,14 @@ def load(
     *,
     start: int = 0,
     starve_timeout: float = 60.0,
+    progress: bool = False,
 ) -> DataIterator:
     """An iterator of global batches for `config` (a file path, dict or PipelineConfig).
 
     `mesh` defaults to `cluster.mesh(("data",))`; the batch axis is sharded over
     `config.batch_axes` (default: all mesh axes). If the program holds on to every batch of a
     host's ring for `starve_timeout` seconds, iterating raises instead of waiting forever.
+    `progress=True` shows a progress line (rich) for long runs.
     """
-    return DataIterator(load_config(config), cluster, mesh or cluster.mesh(("data",)), start, starve_timeout)
+    mesh = mesh or cluster.mesh(("data",))
+    return DataIterator(load_config(config), cluster, mesh, start, starve_timeout, progress)

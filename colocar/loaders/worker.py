@@ -85,10 +85,12 @@ def main(conn: Any, arena_info: tuple, config_bytes: bytes, layout: Any, slots: 
                         target[j] = 0
                     else:
                         value = np.asarray(record[name])
-                        if value.shape != target.shape[1:]:
+                        if value.shape != target.shape[1:] or not np.can_cast(
+                            value.dtype, target.dtype, "same_kind"
+                        ):
                             raise ValueError(
-                                f"record {int(index)}: field {name!r} has shape {value.shape}, "
-                                f"the element spec says {target.shape[1:]}"
+                                f"record {int(index)}: field {name!r} is {value.dtype}{list(value.shape)}, "
+                                f"the element spec says {target.dtype}{list(target.shape[1:])}"
                             )
                         target[j] = value
                 if "mask" in views[slot]:
