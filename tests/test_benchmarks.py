@@ -1,4 +1,4 @@
-"""`colocar bench rpc|transfer --quick --json` run end to end: the last line is the result.
+"""`colocar bench rpc|transfer|loader --quick --json` run end to end: the last line is the result.
 
 Numbers are not asserted (this machine is shared and noisy); only that each benchmark runs,
 cleans up, and reports the keys RESULTS.md and the CLI promise, with positive values.
@@ -15,6 +15,19 @@ import pytest
 REQUIRED = {
     "rpc": ("p50_us", "p99_us", "grpc_echo_p50_us", "ratio", "socket_p50_us"),
     "transfer": ("gbps", "memcpy_gbps", "ratio", "view_ms", "device_put_ms"),
+    "loader": (
+        "transfer_ratio",
+        "compute_ratio",
+        "trainer_cpu_ratio",
+        "transfer_grain_bps",
+        "transfer_colocar1_bps",
+        "transfer_colocar2_bps",
+        "compute_grain_bps",
+        "compute_colocar1_bps",
+        "compute_colocar2_bps",
+        "transfer_grain_cpu_ms",
+        "compute_colocar2_cpu_ms",
+    ),
 }
 
 
@@ -45,3 +58,8 @@ def test_bench_quick_json(name: str) -> None:
         assert isinstance(result["device_put_aliased"], bool)
         assert result["array_mib"] == 64 and "--quick" in result["array"]
         assert result["source_builds"] == 1  # the warm source really stayed warm on the sidecar
+    if name == "loader":
+        assert result["rounds"] == 3
+        for key in ("transfer", "compute"):
+            for system in ("grain", "colocar1", "colocar2"):
+                assert len(result[f"{key}_{system}_bps_per_round"]) == 3

@@ -106,6 +106,7 @@ class DataIterator:
                     "build the mesh with cluster.mesh(...) (host-major device order)"
                 )
             self._plan.append((host, layout, placed))
+        self._put_order = self._batched_put_order()
         self.wait_seconds = 0.0
         self.batches = 0
         self._recent: list[tuple[list[weakref.ref], list[weakref.ref]]] = []
@@ -119,6 +120,31 @@ class DataIterator:
         ]
         ahead = max(1, self.config.prefetch - 1)
         self._streams = [obj.batches.stream(prefetch=ahead) for obj in self._remote]
+
+    def _batched_put_order(self) -> tuple[dict[str, list[int]], Any] | None:
+        """How `__next__` can put a field's per-device views in one call, or None (device_put).
+
+        JAX's `batched_device_put` takes one view per addressable device of the sharding, in its
+        order; it is internal API, so any mismatch (devices, dtypes JAX would convert, another
+        JAX version) falls back to the public path.
+        """
+        try:
+            from jax._src.interpreters.pxla import batched_device_put
+
+            _ = jax.core.ShapedArray
+        except (ImportError, AttributeError):
+            return None
+        devices = [device for _, _, placed in self._plan for device, _ in placed]
+        position = {d: i for i, d in enumerate(devices)}
+        orders: dict[str, list[int]] = {}
+        for name, (_, dtype) in self.fields.items():
+            if jax.dtypes.canonicalize_dtype(np.dtype(dtype)) != np.dtype(dtype):
+                return None
+            wanted = list(getattr(self.shardings[name], "_addressable_device_assignment", ()))
+            if len(position) != len(devices) or set(wanted) != set(devices) or len(wanted) != len(devices):
+                return None
+            orders[name] = [position[d] for d in wanted]
+        return orders, batched_device_put
 
     def __iter__(self) -> DataIterator:
         return self
@@ -149,19 +175,33 @@ class DataIterator:
         self.wait_seconds += time.perf_counter() - started
         if {item["k"] for item in items} != {self.position}:
             raise RuntimeError(f"hosts returned batches {[i['k'] for i in items]}, expected {self.position}")
-        pieces, targets, owners = [], [], []
+        pieces: dict[str, list[np.ndarray]] = {name: [] for name in self.fields}
+        targets = []
         for (_, layout, placed), item in zip(self._plan, items, strict=True):
-            for name in self.fields:
-                for device, segment in placed:
-                    pieces.append(layout.segment_view(item["slot"], name, segment))
-                    targets.append(device)
-                    owners.append(name)
-        arrays = jax.device_put(pieces, targets)
+            for device, segment in placed:
+                targets.append(device)
+                for name in self.fields:
+                    pieces[name].append(layout.segment_view(item["slot"], name, segment))
         B = self.config.global_batch_size
         batch: dict[str, jax.Array] = {}
-        for name, (shape, _) in self.fields.items():
-            mine = [a for a, owner in zip(arrays, owners, strict=True) if owner == name]
-            batch[name] = jax.make_array_from_single_device_arrays((B, *shape), self.shardings[name], mine)
+        if self._put_order is not None:
+            # One batched put per field builds the global array from its per-device views
+            # (aliased on CPU, as with device_put): ~10x less CPU than device_put of each view
+            # and make_array_from_single_device_arrays.
+            orders, put = self._put_order
+            for name, (shape, dtype) in self.fields.items():
+                order = orders[name]
+                aval = jax.core.ShapedArray((B, *shape), np.dtype(dtype))
+                views = [pieces[name][i] for i in order]
+                batch[name] = put(aval, self.shardings[name], views, [targets[i] for i in order])
+        else:
+            names = list(self.fields)
+            arrays = jax.device_put([v for name in names for v in pieces[name]], targets * len(names))
+            n = len(targets)
+            for f, (name, (shape, _)) in enumerate(self.fields.items()):
+                mine = arrays[f * n : (f + 1) * n]
+                sharding = self.shardings[name]
+                batch[name] = jax.make_array_from_single_device_arrays((B, *shape), sharding, mine)
         self.position += 1
         self.batches += 1
         if self._progress is not None:

@@ -7,6 +7,7 @@ puts it on its device without a copy where the platform allows (JAX on CPU alias
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,7 +49,7 @@ class SlotLayout:
         shape, dtype = self.fields[name]
         a, b = self.segments[segment]
         dt = np.dtype(dtype)
-        count = (b - a) * int(np.prod(shape, dtype=np.int64))
+        count = (b - a) * math.prod(shape)  # math.prod: np.prod costs ~15 us, 16 views per batch
         start = self.offsets[name][segment]
         return slot[start : start + count * dt.itemsize].view(dt).reshape((b - a, *shape))
 

@@ -1,0 +1,279 @@
+"""Input pipelines: colocar's sidecar loaders against grain `mp_prefetch` in the training process.
+
+Data: ArrayRecord files written once into a temporary directory (removed afterwards); each record
+is a 224x224x3 uint8 image (random bytes) followed by an int32 label (`encode`). Every batch is 64
+records: `image` uint8[64, 224, 224, 3] and `label` int32[64], sharded on the batch axis over the 8
+CPU devices of the training process (`XLA_FLAGS=--xla_force_host_platform_device_count=8`).
+
+Two pipelines, the same functions on both sides (module-level, so they pickle by reference):
+
+* `transfer`: `decode` only (np.frombuffer + reshape): the cost is moving ~9.6 MB per batch.
+* `compute`: `decode`, then `augment`, a few milliseconds of float32 numpy per record.
+
+Three ways to feed the training process, W=2 pipeline processes in total for each:
+
+* `grain`: `MapDataset.source(ArrayRecordDataSource).shuffle(seed).repeat().map(...).batch(64)
+  .to_iter_dataset(ReadOptions(...)).mp_prefetch(MultiprocessingOptions(num_workers=2))`, then
+  `jax.device_put(batch, shardings)` in the training process.
+* `colocar1`: `colocar.loaders.load` with 1 sidecar x `workers_per_host=2`.
+* `colocar2`: 2 sidecars x `workers_per_host=1` (4 CPU devices each).
+
+Each measurement starts a fresh iterator, takes `warmup` batches (process start, buffers drained
+to their steady state), then times `n` batches: batches/s from wall time, and the CPU seconds of
+the training process per batch (`time.process_time()`, all its threads; grain's worker processes
+and colocar's sidecars are not counted). Each batch is held like a training step would hold it
+(`jax.block_until_ready`) and dropped before the next is taken. Measurements are interleaved
+(one of each per round, order rotating) and the figures are medians over rounds (at least 5;
+3 with --quick, which also writes fewer records and times fewer batches). Ratios take the
+WORSE of 1 and 2 sidecars: `transfer_ratio` / `compute_ratio` = min(colocar) / grain batches/s,
+`trainer_cpu_ratio` = the largest colocar / grain training-process CPU per batch of both pipelines.
+"""
+
+from __future__ import annotations
+
+import os
+
+_DEVICES_FLAG = "--xla_force_host_platform_device_count=8"
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    # Before JAX is imported (`colocar bench` imports this module first): 8 CPU devices.
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICES_FLAG}".strip()
+
+import gc  # noqa: E402
+import glob  # noqa: E402
+import shutil  # noqa: E402
+import statistics  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from typing import Any  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+IMAGE_SHAPE = (224, 224, 3)
+IMAGE_BYTES = 224 * 224 * 3
+BATCH = 64
+WORKERS = 2  # pipeline processes in total, for every system
+SEED = 3
+AUGMENT_PASSES = 24  # ~3 ms per record on this machine's cores
+MiB = 1 << 20
+SYSTEMS = ("grain", "colocar1", "colocar2")
+PIPELINES = ("transfer", "compute")
+
+
+# --- the record format and the per-record transforms (run in pipeline workers) --------------
+def encode(image: np.ndarray, label: int) -> bytes:
+    return image.tobytes() + np.int32(label).astype("<i4").tobytes()
+
+
+def decode(record: bytes) -> dict[str, Any]:
+    """Cheap: views over the record's bytes (the copy into the batch is the only one)."""
+    buf = np.frombuffer(record, dtype=np.uint8)
+    return {"image": buf[:IMAGE_BYTES].reshape(IMAGE_SHAPE), "label": buf[IMAGE_BYTES:].view("<i4")[0]}
+
+
+def augment(record: dict[str, Any]) -> dict[str, Any]:
+    """A few milliseconds of float32 numpy on the image, back to uint8."""
+    x = record["image"].astype(np.float32)
+    for _ in range(AUGMENT_PASSES):
+        np.multiply(x, 0.97, out=x)
+        np.add(x, 3.0, out=x)
+        np.sqrt(x, out=x)
+        np.multiply(x, 16.0, out=x)
+    np.clip(x, 0.0, 255.0, out=x)
+    return {"image": x.astype(np.uint8), "label": record["label"]}
+
+
+TRANSFORMS: dict[str, list[Callable[..., Any]]] = {"transfer": [decode], "compute": [decode, augment]}
+
+
+def write_records(directory: str, files: int, per_file: int) -> str:
+    """ArrayRecord files of random images; returns their glob."""
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    rng = np.random.default_rng(0)
+    for f in range(files):
+        writer = ArrayRecordWriter(os.path.join(directory, f"images-{f:02d}.array_record"), "group_size:1")
+        for i in range(per_file):
+            image = rng.integers(0, 256, IMAGE_SHAPE, dtype=np.uint8)
+            writer.write(encode(image, f * per_file + i))
+        writer.close()
+    return os.path.join(directory, "images-*.array_record")
+
+
+# --- the three feeders: (start, next, close) -------------------------------------------------
+class _Grain:
+    """grain's multiprocessing prefetch in the training process, then `jax.device_put`."""
+
+    def __init__(self, pattern: str, pipeline: str, shardings: dict[str, Any]):
+        import grain
+        from absl import flags
+
+        if not flags.FLAGS.is_parsed():  # grain reads absl flags; a program without absl.app
+            flags.FLAGS.mark_as_parsed()
+        files = sorted(glob.glob(pattern))
+        ds = grain.MapDataset.source(grain.sources.ArrayRecordDataSource(files)).shuffle(SEED).repeat()
+        for fn in TRANSFORMS[pipeline]:
+            ds = ds.map(fn)
+        # One reader thread and a small buffer per worker: grain's defaults (16 threads, 500
+        # elements) would buffer hundreds of 9.6 MB batches in each worker.
+        read = grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)
+        it = (
+            ds.batch(BATCH)
+            .to_iter_dataset(read)
+            .mp_prefetch(grain.MultiprocessingOptions(num_workers=WORKERS))
+        )
+        self._it = iter(it)
+        self._shardings = shardings
+
+    def next(self) -> Any:
+        import jax
+
+        return jax.device_put(next(self._it), self._shardings)
+
+    def close(self) -> None:
+        self._it.close()
+
+
+class _Colocar:
+    def __init__(self, pattern: str, pipeline: str, cluster: Any):
+        from colocar import loaders
+
+        config = {
+            "source": {"kind": "array_record", "paths": pattern},
+            "global_batch_size": BATCH,
+            "transforms": [{"kind": "map", "fn": fn} for fn in TRANSFORMS[pipeline]],
+            "shuffle": True,
+            "seed": SEED,
+            "num_epochs": None,
+            "workers_per_host": WORKERS // len(cluster.hosts),
+            "prefetch": 4,
+        }
+        self.it = loaders.load(config, cluster, cluster.mesh(("data",)), starve_timeout=600.0)
+
+    def next(self) -> Any:
+        return next(self.it)
+
+    def close(self) -> None:
+        self.it.close()
+
+
+def _measure(make: Callable[[], Any], warmup: int, n: int) -> dict[str, float]:
+    import jax
+
+    feeder = make()
+    try:
+        for _ in range(warmup):
+            batch = feeder.next()
+            jax.block_until_ready(batch)
+            del batch
+        wait0 = getattr(getattr(feeder, "it", None), "wait_seconds", 0.0)
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        for _ in range(n):
+            batch = feeder.next()
+            jax.block_until_ready(batch)
+            del batch
+        t1, cpu1 = time.perf_counter(), time.process_time()
+        wait1 = getattr(getattr(feeder, "it", None), "wait_seconds", 0.0)
+    finally:
+        feeder.close()
+        del feeder
+        gc.collect()
+    return {"bps": n / (t1 - t0), "cpu_ms": (cpu1 - cpu0) / n * 1e3, "wait_ms": (wait1 - wait0) / n * 1e3}
+
+
+def _per_record_ms(pipeline: str, pattern: str) -> float:
+    from grain.sources import ArrayRecordDataSource
+
+    source = ArrayRecordDataSource(sorted(glob.glob(pattern)))
+    records = [source[i] for i in range(8)]
+    times = []
+    for _ in range(3):
+        for record in records:
+            t0 = time.perf_counter()
+            out: Any = record
+            for fn in TRANSFORMS[pipeline]:
+                out = fn(out)
+            np.ascontiguousarray(out["image"])
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def run(quick: bool, repeats: int) -> dict:
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import colocar
+
+    devices = jax.devices("cpu")
+    if len(devices) < 2 or BATCH % len(devices) or len(devices) % 2:
+        raise RuntimeError(
+            f"the loader benchmark needs an even number of CPU devices dividing {BATCH}, got "
+            f"{len(devices)}: set XLA_FLAGS={_DEVICES_FLAG} before JAX is imported"
+        )
+    rounds = max(3, min(repeats, 3)) if quick else max(5, repeats)
+    files, per_file = (2, 128) if quick else (2, 256)
+    warmup = {"transfer": 8, "compute": 4} if quick else {"transfer": 10, "compute": 6}
+    batches = {"transfer": 30, "compute": 8} if quick else {"transfer": 80, "compute": 20}
+
+    mesh = jax.sharding.Mesh(np.array(devices), ("data",))
+    shardings = {
+        "image": NamedSharding(mesh, P("data", None, None, None)),
+        "label": NamedSharding(mesh, P("data")),
+    }
+    results: dict[tuple[str, str], list[dict[str, float]]] = {(p, s): [] for p in PIPELINES for s in SYSTEMS}
+    directory = tempfile.mkdtemp(prefix="colocar-bench-loader-")
+    arena = 96 * MiB
+    try:
+        pattern = write_records(directory, files, per_file)
+        per_record = {p: _per_record_ms(p, pattern) for p in PIPELINES}
+        with (
+            colocar.local_cluster(hosts=1, devices=devices, arena_size=arena, processes=0) as one,
+            colocar.local_cluster(hosts=2, devices=devices, arena_size=arena, processes=0) as two,
+        ):
+            makers: dict[str, Callable[[str], Any]] = {
+                "grain": lambda p: _Grain(pattern, p, shardings),
+                "colocar1": lambda p: _Colocar(pattern, p, one),
+                "colocar2": lambda p: _Colocar(pattern, p, two),
+            }
+            for r in range(rounds):
+                order = SYSTEMS[r % 3 :] + SYSTEMS[: r % 3]
+                for pipeline in PIPELINES:
+                    for system in order:
+                        m = _measure(lambda: makers[system](pipeline), warmup[pipeline], batches[pipeline])  # noqa: B023
+                        results[(pipeline, system)].append(m)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+    def med(pipeline: str, system: str, key: str) -> float:
+        return statistics.median(m[key] for m in results[(pipeline, system)])
+
+    out: dict[str, Any] = {
+        "benchmark": "loader",
+        "quick": quick,
+        "rounds": rounds,
+        "records": files * per_file,
+        "batch": f"{BATCH} x uint8[224,224,3] + int32 label, {len(devices)} CPU devices",
+        "workers_total": WORKERS,
+    }
+    for pipeline in PIPELINES:
+        out[f"{pipeline}_record_ms"] = round(per_record[pipeline], 3)
+        out[f"{pipeline}_warmup_batches"] = warmup[pipeline]
+        out[f"{pipeline}_timed_batches"] = batches[pipeline]
+        for system in SYSTEMS:
+            out[f"{pipeline}_{system}_bps"] = round(med(pipeline, system, "bps"), 1)
+        for system in SYSTEMS:
+            out[f"{pipeline}_{system}_cpu_ms"] = round(med(pipeline, system, "cpu_ms"), 2)
+        for system in SYSTEMS[1:]:
+            out[f"{pipeline}_{system}_wait_ms"] = round(med(pipeline, system, "wait_ms"), 2)
+        worst_bps = min(med(pipeline, s, "bps") for s in SYSTEMS[1:])
+        worst_cpu = max(med(pipeline, s, "cpu_ms") for s in SYSTEMS[1:])
+        out[f"{pipeline}_ratio"] = round(worst_bps / med(pipeline, "grain", "bps"), 3)
+        out[f"{pipeline}_cpu_ratio"] = round(worst_cpu / med(pipeline, "grain", "cpu_ms"), 3)
+    out["trainer_cpu_ratio"] = max(out["transfer_cpu_ratio"], out["compute_cpu_ratio"])
+    for pipeline in PIPELINES:
+        for system in SYSTEMS:
+            out[f"{pipeline}_{system}_bps_per_round"] = [
+                round(m["bps"], 1) for m in results[(pipeline, system)]
+            ]
+    return out
