@@ -29,6 +29,7 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/colocar bench rpc --quick
 	$(VENV)/bin/colocar bench transfer --quick
+	$(VENV)/bin/colocar bench loader --quick
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

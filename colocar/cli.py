@@ -10,7 +10,7 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: colocar {sidecar,bench} ...\n")
         print("  sidecar   run a sidecar (colocar sidecar --help)")
-        print("  bench     run a benchmark: colocar bench {rpc,transfer} [--json] [--quick]")
+        print("  bench     run a benchmark: colocar bench {rpc,transfer,loader} [--json] [--quick]")
         sys.exit(0 if argv else 2)
     command, rest = argv[0], argv[1:]
     if command == "sidecar":
