@@ -112,10 +112,13 @@ def test_exact_resume_mid_epoch_also_on_another_host_count(two_hosts):
         it.set_state(state)
         assert take(it, 4, labels) == uninterrupted[3:]
     with colocar.local_cluster(hosts=1, arena_size=16 << 20, processes=0) as one:
-        with loaders.load(config(), one) as it:
+        with loaders.load(config(), one) as it:  # 2 -> 1 hosts
             it.set_state(state)
-            assert take(it, 4, labels) == uninterrupted[3:]
-    two_hosts.make_current()
+            assert take(it, 2, labels) == uninterrupted[3:5]
+            state_on_one = it.get_state()
+    with loaders.load(config(), two_hosts.make_current()) as it:  # 1 -> 2 hosts
+        it.set_state(state_on_one)
+        assert take(it, 2, labels) == uninterrupted[5:7]
 
 
 def test_epochs_reshuffle_and_end(two_hosts):
