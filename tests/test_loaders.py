@@ -256,3 +256,14 @@ def test_progress_line_and_stats(two_hosts, capsys):
     assert [h["host"] for h in stats["hosts"]] == ["host0", "host1"]
     assert all(h["ring_slots"] == 3 and h["workers_alive"] == 1 for h in stats["hosts"])
     assert "input pipeline" in capsys.readouterr().out
+
+
+def test_public_device_put_path_gives_the_same_batches(two_hosts, monkeypatch):
+    """The batched put is JAX-internal; its public fallback must build the same arrays."""
+    c = two_hosts.make_current()
+    with loaders.load(config(), c) as it:
+        fast = take(it, 2, row_values)
+    monkeypatch.setattr(loaders.DataIterator, "_batched_put_order", lambda self: None)
+    with loaders.load(config(), c) as it:
+        assert it._put_order is None
+        assert take(it, 2, row_values) == fast

@@ -70,8 +70,6 @@ class DataIterator:
         self.config = config
         self.starve_timeout = starve_timeout
         self._progress = _Progress(config) if progress else None
-        self._cluster = cluster
-        self._mesh = mesh
         axes = config.batch_axes or tuple(mesh.axis_names)
         B = config.global_batch_size
         if config.element_spec:

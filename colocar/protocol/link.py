@@ -19,7 +19,6 @@ import struct
 
 MAX_FRAME = 64 << 20
 HELLO = "hello"
-LINK_METHODS = frozenset({"Call", "Allocate", "Release", "DeleteObject", "FindObject", "Stats", "Disconnect"})
 LENGTH = struct.Struct("!I")
 
 

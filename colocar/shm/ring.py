@@ -13,7 +13,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
@@ -104,6 +103,3 @@ class SlotRing:
         with self._lock:
             self._closed = True
         self._allocator.release_owner(self._owner)
-
-    def describe(self) -> list[dict[str, Any]]:
-        return [{"offset": b.offset, "nbytes": b.nbytes} for b in self.blocks]
