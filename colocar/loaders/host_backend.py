@@ -2,8 +2,8 @@
 
 Runs in the sidecar process. A scheduler thread hands batch numbers to the worker processes as
 ring slots come free (a bounded ring: a slow consumer stalls the workers, nothing queues up);
-a collector thread gathers their reports; `batches(start)` streams, in order, an exact view of
-each finished slot to the controller, which shares the block without a copy. The workers are
+a collector thread gathers their reports; `next_batch()` returns, in order, an exact view of
+each finished slot to the controller (over the local link), which shares the block, no copy. The workers are
 stopped and the slots freed when the object goes (deleted, session ended) or on `close()`.
 """
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 
@@ -119,7 +118,7 @@ class LoaderHost:
         from .worker import _record_pipeline, sampler_for
 
         self.host = host
-        self.start = start
+        self._next = start
         self.config = config
         runtime = sidecar_runtime()
         num_records = len(_record_pipeline(config))
@@ -154,23 +153,25 @@ class LoaderHost:
         threading.Thread(target=state.collect, daemon=True).start()
         weakref.finalize(self, state.stop)
 
-    def batches(self) -> Iterator[dict[str, Any]]:
-        """Finished batches in order, from `start`: {"k", "slot" (arena view), "bad_records"}."""
+    def next_batch(self) -> dict[str, Any] | None:
+        """The next finished batch, in order: {"k", "slot" (an exact arena view), "bad_records"};
+        None at the end. Returning the view shares the slot's block with the caller, no copy."""
         state = self._state
-        k = self.start
-        while state.num_batches is None or k < state.num_batches:
-            message = state.wait(k)
-            if message is None:  # closed: the stream ends
-                return
-            if message[0] == "error":
-                _, _, slot, text, tb = message
-                state.ring.abandon(slot)
-                raise PipelineError(f"batch {k} on {self.host}: {text}\n{tb}")
-            _, _, slot, bad = message
-            state.bad_records += bad
-            state.produced += 1
-            yield {"k": k, "slot": state.ring.publish(slot), "bad_records": state.bad_records}
-            k += 1
+        k = self._next
+        if state.num_batches is not None and k >= state.num_batches:
+            return None
+        message = state.wait(k)
+        if message is None:  # closed
+            return None
+        if message[0] == "error":
+            _, _, slot, text, tb = message
+            state.ring.abandon(slot)
+            raise PipelineError(f"batch {k} on {self.host}: {text}\n{tb}")
+        _, _, slot, bad = message
+        state.bad_records += bad
+        state.produced += 1
+        self._next = k + 1
+        return {"k": k, "slot": state.ring.publish(slot), "bad_records": state.bad_records}
 
     def stats(self) -> dict[str, Any]:
         state = self._state

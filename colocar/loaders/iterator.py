@@ -1,10 +1,11 @@
 """The controller's iterator of global batches (runs in the controller / device owner).
 
 It ships the pipeline once (a `LoaderHost` on each host's sidecar), then, per step, takes each
-host's finished slot (an arena view, no bytes through gRPC), puts every device's segment on its
-device (aliased on CPU, so the slot stays leased while the batch's arrays live) and assembles
-global `jax.Array`s with `jax.make_array_from_single_device_arrays`. Its state is the number of
-the next global batch: JSON-able, and exact on any number of hosts for index-based sources.
+host's finished slot (an arena view: a descriptor over the local link, no bytes), puts every
+device's segment on its device (aliased on CPU, so the slot stays leased while the batch's
+arrays live) and assembles global `jax.Array`s. The workers run up to `prefetch` batches ahead
+in the ring, so the next batch is usually ready. Its state is the number of the next global
+batch: JSON-able, and exact on any number of hosts for index-based sources.
 """
 
 from __future__ import annotations
@@ -116,8 +117,6 @@ class DataIterator:
             RemoteLoaderHost.on(host)(self.config, layout, start, host.name, self.starve_timeout)
             for host, layout, _ in self._plan
         ]
-        ahead = max(1, self.config.prefetch - 1)
-        self._streams = [obj.batches.stream(prefetch=ahead) for obj in self._remote]
 
     def _batched_put_order(self) -> tuple[dict[str, list[int]], Any] | None:
         """How `__next__` can put a field's per-device views in one call, or None (device_put).
@@ -169,7 +168,9 @@ class DataIterator:
     def __next__(self) -> dict[str, jax.Array]:
         self._free_dropped_slots()
         started = time.perf_counter()
-        items = [next(stream) for stream in self._streams]
+        items = [obj.next_batch() for obj in self._remote]
+        if any(item is None for item in items):
+            raise StopIteration
         self.wait_seconds += time.perf_counter() - started
         if {item["k"] for item in items} != {self.position}:
             raise RuntimeError(f"hosts returned batches {[i['k'] for i in items]}, expected {self.position}")
@@ -242,16 +243,12 @@ class DataIterator:
         }
 
     def _close_remote(self) -> None:
-        # Stop the hosts' pipelines first: their streams then end, and what was in flight is
-        # received and dropped, so no slot stays leased.
         for obj in self._remote:
             try:
                 obj.close()
             except Exception:  # a lost host: its session's lease frees everything
                 pass
-        for stream in self._streams:
-            stream.close()
-        self._streams, self._remote = [], []
+        self._remote = []
 
     def close(self) -> None:
         """Stops every host's workers and frees their slots (held batches stay valid)."""
