@@ -38,7 +38,7 @@ import colocar
 from colocar.protocol import colocar_pb2 as pb
 from colocar.protocol import colocar_pb2_grpc as pb_grpc
 from colocar.protocol import link, versions
-from colocar.sidecar.auth import new_token, write_token_file
+from colocar.protocol.tokens import new_token, write_token_file
 
 SHM_DIR = os.environ["COLOCAR_SHM_DIR"]
 TOKEN_KEY = "x-colocar-token"

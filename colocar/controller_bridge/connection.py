@@ -34,6 +34,7 @@ from colocar.errors import (
 from colocar.protocol import colocar_pb2 as pb
 from colocar.protocol import colocar_pb2_grpc as pb_grpc
 from colocar.protocol import serialization, versions
+from colocar.protocol.tokens import TOKEN_METADATA_KEY
 from colocar.shm import (
     Arena,
     ArenaFullError,
@@ -46,7 +47,6 @@ from colocar.shm.reclaim import Reclaimer
 
 from .link_client import LinkClient
 
-TOKEN_METADATA_KEY = "x-colocar-token"
 CHUNK_BYTES = 1 << 20
 MiB = 1 << 20
 LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)

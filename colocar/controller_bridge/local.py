@@ -23,7 +23,7 @@ from typing import Any
 import jax
 
 from colocar.errors import ColocarError
-from colocar.sidecar.auth import new_token, write_token_file
+from colocar.protocol.tokens import new_token, write_token_file
 
 from .cluster import Cluster, Host, split_devices
 from .connection import HostConnection

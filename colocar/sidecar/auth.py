@@ -9,27 +9,15 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import os
-import secrets
 import stat
 
 import grpc
 
-TOKEN_METADATA_KEY = "x-colocar-token"
+from colocar.protocol.tokens import TOKEN_METADATA_KEY
 
 
 class UnsafeConfigError(SystemExit):
     """The sidecar would accept code from the network without authentication."""
-
-
-def new_token() -> str:
-    return secrets.token_hex(32)
-
-
-def write_token_file(path: str, token: str) -> None:
-    """Writes a token readable by the owner only (0600)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token)
 
 
 def read_token_file(path: str) -> str:

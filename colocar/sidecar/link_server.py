@@ -19,8 +19,7 @@ import grpc
 
 from colocar.protocol import colocar_pb2 as pb
 from colocar.protocol import link
-
-from .auth import TOKEN_METADATA_KEY
+from colocar.protocol.tokens import TOKEN_METADATA_KEY
 
 MAX_CONNECTIONS = 1024
 _REQUEST_TYPES: dict[str, Any] = {
