@@ -34,6 +34,7 @@ from colocar.errors import (
 from colocar.protocol import colocar_pb2 as pb
 from colocar.protocol import colocar_pb2_grpc as pb_grpc
 from colocar.protocol import serialization, versions
+from colocar.protocol.link import METHODS as LINK_METHODS
 from colocar.protocol.tokens import TOKEN_METADATA_KEY
 from colocar.shm import (
     Arena,
@@ -51,18 +52,6 @@ CHUNK_BYTES = 1 << 20
 MiB = 1 << 20
 LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 LINK_THREADS = 16  # futures in flight at once over one host's local link
-# Unary methods that may take the local link, with their reply types.
-LINK_REPLIES = {
-    "Call": pb.CallReply,
-    "Allocate": pb.AllocateReply,
-    "Release": pb.Empty,
-    "DeleteObject": pb.Empty,
-    "FindObject": pb.ObjectRef,
-    "Stats": pb.StatsReply,
-    "Keepalive": pb.KeepaliveReply,
-}
-
-
 def channel_options(heartbeat_seconds: float) -> list[tuple[str, Any]]:
     """gRPC keepalive pings detect a dead or stopped sidecar even in the middle of a call."""
     ping_ms = max(200, int(heartbeat_seconds * 1000))
@@ -210,8 +199,8 @@ class HostConnection:
     def sync(self, method: str, request: Any, timeout: float | None = None) -> Any:
         """A unary call, over the local link when there is one, else gRPC; raises grpc.RpcError."""
         link = self.link
-        if link is not None and method in LINK_REPLIES:
-            return link.call(method, request, LINK_REPLIES[method], timeout)
+        if link is not None and method in LINK_METHODS:
+            return link.call(method, request, LINK_METHODS[method][1], timeout)
         return getattr(self.stub, method)(request, metadata=self.metadata, timeout=timeout)
 
     def _connect_error(self, e: grpc.RpcError) -> ColocarError:
@@ -336,13 +325,14 @@ class HostConnection:
     def shm(self) -> bool:
         return self.arena is not None
 
-    def own_block(self, array: np.ndarray) -> int | None:
-        """Block id if `array` is exactly one of our views of this sidecar's arena."""
+    def own_block(self, array: np.ndarray) -> pb.BlockDesc | None:
+        """The block, if `array` is exactly one of our views of this sidecar's arena."""
         found = block_of(array)
         if found is None or found[0] is not self.arena:
             return None
         with self._views_lock:
-            return self._views.get(found[1])
+            block_id = self._views.get(found[1])
+        return None if block_id is None else pb.BlockDesc(id=block_id, offset=found[1], nbytes=found[2])
 
     def _view(self, desc: pb.BlockDesc, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         assert self.arena is not None
@@ -414,13 +404,11 @@ class HostConnection:
         descs: list[pb.BlockDesc | None] = [None] * len(arrays)
         fresh = []
         for i, array in enumerate(arrays):
-            block_id = self.own_block(array) if self.shm else None
-            if block_id is None:
+            descs[i] = self.own_block(array) if self.shm else None
+            if descs[i] is None:
                 fresh.append(i)
-            else:
-                descs[i] = pb.BlockDesc(id=block_id, offset=_offset(self.arena, array), nbytes=array.nbytes)
         consumed = []
-        if self.shm:
+        if self.shm and fresh:
             for i, desc in zip(fresh, self.allocate([arrays[i].nbytes for i in fresh]), strict=True):
                 copy_into(self.arena, desc.offset, arrays[i])  # type: ignore[arg-type]
                 descs[i] = desc
@@ -530,9 +518,3 @@ def _print_line(text: str) -> None:
         print(text, file=sys.stdout, flush=True)
     except (ValueError, OSError):
         pass
-
-
-def _offset(arena: Arena | None, array: np.ndarray) -> int:
-    found = block_of(array)
-    assert found is not None and found[0] is arena
-    return found[1]

@@ -16,9 +16,22 @@ from __future__ import annotations
 
 import socket
 import struct
+from typing import Any
+
+from . import colocar_pb2 as pb
 
 MAX_FRAME = 64 << 20
 HELLO = "hello"
+# The unary Sidecar methods served on the link; their message types come from the proto.
+_SERVED = ("Call", "Allocate", "Release", "DeleteObject", "FindObject", "Stats", "Disconnect", "Keepalive")
+_SERVICE = pb.DESCRIPTOR.services_by_name["Sidecar"]
+METHODS: dict[str, tuple[Any, Any]] = {
+    name: (
+        getattr(pb, _SERVICE.methods_by_name[name].input_type.name),
+        getattr(pb, _SERVICE.methods_by_name[name].output_type.name),
+    )
+    for name in _SERVED
+}  # method -> (request type, reply type)
 LENGTH = struct.Struct("!I")
 
 

@@ -17,23 +17,10 @@ from typing import Any
 
 import grpc
 
-from colocar.protocol import colocar_pb2 as pb
 from colocar.protocol import link
 from colocar.protocol.tokens import TOKEN_METADATA_KEY
 
 MAX_CONNECTIONS = 1024
-_REQUEST_TYPES: dict[str, Any] = {
-    "Call": pb.CallRequest,
-    "Allocate": pb.AllocateRequest,
-    "Release": pb.ReleaseRequest,
-    "DeleteObject": pb.ObjectRef,
-    "FindObject": pb.ObjectRef,
-    "Stats": pb.Empty,
-    "Disconnect": pb.SessionRef,
-    "Keepalive": pb.SessionRef,
-}
-
-
 class _Abort(Exception):
     def __init__(self, code: grpc.StatusCode, details: str):
         super().__init__(details)
@@ -118,11 +105,11 @@ class LinkServer:
             conn.close()
 
     def _handle(self, method: str, body: bytes, context: _Context) -> tuple[int, bytes]:
-        request_type = _REQUEST_TYPES.get(method)
-        if request_type is None:
+        types = link.METHODS.get(method)
+        if types is None:
             return grpc.StatusCode.UNIMPLEMENTED.value[0], f"{method} is not served on the link".encode()
         try:
-            request = request_type.FromString(body)
+            request = types[0].FromString(body)
         except Exception:
             return grpc.StatusCode.INVALID_ARGUMENT.value[0], b"undecodable request"
         try:
