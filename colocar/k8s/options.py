@@ -1,0 +1,240 @@
+"""What `colocar k8s render` takes, checked before anything is rendered.
+
+Every user input (job name, images, bucket URL, sizes, pools) is validated here, so that a bad
+value fails with a message saying what to write instead and nothing reaches stdout. Sizes are
+Kubernetes binary quantities (`32Gi`); the derived sidecar flags use the sidecar's own units.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass
+
+from .topologies import TOPOLOGIES, Topology
+
+MiB = 1 << 20
+GiB = 1 << 30
+VARIANTS = ("multi-controller", "single-controller")
+DEFAULT_GSA = "colocar@PROJECT_ID.iam.gserviceaccount.com"
+_NAME_RE = re.compile(r"^[a-z]([a-z0-9-]{0,38}[a-z0-9])?$")
+_POOL_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]$")
+_PREFIX_RE = re.compile(r"^[A-Za-z0-9._~=+@,-]+(/[A-Za-z0-9._~=+@,-]+)*$")
+_GSA_RE = re.compile(r"^[a-z][a-z0-9-]{4,28}[a-z0-9]@[A-Za-z0-9_.-]+\.iam\.gserviceaccount\.com$")
+_SIZE_RE = re.compile(r"^([0-9]+)(Mi|Gi|Ti)$")
+_UNITS = {"Mi": MiB, "Gi": GiB, "Ti": 1 << 40}
+
+
+class RenderError(ValueError):
+    """An input `render` cannot turn into valid manifests; the message says what to fix."""
+
+
+def parse_size(text: str, what: str) -> int:
+    """'32Gi' -> bytes. Binary units only: in Kubernetes '32G' means 32e9, a likely mistake."""
+    m = _SIZE_RE.match(text.strip())
+    if not m or int(m.group(1)) == 0:
+        raise RenderError(
+            f"{what}: {text!r} is not a size; write a whole number with Mi, Gi or Ti (e.g. 32Gi)"
+        )
+    return int(m.group(1)) * _UNITS[m.group(2)]
+
+
+def quantity(nbytes: int) -> str:
+    """Bytes (a whole number of MiB) -> a Kubernetes quantity: '32Gi' or '30720Mi'."""
+    return f"{nbytes // GiB}Gi" if nbytes % GiB == 0 else f"{nbytes // MiB}Mi"
+
+
+def sidecar_size(nbytes: int) -> str:
+    """Bytes (a whole number of MiB) -> the sidecar's size syntax: '30G' or '30720M' (binary)."""
+    return f"{nbytes // GiB}G" if nbytes % GiB == 0 else f"{nbytes // MiB}M"
+
+
+def check_name(name: str) -> str:
+    if not _NAME_RE.match(name):
+        raise RenderError(
+            f"--name {name!r}: use 1-40 lowercase letters, digits and '-', starting with a letter "
+            "(it prefixes pod hostnames, which DNS limits to 63 characters)"
+        )
+    return name
+
+
+def check_image(image: str, flag: str) -> str:
+    """An image must be pinned (tag or digest): controller and sidecar versions must agree."""
+    last = image.rsplit("/", 1)[-1]
+    if not image or any(c.isspace() for c in image):
+        raise RenderError(f"{flag} {image!r} is not an image reference")
+    if "@sha256:" in image:
+        return image
+    if ":" not in last or not last.rsplit(":", 1)[1]:
+        raise RenderError(
+            f"{flag} {image!r} has no tag: pin a version (e.g. {image}:0.1.0 or @sha256:...), since the "
+            "trainer and the sidecar must run the same Python, JAX and cloudpickle"
+        )
+    if last.rsplit(":", 1)[1] == "latest":
+        raise RenderError(
+            f"{flag} {image!r}: ':latest' moves under a running job; pin a version tag or digest"
+        )
+    return image
+
+
+def check_bucket(url: str) -> tuple[str, str]:
+    """'gs://bucket/prefix' -> (bucket, prefix); the prefix may be empty."""
+    if not url.startswith("gs://"):
+        raise RenderError(f"--bucket {url!r}: expected gs://BUCKET/PREFIX")
+    bucket, _, prefix = url[len("gs://") :].partition("/")
+    prefix = prefix.rstrip("/")
+    if not _BUCKET_RE.match(bucket) or ".." in bucket:
+        raise RenderError(
+            f"--bucket {url!r}: {bucket!r} is not a bucket name (3-63 lowercase letters, digits, "
+            "'-', '_' and '.', starting and ending with a letter or digit)"
+        )
+    if prefix and not _PREFIX_RE.match(prefix):
+        raise RenderError(f"--bucket {url!r}: prefix {prefix!r} has empty path parts or odd characters")
+    return bucket, prefix
+
+
+def check_gsa(email: str) -> str:
+    if email != DEFAULT_GSA and not _GSA_RE.match(email):
+        raise RenderError(f"--gcp-service-account {email!r}: expected NAME@PROJECT.iam.gserviceaccount.com")
+    return email
+
+
+def parse_pool(text: str) -> tuple[str, int]:
+    name, eq, size = text.partition("=")
+    if not eq or not _POOL_RE.match(name) or name == "default":
+        raise RenderError(
+            f"--pool {text!r}: expected NAME=SIZE with a NAME other than 'default' (e.g. ckpt=8Gi)"
+        )
+    return name, parse_size(size, f"--pool {name}")
+
+
+def arena_bytes(shm_bytes: int) -> int:
+    """The arena for a volume of `shm_bytes`: 1/16 of it (at least 256 MiB) stays free.
+
+    The headroom is for other files in the volume (the link socket, scratch files of shipped
+    code) and keeps the tmpfs below its limit, where the sidecar would fail to start.
+    """
+    headroom = max(256 * MiB, shm_bytes // 16)
+    return (shm_bytes - headroom) // MiB * MiB
+
+
+@dataclass(frozen=True)
+class RenderOptions:
+    """Everything the manifests depend on, validated; see `colocar k8s render --help`."""
+
+    topology: Topology
+    image: str
+    bucket: str
+    name: str = "train"
+    variant: str = "multi-controller"
+    trainer_image: str = ""
+    trainer_command: tuple[str, ...] = ("python", "train.py")
+    controller_command: tuple[str, ...] = ("python", "controller.py")
+    gcp_service_account: str = DEFAULT_GSA
+    namespace: str = "default"
+    port: int = 7070
+    shm_bytes: int = 0
+    pools: tuple[tuple[str, int], ...] = ()
+    sidecar_cpu: int = 0
+    sidecar_memory_bytes: int = 0
+    tls_secret: str = ""
+    max_restarts: int = 3
+
+    @property
+    def bucket_name(self) -> str:
+        """'gs://b/p' -> 'b'."""
+        return self.bucket.removeprefix("gs://").split("/", 1)[0]
+
+    @property
+    def arena_bytes(self) -> int:
+        return arena_bytes(self.shm_bytes)
+
+    @property
+    def processes(self) -> int:
+        """Worker processes for `processes=True` calls: half the cores; pipeline workers get the rest."""
+        return max(1, self.sidecar_cpu // 2)
+
+
+def build_options(
+    *,
+    topology: str,
+    image: str,
+    bucket: str,
+    name: str = "train",
+    variant: str = "multi-controller",
+    trainer_image: str | None = None,
+    trainer_command: str = "python train.py",
+    controller_command: str = "python controller.py",
+    gcp_service_account: str = DEFAULT_GSA,
+    namespace: str = "default",
+    port: int = 7070,
+    shm_size: str | None = None,
+    pools: list[str] | None = None,
+    sidecar_cpu: int | None = None,
+    sidecar_memory: str | None = None,
+    tls_secret: str | None = None,
+    max_restarts: int = 3,
+) -> RenderOptions:
+    """Validates raw inputs (as typed on the command line) into `RenderOptions`."""
+    if topology not in TOPOLOGIES:
+        raise RenderError(f"--topology {topology!r} is unknown; known: {', '.join(TOPOLOGIES)}")
+    topo = TOPOLOGIES[topology]
+    if variant not in VARIANTS:
+        raise RenderError(f"--variant {variant!r}: choose {' or '.join(VARIANTS)}")
+    if not 1024 <= port <= 65535:
+        raise RenderError(f"--port {port}: choose an unprivileged port, 1024-65535")
+    if not re.match(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$", namespace):
+        raise RenderError(f"--namespace {namespace!r} is not a namespace name")
+    if tls_secret is not None and not re.match(r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$", tls_secret):
+        raise RenderError(f"--tls-secret {tls_secret!r} is not a Secret name")
+    commands = {}
+    for flag, text in (("--trainer-command", trainer_command), ("--controller-command", controller_command)):
+        try:
+            commands[flag] = tuple(shlex.split(text))
+        except ValueError as e:
+            raise RenderError(f"{flag} {text!r}: {e}") from None
+        if not commands[flag]:
+            raise RenderError(f"{flag} is empty")
+    shm_bytes = parse_size(shm_size, "--shm-size") if shm_size else topo.shm_gib * GiB
+    if shm_bytes < GiB:
+        raise RenderError(f"--shm-size {shm_size}: give the arena volume at least 1Gi")
+    parsed_pools = tuple(parse_pool(p) for p in pools or ())
+    if len({n for n, _ in parsed_pools}) != len(parsed_pools):
+        raise RenderError("--pool: each pool name may appear once")
+    arena = arena_bytes(shm_bytes)
+    reserved = sum(size for _, size in parsed_pools)
+    if reserved + 64 * MiB > arena:
+        raise RenderError(
+            f"--pool reservations ({quantity(reserved)}) leave less than 64Mi of the {quantity(arena)} "
+            f"arena (derived from --shm-size {quantity(shm_bytes)}) for the default pool: "
+            "lower them or raise --shm-size"
+        )
+    cpu = topo.sidecar_cpu if sidecar_cpu is None else sidecar_cpu
+    if cpu < 1:
+        raise RenderError(f"--sidecar-cpu {cpu}: give the sidecar at least one core")
+    memory = (
+        parse_size(sidecar_memory, "--sidecar-memory") if sidecar_memory else topo.sidecar_memory_gib * GiB
+    )
+    if max_restarts < 0:
+        raise RenderError(f"--max-restarts {max_restarts} must be 0 or more")
+    bucket_name, prefix = check_bucket(bucket)
+    return RenderOptions(
+        topology=topo,
+        image=check_image(image, "--image"),
+        bucket=f"gs://{bucket_name}/{prefix}" if prefix else f"gs://{bucket_name}",
+        name=check_name(name),
+        variant=variant,
+        trainer_image=check_image(trainer_image, "--trainer-image") if trainer_image else image,
+        trainer_command=commands["--trainer-command"],
+        controller_command=commands["--controller-command"],
+        gcp_service_account=check_gsa(gcp_service_account),
+        namespace=namespace,
+        port=port,
+        shm_bytes=shm_bytes,
+        pools=parsed_pools,
+        sidecar_cpu=cpu,
+        sidecar_memory_bytes=memory,
+        tls_secret=tls_secret or "",
+        max_restarts=max_restarts,
+    )
