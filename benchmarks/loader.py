@@ -21,7 +21,9 @@ Three ways to feed the training process, W=2 pipeline processes in total for eac
 Each measurement starts a fresh iterator, takes `warmup` batches (process start, buffers drained
 to their steady state), then times `n` batches: batches/s from wall time, and the CPU seconds of
 the training process per batch (`time.process_time()`, all its threads; grain's worker processes
-and colocar's sidecars are not counted). Each batch is held like a training step would hold it
+and colocar's sidecars are not counted). Each feeder brings up only its own machinery (a colocar
+feeder starts its cluster before and closes it after its measurement), so no system's figure
+includes another's idle threads. Each batch is held like a training step would hold it
 (`jax.block_until_ready`) and dropped before the next is taken. Measurements are interleaved
 (one of each per round, order rotating) and the figures are medians over rounds (at least 5;
 3 with --quick, which also writes fewer records and times fewer batches). Ratios take the
@@ -135,9 +137,14 @@ class _Grain:
 
 
 class _Colocar:
-    def __init__(self, pattern: str, pipeline: str, cluster: Any):
+    """colocar's loader, on a cluster of its own (started before the clock runs, closed after)."""
+
+    def __init__(self, pattern: str, pipeline: str, hosts: int, devices: list[Any]):
+        import colocar
         from colocar import loaders
 
+        cluster = colocar.local_cluster(hosts=hosts, devices=devices, arena_size=96 * MiB, processes=0)
+        self.cluster = cluster
         config = {
             "source": {"kind": "array_record", "paths": pattern},
             "global_batch_size": BATCH,
@@ -148,13 +155,20 @@ class _Colocar:
             "workers_per_host": WORKERS // len(cluster.hosts),
             "prefetch": 4,
         }
-        self.it = loaders.load(config, cluster, cluster.mesh(("data",)), starve_timeout=600.0)
+        try:
+            self.it = loaders.load(config, cluster, cluster.mesh(("data",)), starve_timeout=600.0)
+        except BaseException:
+            cluster.close()
+            raise
 
     def next(self) -> Any:
         return next(self.it)
 
     def close(self) -> None:
-        self.it.close()
+        try:
+            self.it.close()
+        finally:
+            self.cluster.close()
 
 
 def _measure(make: Callable[[], Any], warmup: int, n: int) -> dict[str, float]:
@@ -203,8 +217,6 @@ def run(quick: bool, repeats: int) -> dict:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    import colocar
-
     devices = jax.devices("cpu")
     if len(devices) < 2 or BATCH % len(devices) or len(devices) % 2:
         raise RuntimeError(
@@ -223,25 +235,22 @@ def run(quick: bool, repeats: int) -> dict:
     }
     results: dict[tuple[str, str], list[dict[str, float]]] = {(p, s): [] for p in PIPELINES for s in SYSTEMS}
     directory = tempfile.mkdtemp(prefix="colocar-bench-loader-")
-    arena = 96 * MiB
     try:
         pattern = write_records(directory, files, per_file)
         per_record = {p: _per_record_ms(p, pattern) for p in PIPELINES}
-        with (
-            colocar.local_cluster(hosts=1, devices=devices, arena_size=arena, processes=0) as one,
-            colocar.local_cluster(hosts=2, devices=devices, arena_size=arena, processes=0) as two,
-        ):
-            makers: dict[str, Callable[[str], Any]] = {
-                "grain": lambda p: _Grain(pattern, p, shardings),
-                "colocar1": lambda p: _Colocar(pattern, p, one),
-                "colocar2": lambda p: _Colocar(pattern, p, two),
-            }
-            for r in range(rounds):
-                order = SYSTEMS[r % 3 :] + SYSTEMS[: r % 3]
-                for pipeline in PIPELINES:
-                    for system in order:
-                        m = _measure(lambda: makers[system](pipeline), warmup[pipeline], batches[pipeline])  # noqa: B023
-                        results[(pipeline, system)].append(m)
+        # Each feeder brings up its own machinery (grain: nothing else; colocar: its cluster),
+        # so the training process's CPU of one system never includes another's idle threads.
+        makers: dict[str, Callable[[str], Any]] = {
+            "grain": lambda p: _Grain(pattern, p, shardings),
+            "colocar1": lambda p: _Colocar(pattern, p, 1, devices),
+            "colocar2": lambda p: _Colocar(pattern, p, 2, devices),
+        }
+        for r in range(rounds):
+            order = SYSTEMS[r % 3 :] + SYSTEMS[: r % 3]
+            for pipeline in PIPELINES:
+                for system in order:
+                    m = _measure(lambda: makers[system](pipeline), warmup[pipeline], batches[pipeline])  # noqa: B023
+                    results[(pipeline, system)].append(m)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 

@@ -247,6 +247,43 @@ def test_pipeline_map_filter_random_map(user_dir: Path) -> None:
     assert ar_like[1] == {"n": 3}
 
 
+def test_pipeline_matches_grain_dataset_ops(user_dir: Path) -> None:
+    """The pipeline applies transforms itself (grain's per-record bookkeeping costs as much as a
+    read), with grain's semantics: the records equal grain MapDataset's, randomness included."""
+    import grain
+
+    fns = __import__(USER_MODULE)
+    steps = [
+        ("random_map", fns.jitter),
+        ("filter", lambda r: r["k"] % 3 != 0),
+        ("map", fns.double),
+        ("random_map", lambda r, g: {**r, "b": g.normal(size=2)}),
+    ]
+    seed = 13
+    pipe = RecordPipeline(open_source("range", n=120), steps, seed=seed)
+    ds = grain.MapDataset.source(open_source("range", n=120))
+    n_random = 0
+    for kind, fn in steps:
+        if kind == "map":
+            ds = ds.map(fn)
+        elif kind == "filter":
+            ds = ds.filter(fn)
+        else:
+            ds = ds.random_map(fn, seed=transform_seed(seed, n_random))
+            n_random += 1
+    dropped = 0
+    for i in [*range(120), 77, 3, 119, 0]:  # also out of order and repeated
+        ours, theirs = pipe[i], ds[i]
+        if theirs is None:
+            assert ours is None
+            dropped += 1
+            continue
+        assert ours.keys() == theirs.keys()
+        for key in theirs:
+            assert np.array_equal(ours[key], theirs[key]), (i, key)
+    assert 0 < dropped < 120
+
+
 def test_random_map_determinism_in_process(user_dir: Path) -> None:
     fns = __import__(USER_MODULE)
 

@@ -5,14 +5,31 @@ ring slots come free (a bounded ring: a slow consumer stalls the workers, nothin
 a collector thread gathers their reports; `next_batch()` returns, in order, an exact view of
 each finished slot to the controller (over the local link), which shares the block, no copy. The workers are
 stopped and the slots freed when the object goes (deleted, session ended) or on `close()`.
+
+A controller on the same host (it has the arena mapped) takes the batches off a **feed** instead
+(`open_feed`): a Unix socket of its own (abstract namespace: no file), on which the sidecar sends
+`(k, slot)` for each finished batch, in order, and the controller sends back the number of each
+slot it no longer reads. A batch then costs the controller two small socket messages instead of
+a call and a release over the local link, which matters for a training process (~1 ms of CPU per
+batch less). The sidecar keeps a view of each slot it handed over until the controller lets it
+go, so the slot's lease (and the ring's reuse rule) is exactly that of the call path.
 """
 
 from __future__ import annotations
 
+import os
+import pickle
+import secrets
+import socket
+import struct
 import threading
 import time
 import weakref
 from typing import Any
+
+FRAME = struct.Struct("<I")  # sidecar -> controller: length-prefixed pickles
+SLOT = struct.Struct("<i")  # controller -> sidecar: slot numbers to release
+FEED_ACCEPT_TIMEOUT = 30.0
 
 
 class PipelineError(RuntimeError):
@@ -85,6 +102,85 @@ class _Running:
                     )
                 self.cond.wait(0.5)
             return self.done.pop(k)
+
+    def feed(self, listener: socket.socket, token: bytes, start: int, host: str) -> None:
+        """Serves one controller over the feed socket (thread): batches out, releases in."""
+        try:
+            listener.settimeout(FEED_ACCEPT_TIMEOUT)
+            sock, _ = listener.accept()
+        except OSError:  # nobody came: the controller uses next_batch
+            return
+        finally:
+            listener.close()
+        sock.settimeout(FEED_ACCEPT_TIMEOUT)
+        try:
+            got = b""
+            while len(got) < len(token):
+                chunk = sock.recv(len(token) - len(got))
+                if not chunk:
+                    break
+                got += chunk
+        except OSError:
+            got = b""
+        if not secrets.compare_digest(got, token):
+            sock.close()
+            return
+        sock.settimeout(None)
+        held: dict[int, Any] = {}  # slot -> our view of it, until the controller lets it go
+        threading.Thread(target=self._feed_releases, args=(sock, held), daemon=True).start()
+
+        def send(message: tuple) -> bool:
+            data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+            try:
+                sock.sendall(FRAME.pack(len(data)) + data)
+                return True
+            except OSError:
+                return False
+
+        k = start
+        while True:
+            if self.num_batches is not None and k >= self.num_batches:
+                send(("end", k))
+                return
+            try:
+                message = self.wait(k)
+            except PipelineError as e:
+                send(("error", k, f"batch {k} on {host}: {e}"))
+                return
+            if message is None:  # closed
+                send(("end", k))
+                return
+            if message[0] == "error":
+                _, _, slot, text, tb = message
+                self.ring.abandon(slot)
+                send(("error", k, f"batch {k} on {host}: {text}\n{tb}"))
+                return
+            _, _, slot, bad = message
+            self.bad_records += bad
+            self.produced += 1
+            held[slot] = self.ring.publish(slot)
+            if not send(("batch", k, slot, self.bad_records)):
+                return
+            k += 1
+
+    def _feed_releases(self, sock: socket.socket, held: dict[int, Any]) -> None:
+        """Drops our view of each slot the controller lets go; all of them when it goes away."""
+        buffer = b""
+        try:
+            while True:
+                chunk = sock.recv(4096)
+                if not chunk:
+                    break
+                buffer += chunk
+                whole = len(buffer) - len(buffer) % SLOT.size
+                for (slot,) in SLOT.iter_unpack(buffer[:whole]):
+                    held.pop(slot, None)
+                buffer = buffer[whole:]
+        except OSError:
+            pass
+        finally:
+            held.clear()
+            sock.close()
 
     def stop(self) -> None:
         with self.cond:
@@ -172,6 +268,37 @@ class LoaderHost:
         state.produced += 1
         self._next = k + 1
         return {"k": k, "slot": state.ring.publish(slot), "bad_records": state.bad_records}
+
+    def open_feed(self) -> dict[str, Any] | None:
+        """A feed socket for a controller on this host (see the module docstring), or None.
+
+        Returns where to connect (an abstract Unix socket), the token to send first, the arena's
+        nonce (the controller checks it maps this arena) and the ring's slots (offset, bytes).
+        The next batches go to the first controller that connects with the token; until one
+        does (30 s), `next_batch` keeps working.
+        """
+        from colocar.shm.context import sidecar_runtime
+
+        state = self._state
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        name = f"\0colocar-feed-{os.getpid()}-{secrets.token_hex(8)}"
+        try:
+            listener.bind(name)
+            listener.listen(1)
+        except OSError:
+            listener.close()
+            return None
+        token = secrets.token_bytes(32)
+        threading.Thread(
+            target=state.feed, args=(listener, token, self._next, self.host), daemon=True
+        ).start()
+        arena = sidecar_runtime().arena
+        return {
+            "address": name,
+            "token": token,
+            "nonce": arena.nonce,
+            "slots": [(b.offset, b.nbytes) for b in state.ring.blocks],
+        }
 
     def stats(self) -> dict[str, Any]:
         state = self._state

@@ -10,7 +10,11 @@ batch: JSON-able, and exact on any number of hosts for index-based sources.
 
 from __future__ import annotations
 
+import collections
 import gc
+import pickle
+import socket
+import threading
 import time
 import weakref
 from typing import Any
@@ -24,7 +28,7 @@ from colocar.controller_bridge import colocated, colocated_class
 from colocar.controller_bridge.cluster import Cluster, Host
 
 from .config import PipelineConfig, load_config
-from .host_backend import LoaderHost
+from .host_backend import FRAME, SLOT, LoaderHost, PipelineError
 from .layout import SlotLayout
 
 STATE_VERSION = 1
@@ -37,6 +41,135 @@ def _slot_holder(view: np.ndarray) -> Any:
 
 
 RemoteLoaderHost = colocated_class(LoaderHost)
+
+
+class _Feed:
+    """The controller's end of a host's batch feed (see `host_backend`): batches in, releases out.
+
+    Each batch's slot becomes a view of the arena whose release (the batch's arrays are gone)
+    queues the slot number; queued numbers are sent right away when the socket is free, else
+    at the next batch. The socket stays open while any slot is still held, also after `close()`,
+    so the sidecar keeps every slot a live batch reads.
+    """
+
+    def __init__(self, host: Host, info: dict[str, Any]):
+        conn = host.connection
+        self.host = host
+        self._conn = conn
+        assert conn.arena is not None
+        self._arena = conn.arena
+        self._slots = info["slots"]
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(10.0)
+            sock.connect(info["address"])
+            sock.sendall(info["token"])
+            sock.settimeout(max(0.05, conn.heartbeat_seconds))
+        except BaseException:
+            sock.close()
+            raise
+        self._sock = sock
+        self._buffer = bytearray()
+        self._pending: collections.deque[int] = collections.deque()
+        self._send_lock = threading.Lock()
+        self._outstanding = 0  # slots handed to the program and not yet released
+        self._closed = False
+        self._ended = False
+
+    def _release(self, slot: int) -> None:
+        """A GC finalizer (any thread, must not block): queue, and send if nobody is sending."""
+        self._pending.append(slot)
+        self.flush()
+
+    def flush(self) -> None:
+        while self._pending and self._send_lock.acquire(blocking=False):
+            try:
+                data = b""
+                while self._pending:
+                    data += SLOT.pack(self._pending.popleft())
+                    self._outstanding -= 1
+                try:
+                    self._sock.sendall(data)
+                except OSError:
+                    pass  # the sidecar is gone: its slots went with it
+                if self._closed and self._outstanding == 0:
+                    self._sock.close()
+            finally:
+                self._send_lock.release()
+
+    def close(self) -> None:
+        self._closed = True
+        with self._send_lock:
+            if self._outstanding == 0:
+                self._sock.close()
+        self.flush()
+
+    def _frame(self) -> tuple | None:
+        """The next message, or None while none is complete."""
+        if len(self._buffer) < FRAME.size:
+            return None
+        (n,) = FRAME.unpack_from(self._buffer)
+        if len(self._buffer) < FRAME.size + n:
+            return None
+        message = pickle.loads(self._buffer[FRAME.size : FRAME.size + n])
+        del self._buffer[: FRAME.size + n]
+        return message
+
+    def next_batch(self, k: int) -> dict[str, Any] | None:
+        """Batch k as `LoaderHost.next_batch` gives it; None at the end of the data."""
+        from colocar.errors import HostLostError
+        from colocar.shm import ndarray_view
+
+        self.flush()
+        if self._ended:
+            return None
+        conn = self._conn
+        while (message := self._frame()) is None:
+            try:
+                chunk = self._sock.recv(1 << 16)
+            except TimeoutError:
+                if conn.lost is not None:
+                    raise HostLostError(str(conn.lost)) from None
+                continue
+            except OSError as e:
+                chunk = b""
+                if self._closed:
+                    raise PipelineError(f"the batch feed of {self.host.name} is closed") from e
+            if not chunk:
+                conn.heartbeat()  # a dead sidecar: find out now, not at the next heartbeat
+                if conn.lost is not None:
+                    raise HostLostError(str(conn.lost))
+                raise PipelineError(f"the pipeline on {self.host.name} closed its batch feed")
+            self._buffer += chunk
+        kind = message[0]
+        if kind == "end":
+            self._ended = True
+            return None
+        if kind == "error":
+            self._ended = True
+            raise PipelineError(message[2])
+        _, got, slot, bad = message
+        if got != k:
+            raise RuntimeError(f"{self.host.name} fed batch {got}, expected {k}")
+        offset, nbytes = self._slots[slot]
+        with self._send_lock:
+            self._outstanding += 1
+        view = ndarray_view(self._arena, offset, (nbytes,), np.uint8, on_release=lambda: self._release(slot))
+        return {"k": k, "slot": view, "bad_records": bad}
+
+
+def _open_feed(obj: Any, host: Host) -> _Feed | None:
+    """A feed to the host's pipeline when this process maps its arena, else None (calls)."""
+    conn = host.connection
+    if conn.arena is None:
+        return None
+    info = obj.open_feed()
+    if info is None or info["nonce"] != conn.arena.nonce:
+        return None
+    try:
+        return _Feed(host, info)
+    except OSError:
+        return None  # another network namespace: the sidecar gives up on it after a while
 
 
 @colocated
@@ -117,6 +250,8 @@ class DataIterator:
             RemoteLoaderHost.on(host)(self.config, layout, start, host.name, self.starve_timeout)
             for host, layout, _ in self._plan
         ]
+        hosts = [host for host, _, _ in self._plan]
+        self._feeds = [_open_feed(obj, host) for obj, host in zip(self._remote, hosts, strict=True)]
 
     def _batched_put_order(self) -> tuple[dict[str, list[int]], Any] | None:
         """How `__next__` can put a field's per-device views in one call, or None (device_put).
@@ -168,8 +303,13 @@ class DataIterator:
     def __next__(self) -> dict[str, jax.Array]:
         self._free_dropped_slots()
         started = time.perf_counter()
-        items = [obj.next_batch() for obj in self._remote]
-        if any(item is None for item in items):
+        k = self.position
+        got = [
+            obj.next_batch() if feed is None else feed.next_batch(k)
+            for obj, feed in zip(self._remote, self._feeds, strict=True)
+        ]
+        items: list[dict[str, Any]] = [item for item in got if item is not None]
+        if len(items) != len(got):
             raise StopIteration
         self.wait_seconds += time.perf_counter() - started
         if {item["k"] for item in items} != {self.position}:
@@ -243,6 +383,10 @@ class DataIterator:
         }
 
     def _close_remote(self) -> None:
+        for feed in getattr(self, "_feeds", ()):
+            if feed is not None:
+                feed.close()
+        self._feeds = []
         for obj in self._remote:
             try:
                 obj.close()

@@ -1,8 +1,8 @@
 """A pipeline worker process on the sidecar: builds this host's rows of global batches in slots.
 
 Started by `host_backend.LoaderHost` (forkserver, never fork). It maps the arena itself, opens
-the source, runs the record pipeline (grain's dataset operations) on the records of each task's
-batch, and writes every row straight into the slot's segments: no batch crosses a pipe, only
+the source, runs the record pipeline (grain's dataset semantics, `records.py`) on the records of
+each task's batch, and writes every row straight into the slot's segments: no batch crosses a pipe, only
 the tiny tuples `(k, slot)` in and `("done"|"error", ...)` out, over a pipe (no named
 semaphores, so a killed sidecar leaves nothing in /dev/shm).
 """
