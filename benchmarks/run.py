@@ -18,8 +18,9 @@ BENCHMARKS = {
     "rpc": "round trip of a trivial colocated call vs a bare gRPC echo and a TCP ping-pong",
     "transfer": "a 256 MiB array out of a sidecar through the arena vs np.copyto",
     "loader": "input pipelines of 64 x 224x224x3 images: colocar sidecars vs grain mp_prefetch",
+    "ckpt": "save and restore 1 GiB of sharded float32 arrays: colocar CheckpointManager vs Orbax async",
 }
-DEFAULT_REPEATS = {"rpc": 7, "transfer": 7, "loader": 5}
+DEFAULT_REPEATS = {"rpc": 7, "transfer": 7, "loader": 5, "ckpt": 5}
 
 
 def _parser() -> argparse.ArgumentParser:

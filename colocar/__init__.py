@@ -20,6 +20,7 @@ from .errors import (
     ArrayLayoutError,
     AuthError,
     CallTimeoutError,
+    CheckpointError,
     ColocarError,
     HostLostError,
     RemoteError,
@@ -28,7 +29,7 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from . import loaders, shm
+    from . import checkpoint, loaders, shm
     from .controller_bridge import (
         Cluster,
         ColocatedClass,
@@ -57,6 +58,7 @@ __all__ = [
     "ArrayLayoutError",
     "AuthError",
     "CallTimeoutError",
+    "CheckpointError",
     "Cluster",
     "ColocarError",
     "ColocatedClass",
@@ -70,6 +72,7 @@ __all__ = [
     "colocated",
     "colocated_class",
     "connect",
+    "checkpoint",
     "loaders",
     "local_cluster",
     "shm",
@@ -81,7 +84,7 @@ def __getattr__(name: str) -> Any:
         from . import controller_bridge
 
         return getattr(controller_bridge, name)
-    if name in ("shm", "loaders"):
+    if name in ("shm", "loaders", "checkpoint"):
         import importlib
 
         return importlib.import_module(f".{name}", __name__)

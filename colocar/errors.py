@@ -51,3 +51,7 @@ class CallTimeoutError(ColocarError, TimeoutError):
 
 class ArrayLayoutError(ColocarError, ValueError):
     """A host's shards of an input do not form one block, or an output does not fit its spec."""
+
+
+class CheckpointError(ColocarError):
+    """A save or restore failed; the message names the step, the key, the host and the cause."""

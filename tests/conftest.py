@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from typing import Any
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 os.environ["JAX_PLATFORMS"] = "cpu"
@@ -82,6 +83,54 @@ def cluster(_shm_cluster):
 def grpc_cluster(_grpc_cluster):
     """Two sidecars reached without shared memory: bulk data goes through chunked gRPC streams."""
     return _grpc_cluster.make_current()
+
+
+@pytest.fixture
+def make_cluster():
+    """Starts small private clusters; stops them (even stopped or killed ones) at teardown."""
+    import colocar
+
+    made: list[Any] = []
+
+    def make(**kwargs: Any) -> Any:
+        options: dict[str, Any] = dict(
+            hosts=1, arena_size=16 * MiB, lease_seconds=2, heartbeat_seconds=0.5, processes=1
+        )
+        options.update(kwargs)
+        c = colocar.local_cluster(**options)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        for process in c.processes:
+            if process.poll() is None and psutil.Process(process.pid).status() == psutil.STATUS_STOPPED:
+                process.kill()  # a stopped sidecar cannot drain
+        c.close()
+        for process in c.processes:  # persist=True sidecars outlive close(); SIGTERM removes the arena
+            if process.poll() is None:
+                process.terminate()
+                process.wait(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def gcs_server(tmp_path_factory):
+    """A fake GCS server for the session; the controller's environment points at it."""
+    from helpers import FakeGcs
+
+    server = FakeGcs(str(tmp_path_factory.mktemp("gcs")))
+    server.start()
+    saved = {k: os.environ.get(k) for k in server.env}
+    os.environ.update(server.env)
+    try:
+        yield server
+    finally:
+        server.stop()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -1,4 +1,4 @@
-"""`colocar bench rpc|transfer|loader --quick --json` run end to end: the last line is the result.
+"""`colocar bench rpc|transfer|loader|ckpt --quick --json` run end to end: the last line is the result.
 
 Numbers are not asserted (this machine is shared and noisy); only that each benchmark runs,
 cleans up, and reports the keys RESULTS.md and the CLI promise, with positive values.
@@ -13,6 +13,24 @@ import sys
 import pytest
 
 REQUIRED = {
+    "ckpt": (
+        "blocked_ratio",
+        "durable_ratio",
+        "restore_ratio",
+        "train_slowdown_ratio",
+        "peak_host_mem_ratio",
+        "checkpoint_bytes",
+        "arena_mib_per_host",
+        "colocar_blocked_s",
+        "orbax_blocked_s",
+        "colocar_durable_s",
+        "orbax_durable_s",
+        "colocar_restore_s",
+        "orbax_restore_s",
+        "colocar_durable_training_s",
+        "orbax_durable_training_s",
+        "colocar_peak_host_mem_mib",
+    ),
     "rpc": ("p50_us", "p99_us", "grpc_echo_p50_us", "ratio", "socket_p50_us"),
     "transfer": ("gbps", "memcpy_gbps", "ratio", "view_ms", "device_put_ms"),
     "loader": (
@@ -58,6 +76,12 @@ def test_bench_quick_json(name: str) -> None:
         assert isinstance(result["device_put_aliased"], bool)
         assert result["array_mib"] == 64 and "--quick" in result["array"]
         assert result["source_builds"] == 1  # the warm source really stayed warm on the sidecar
+    if name == "ckpt":
+        assert result["rounds"] == 2 and result["checkpoint_mib"] == 64.1
+        for system in ("colocar", "orbax"):
+            assert isinstance(result[f"{system}_train_slowdown"], float)  # may be ~0 or below
+            for key in ("blocked_s", "durable_s", "restore_s", "train_slowdown", "durable_training_s"):
+                assert len(result[f"{system}_{key}_per_round"]) == 2
     if name == "loader":
         assert result["rounds"] == 3
         for key in ("transfer", "compute"):

@@ -66,28 +66,6 @@ def arena_files(shm_dir: str) -> list[str]:
     return os.listdir(shm_dir) if os.path.isdir(shm_dir) else []
 
 
-@pytest.fixture
-def make_cluster():
-    """Starts small private clusters; stops them (even stopped or killed ones) at teardown."""
-    made: list[Any] = []
-
-    def make(**kwargs: Any) -> Any:
-        options: dict[str, Any] = dict(
-            hosts=1, arena_size=16 * MiB, lease_seconds=2, heartbeat_seconds=0.5, processes=1
-        )
-        options.update(kwargs)
-        c = colocar.local_cluster(**options)
-        made.append(c)
-        return c
-
-    yield make
-    for c in made:
-        for process in c.processes:
-            if process.poll() is None and psutil.Process(process.pid).status() == psutil.STATUS_STOPPED:
-                process.kill()  # a stopped sidecar cannot drain
-        c.close()
-
-
 # --- shipped code used by the tests (the sidecars import this module) --------------------------
 class CustomError(Exception):
     """A user exception class that the controller can rebuild."""

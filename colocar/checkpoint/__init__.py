@@ -1,1 +1,35 @@
-"""Async checkpoints written by the sidecars with tensorstore (see issue 4)."""
+"""Async checkpoints written by the sidecars with tensorstore, to GCS or local disk.
+
+`CheckpointManager(directory, cluster)` saves pytrees of `jax.Array`s: `save` blocks only for
+the device-to-arena copies, the sidecars write zarr3 arrays and commit the step; `restore`
+reads what each host's devices need for the target sharding. Format: README "Checkpoints".
+Sidecar-side modules (`writer_backend`, `reader_backend`) import no JAX.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from colocar.errors import CheckpointError
+
+    from .manager import CheckpointManager, SaveStats
+    from .storage import StorageError
+
+__all__ = ["CheckpointError", "CheckpointManager", "SaveStats", "StorageError"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("CheckpointManager", "SaveStats"):
+        from . import manager
+
+        return getattr(manager, name)
+    if name == "CheckpointError":
+        from colocar.errors import CheckpointError
+
+        return CheckpointError
+    if name == "StorageError":
+        from .storage import StorageError
+
+        return StorageError
+    raise AttributeError(f"module 'colocar.checkpoint' has no attribute {name!r}")

@@ -174,7 +174,11 @@ class Call:
             return outer
 
         self._future = conn.submit(send)
+        self._future.add_done_callback(self._release_keepalive)  # blocks held for the call only
         return CallFuture(self)
+
+    def _release_keepalive(self, _: Future) -> None:
+        self._keepalive = []
 
     def result(self, timeout: float | None = None) -> Any:
         if self._reply is None:

@@ -137,6 +137,17 @@ class Cluster:
         return f"Cluster({self.hosts})"
 
 
+def current_cluster() -> Cluster:
+    """The most recently created (or made current) open cluster."""
+    with _active_lock:
+        if _active:
+            return _active[-1]
+    raise ColocarError(
+        "no open colocar cluster: open one with colocar.local_cluster(...) or colocar.connect(...), "
+        "or pass it explicitly"
+    )
+
+
 def host_of_device(device: Any) -> Host:
     """The host (of the most recently opened active cluster) that a device belongs to."""
     with _active_lock:

@@ -345,21 +345,25 @@ class HostConnection:
 
         return ndarray_view(self.arena, desc.offset, shape, dtype, on_release=release)
 
-    def empty(self, specs: list[tuple[tuple[int, ...], np.dtype]]) -> list[np.ndarray]:
+    def empty(
+        self, specs: list[tuple[tuple[int, ...], np.dtype]], pool: str = "", timeout: float | None = None
+    ) -> list[np.ndarray]:
         """Staging arrays in the sidecar's arena (shm only), one Allocate for all of them;
         passing them to a call copies nothing."""
         sizes = [int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize for shape, dtype in specs]
-        descs = self.allocate(sizes)
+        descs = self.allocate(sizes, pool, timeout)
         return [
             self._view(d, tuple(shape), np.dtype(dtype))
             for d, (shape, dtype) in zip(descs, specs, strict=True)
         ]
 
-    def allocate(self, sizes: list[int]) -> list[pb.BlockDesc]:
+    def allocate(self, sizes: list[int], pool: str = "", timeout: float | None = None) -> list[pb.BlockDesc]:
+        """Blocks leased to this session; waits up to `timeout` s (default: alloc_timeout) for room."""
+        timeout = self.alloc_timeout if timeout is None else timeout
         request = pb.AllocateRequest(
-            session_id=self.session_id, sizes=sizes, timeout_seconds=self.alloc_timeout
+            session_id=self.session_id, sizes=sizes, pool=pool, timeout_seconds=timeout
         )
-        return list(self.unary("Allocate", request, timeout=self.alloc_timeout + 30).blocks)
+        return list(self.unary("Allocate", request, timeout=timeout + 30).blocks)
 
     def delete_object_soon(self, object_id: int, generation: int) -> None:
         """Deletes a remote object in the background (called from handle finalizers)."""

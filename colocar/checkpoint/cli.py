@@ -1,0 +1,113 @@
+"""`colocar ckpt ls PATH` and `colocar ckpt show PATH STEP`: look into a checkpoint directory.
+
+Reads the manifest and markers only (no JAX, no sidecar), so it runs anywhere the storage is
+reachable. `--json` prints one JSON object instead of a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from . import layout
+from .storage import Storage, open_storage
+
+
+def _status(storage: Storage, step: int) -> str:
+    name = layout.step_dir(step)
+    if storage.exists(f"{name}/{layout.COMMITTED}"):
+        return "committed"
+    age = storage.age(f"{name}/{layout.HEARTBEAT}")
+    return "abandoned" if age is None or age > 60 else f"in progress ({age:.0f} s ago)"
+
+
+def list_steps(storage: Storage) -> list[dict[str, Any]]:
+    rows = []
+    for step in sorted(s for s in map(layout.parse_step_dir, storage.children()) if s is not None):
+        manifest = json.loads(storage.read(f"{layout.step_dir(step)}/{layout.MANIFEST}") or b"{}")
+        leaves = manifest.get("leaves", {}).values()
+        nbytes = sum(_nbytes(e) for e in leaves if e.get("kind") != "value")
+        rows.append(
+            {
+                "step": step,
+                "status": _status(storage, step),
+                "time": manifest.get("time"),
+                "leaves": len(manifest.get("leaves", {})),
+                "bytes": nbytes,
+                "hosts": manifest.get("hosts"),
+            }
+        )
+    return rows
+
+
+def _nbytes(entry: dict[str, Any]) -> int:
+    import numpy as np
+
+    try:
+        import ml_dtypes  # noqa: F401  (registers bfloat16 and friends with numpy)
+    except ImportError:
+        pass
+    count = 1
+    for n in entry["stored_shape"]:
+        count *= n
+    return count * np.dtype(entry["stored_dtype"]).itemsize
+
+
+def _when(t: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="colocar ckpt", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    ls = sub.add_parser("ls", help="list the steps of a checkpoint directory")
+    ls.add_argument("path", help="gs://bucket/prefix, file:///path or a local path")
+    ls.add_argument("--json", action="store_true")
+    show = sub.add_parser("show", help="the tree, shapes, dtypes and shardings of one step")
+    show.add_argument("path")
+    show.add_argument("step", type=int)
+    show.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        storage = open_storage(args.path)
+        if args.command == "ls":
+            rows = list_steps(storage)
+            if args.json:
+                print(json.dumps({"path": storage.url, "steps": rows}))
+                return
+            print(f"{storage.url}: {len(rows)} step(s)")
+            print(f"{'step':>10}  {'status':<24} {'saved':<19}  {'leaves':>6}  {'MiB':>10}  hosts")
+            for r in rows:
+                print(
+                    f"{r['step']:>10}  {r['status']:<24} {_when(r['time']):<19}  {r['leaves']:>6}  "
+                    f"{r['bytes'] / 2**20:>10.1f}  {r['hosts']}"
+                )
+            return
+        body = storage.read(f"{layout.step_dir(args.step)}/{layout.MANIFEST}")
+        if body is None:
+            raise ValueError(f"no step {args.step} in {storage.url}")
+        manifest = json.loads(body)
+        status = _status(storage, args.step)
+        if args.json:
+            print(json.dumps({"path": storage.url, "status": status, **manifest}))
+            return
+        print(
+            f"{storage.url} step {args.step}: {status}, saved {_when(manifest.get('time'))}, "
+            f"hosts {manifest.get('hosts')}"
+        )
+        if manifest.get("metadata"):
+            print(f"metadata: {json.dumps(manifest['metadata'])}")
+        for key, e in sorted(manifest["leaves"].items()):
+            if e["kind"] == "value":
+                print(f"  {key:<40} = {json.dumps(e['value'])[:60]}")
+                continue
+            dtype = f"key<{e['impl']}>" if e["kind"] == "prng_key" else e["dtype"]
+            sharding = e.get("sharding") or {}
+            where = sharding.get("spec", sharding.get("type", "host"))
+            print(f"  {key:<40} {dtype}{e['shape']}  sharding {where}  chunks {e['chunks']}")
+    except (OSError, ValueError) as e:
+        print(f"colocar ckpt: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,130 @@
+"""The on-storage format of a checkpoint: object names, chunk shapes, tensorstore specs.
+
+Pure data, imported by the controller, the sidecar writer and the `colocar ckpt` command; no
+JAX. One directory per step:
+
+    ROOT/writer.json                  lease of the manager that writes ROOT (refreshed)
+    ROOT/step_<N>/manifest.json       tree, leaves, shapes, dtypes, shardings, plan, metadata
+    ROOT/step_<N>/HEARTBEAT           rewritten while the save is in flight
+    ROOT/step_<N>/arrays/<i>/...      one zarr3 array per array leaf (tensorstore)
+    ROOT/step_<N>/done/host_<h>.json  host h's part is durable
+    ROOT/step_<N>/failed/host_<h>.json   host h's part failed (the step never commits)
+    ROOT/step_<N>/COMMITTED           written last, create-only: the step is restorable
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+FORMAT = "colocar-checkpoint/1"
+WRITER_LEASE = "writer.json"
+MANIFEST = "manifest.json"
+HEARTBEAT = "HEARTBEAT"
+COMMITTED = "COMMITTED"
+DONE_DIR = "done"
+FAILED_DIR = "failed"
+ARRAYS_DIR = "arrays"
+
+MAX_INNER_CHUNK_BYTES = 16 << 20
+MAX_OUTER_CHUNK_BYTES = 256 << 20
+
+_STEP_RE = re.compile(r"^step_(\d+)$")
+
+
+def step_dir(step: int) -> str:
+    return f"step_{step:010d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    match = _STEP_RE.match(name.rstrip("/"))
+    return int(match.group(1)) if match else None
+
+
+def done_marker(host: int) -> str:
+    return f"{DONE_DIR}/host_{host}.json"
+
+
+def failed_marker(host: int) -> str:
+    return f"{FAILED_DIR}/host_{host}.json"
+
+
+def array_dir(leaf_index: int) -> str:
+    return f"{ARRAYS_DIR}/{leaf_index}"
+
+
+def _smallest_factor(n: int) -> int:
+    for f in range(2, math.isqrt(n) + 1):
+        if n % f == 0:
+            return f
+    return n
+
+
+def split_shape(shape: tuple[int, ...], itemsize: int, max_bytes: int) -> tuple[int, ...]:
+    """A chunk shape that divides `shape` exactly and holds at most `max_bytes` where possible.
+
+    Leading dimensions are split first (their chunks stay contiguous in C order), each by its
+    smallest prime factor, so every chunk boundary stays aligned with `shape`'s own boundaries.
+    """
+    chunk = [max(1, n) for n in shape]  # zarr chunks are never empty, even for a (0,) array
+    while math.prod(chunk) * itemsize > max_bytes:
+        for d, n in enumerate(chunk):
+            if n > 1:
+                chunk[d] = n // _smallest_factor(n)
+                break
+        else:
+            break
+    return tuple(chunk)
+
+
+def chunk_shapes(shard_shape: tuple[int, ...], itemsize: int, max_outer: int) -> tuple[tuple, tuple]:
+    """(outer, inner): outer chunks tile each saved shard (one storage object each, at most
+    `max_outer` bytes, the unit a host writes from one arena block); inner chunks of at most
+    16 MiB tile the outer chunk (the unit a restore reads and the checksum covers)."""
+    outer = split_shape(shard_shape, itemsize, max_outer)
+    inner = split_shape(outer, itemsize, MAX_INNER_CHUNK_BYTES)
+    return outer, inner
+
+
+def zarr_dtype(dtype_name: str) -> str:
+    """numpy / ml_dtypes names are zarr3's names for the types tensorstore supports."""
+    return "bool" if dtype_name == "bool" else dtype_name
+
+
+def array_spec(
+    kvstore: dict[str, Any], shape: tuple[int, ...], dtype_name: str, outer: tuple, inner: tuple
+) -> dict[str, Any]:
+    """The tensorstore spec that creates one leaf's zarr3 array (sharding_indexed + crc32c)."""
+    chunk_codecs = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
+    return {
+        "driver": "zarr3",
+        "kvstore": kvstore,
+        "store_data_equal_to_fill_value": True,  # every chunk is stored, so a missing one is an error
+        "metadata": {
+            "shape": list(shape),
+            "data_type": zarr_dtype(dtype_name),
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(outer)}},
+            "codecs": [
+                {
+                    "name": "sharding_indexed",
+                    "configuration": {
+                        "chunk_shape": list(inner),
+                        "codecs": chunk_codecs,
+                        "index_codecs": chunk_codecs,
+                        "index_location": "end",
+                    },
+                }
+            ],
+        },
+    }
+
+
+def read_spec(kvstore: dict[str, Any]) -> dict[str, Any]:
+    """Opens a saved array for reading; a missing chunk is an error, not zeros."""
+    return {"driver": "zarr3", "kvstore": kvstore, "fill_missing_data_reads": False}
+
+
+def slices_of(bounds: list[list[int]] | tuple) -> tuple[slice, ...]:
+    """[[start, stop], ...] -> a tuple of slices."""
+    return tuple(slice(int(a), int(b)) for a, b in bounds)

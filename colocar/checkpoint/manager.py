@@ -1,0 +1,463 @@
+"""`CheckpointManager`: async saves written by the sidecars, restores with resharding.
+
+Runs in the controller. `save` blocks only while shards are copied device -> arena and handed
+to each host's writer (a detached object in its sidecar, see `writer_backend`); the writers
+store them with tensorstore, host 0's commits the step once every host's part is durable.
+`wait` returns when the step is committed and raises what went wrong otherwise. One manager
+writes a directory at a time (a lease object it refreshes); any number may read it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import jax
+
+from colocar.controller_bridge.cluster import Cluster, current_cluster
+from colocar.controller_bridge.obj import colocated_class
+from colocar.errors import CheckpointError, ColocarError, HostLostError
+
+from . import layout, save, tree
+from .restore import RestoreStats, restore_leaves
+from .storage import open_storage
+from .writer_backend import CheckpointWriter, WriterOptions
+
+_Writer = colocated_class(CheckpointWriter)
+WRITER_TTL = 7 * 24 * 3600.0
+
+
+@dataclass
+class SaveStats:
+    """What the last save cost; `arena_wait_seconds` > 0 means the arena was the bottleneck."""
+
+    step: int = -1
+    bytes: int = 0
+    pieces: int = 0
+    blocked_seconds: float = 0.0  # how long save() held the caller
+    arena_waits: int = 0  # pieces that found the arena full (the budget is below the checkpoint)
+    arena_wait_seconds: float = 0.0  # part of blocked_seconds spent waiting for writers to free blocks
+    durable_seconds: float | None = None  # from save() to the commit marker, once known
+    hosts: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+
+@dataclass
+class _Save:
+    step: int
+    hosts: list[int]
+    started: float
+    stats: SaveStats
+    begun: float = 0.0
+
+
+class CheckpointManager:
+    """Saves and restores pytrees of `jax.Array`s (and plain values) under `directory`.
+
+    `directory`: `gs://bucket/prefix`, `file:///path` or a local path. `max_to_keep` committed
+    steps are kept (plus every `keep_period`-th); `queue=True` lets one save start while the
+    previous one is still being written (else `save` waits for it). `save_on_preemption`
+    records SIGTERM so that the loop can `save` a last step (see `reached_preemption`).
+    """
+
+    def __init__(
+        self,
+        directory: str,
+        cluster: Cluster | None = None,
+        *,
+        max_to_keep: int | None = None,
+        keep_period: int | None = None,
+        save_interval_steps: int = 1,
+        queue: bool = False,
+        pool: str = "",
+        concurrent_writes: int = 4,
+        max_chunk_bytes: int | None = None,
+        heartbeat_seconds: float = 5.0,
+        stale_seconds: float = 60.0,
+        commit_timeout: float = 600.0,
+        storage_timeout: float = 30.0,
+        lease_seconds: float = 60.0,
+        save_on_preemption: bool = False,
+    ):
+        if max_to_keep is not None and max_to_keep < 1:
+            raise ValueError(f"max_to_keep must be at least 1 (or None to keep all), got {max_to_keep}")
+        self.directory = directory
+        self.storage = open_storage(directory, storage_timeout)
+        self.cluster = cluster if cluster is not None else current_cluster()
+        self.save_interval_steps = save_interval_steps
+        self.queue = queue
+        self.pool = pool
+        self.max_chunk_bytes = max_chunk_bytes
+        self.storage_timeout = storage_timeout
+        self.lease_seconds = lease_seconds
+        self.options = WriterOptions(
+            concurrent_writes=concurrent_writes,
+            heartbeat_seconds=heartbeat_seconds,
+            stale_seconds=stale_seconds,
+            commit_timeout=commit_timeout,
+            max_to_keep=max_to_keep,
+            keep_period=keep_period,
+            storage_timeout=storage_timeout,
+        )
+        self._id = uuid.uuid4().hex
+        self._writers: dict[int, Any] = {}
+        self._inflight: deque[_Save] = deque()
+        self._last = SaveStats()
+        self._restore_stats = RestoreStats()
+        self._lock = threading.RLock()
+        self._lease_stop = threading.Event()
+        self._lease_thread: threading.Thread | None = None
+        self._lease_error: str = ""
+        self._preempted = False
+        self._previous_handler: Any = None
+        self._closed = False
+        if save_on_preemption:
+            self._install_preemption_handler()
+
+    # --- listing ------------------------------------------------------------------------------
+    def all_steps(self) -> list[int]:
+        """Committed steps, ascending (steps being written or abandoned are not listed)."""
+        steps = sorted(s for s in map(layout.parse_step_dir, self.storage.children()) if s is not None)
+        return [s for s in steps if self.storage.exists(f"{layout.step_dir(s)}/{layout.COMMITTED}")]
+
+    def latest_step(self) -> int | None:
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def metadata(self, step: int | None = None) -> dict[str, Any]:
+        """The user metadata saved with `step` (default: the latest)."""
+        return self._manifest(self._committed_step(step))["metadata"]
+
+    def delete(self, step: int) -> None:
+        """Deletes a step: its commit marker first, so it is never half-restorable."""
+        name = layout.step_dir(step)
+        self.storage.delete(f"{name}/{layout.COMMITTED}")
+        self.storage.delete_tree(name)
+
+    # --- saving -------------------------------------------------------------------------------
+    def should_save(self, step: int) -> bool:
+        return step % self.save_interval_steps == 0 or self._preempted
+
+    def save(
+        self, step: int, state: Any, *, metadata: dict[str, Any] | None = None, force: bool = False
+    ) -> bool:
+        """Saves `state` as `step`; returns once every shard is in host memory (the caller may
+        then donate or overwrite its device buffers). Returns False when `save_interval_steps`
+        skips this step. Raises the error of an earlier save that failed in the background."""
+        if self._closed:
+            raise CheckpointError("this CheckpointManager is closed")
+        if not force and not self.should_save(step):
+            return False
+        started = time.monotonic()
+        with self._lock:
+            if self._lease_error:
+                raise CheckpointError(self._lease_error)
+            self._reap(block=False)
+            while len(self._inflight) > (1 if self.queue else 0):
+                self._wait_one(self._inflight[0], timeout=None)
+            if any(s.step == step for s in self._inflight) or self.storage.exists(
+                f"{layout.step_dir(step)}/{layout.COMMITTED}"
+            ):
+                raise CheckpointError(f"step {step} already exists in {self.storage.url}; delete it first")
+            self._acquire_lease()
+            record = self._start(step, state, metadata or {}, started)
+            self._inflight.append(record)
+            self._last = record.stats
+        return True
+
+    def _start(self, step: int, state: Any, metadata: dict[str, Any], started: float) -> _Save:
+        named, skeleton = tree.flatten(state)
+        plan = save.plan(named, self.cluster, self._chunk_bytes())
+        hosts = sorted(plan.pieces)
+        manifest = {
+            "format": layout.FORMAT,
+            "step": step,
+            "time": time.time(),
+            "hosts": hosts,
+            "tree": skeleton,
+            "leaves": plan.leaves,
+            "metadata": tree.json_value("metadata", metadata),
+            "jax_version": jax.__version__,
+        }
+        body = json.dumps(manifest).encode()
+        writers = self._writers_for(hosts)
+        primary = self.cluster.hosts[0].index
+        stats = SaveStats(step=step)
+        record = _Save(step, hosts, started, stats)
+        try:
+            record.begun = time.monotonic()
+            writers[primary].begin(step, body, hosts, True)  # the plan is recorded before anything else
+            for future in [writers[h].begin.submit(step, body, hosts, False) for h in hosts if h != primary]:
+                future.result()
+            calls = []
+            for h in hosts:
+                futures, sent = save.send(
+                    self._host(h), writers[h], step, plan.pieces[h], self.pool, lambda: self._check(record)
+                )
+                calls.append((h, futures, sent))
+            for h, futures, sent in calls:
+                for future in futures:
+                    future.result()
+                writers[h].finish(step, sent.pieces)
+                stats.bytes += sent.bytes
+                stats.pieces += sent.pieces
+                stats.arena_waits += sent.arena_waits
+                stats.arena_wait_seconds += sent.arena_wait_seconds
+        except Exception as e:
+            self._abort(record, str(e))
+            if isinstance(e, CheckpointError):
+                raise
+            raise CheckpointError(f"save of step {step} failed: {type(e).__name__}: {e}") from e
+        stats.blocked_seconds = time.monotonic() - started
+        return record
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Blocks until every save so far is committed (durable); raises if one failed."""
+        with self._lock:
+            while self._inflight:
+                self._wait_one(self._inflight[0], timeout)
+
+    def stats(self) -> dict[str, Any]:
+        """The last save's and restore's figures (see `SaveStats`)."""
+        with self._lock:
+            self._reap(block=False, raise_errors=False)
+            return {"save": asdict(self._last), "restore": asdict(self._restore_stats)}
+
+    def _wait_one(self, record: _Save, timeout: float | None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self._poll(record, wait=0.5):
+                return
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"step {record.step} is not committed after {timeout} s")
+
+    def _reap(self, block: bool, raise_errors: bool = True) -> None:
+        """Drops saves that ended; raises the first failure (once)."""
+        while self._inflight:
+            try:
+                if not self._poll(self._inflight[0], wait=0.0):
+                    return
+            except CheckpointError:
+                if raise_errors:
+                    raise
+
+    def _poll(self, record: _Save, wait: float) -> bool:
+        """True once `record` is committed (and forgets it); raises CheckpointError if it failed."""
+        primary = self.cluster.hosts[0].index
+        try:
+            status = self._check(record)
+            if status[primary]["state"] != "committed" and wait:
+                status[primary] = self._writers[primary].status(record.step, wait)
+        except CheckpointError:
+            self._forget(record)
+            raise
+        if status[primary]["state"] == "committed":
+            # The writer's clock: from begin() to the commit marker (retention not included).
+            record.stats.durable_seconds = record.begun - record.started + status[primary]["seconds"]
+            record.stats.hosts = status
+            self._forget(record)
+            return True
+        return False
+
+    def _check(self, record: _Save) -> dict[int, dict[str, Any]]:
+        """Every host's status of the save; raises (and aborts the step) when one failed."""
+        status: dict[int, dict[str, Any]] = {}
+        for h in record.hosts:
+            try:
+                status[h] = self._writers[h].status(record.step, 0.0)
+            except (HostLostError, ColocarError) as e:
+                self._abort(record, f"host {h} was lost: {e}")
+                raise CheckpointError(
+                    f"save of step {record.step} failed: host {h} ({self._host(h).name}) was lost mid-save "
+                    f"({e}); the step will not be committed, earlier steps are intact"
+                ) from e
+            if status[h]["state"] == "failed":
+                self._abort(record, status[h]["error"])
+                raise CheckpointError(f"save of step {record.step} failed: {status[h]['error']}")
+        return status
+
+    def _forget(self, record: _Save) -> None:
+        if record in self._inflight:
+            self._inflight.remove(record)
+
+    def _abort(self, record: _Save, reason: str) -> None:
+        """Tells the writers to drop the step (best effort: some may be gone)."""
+        for h in record.hosts:
+            writer = self._writers.get(h)
+            if writer is None:
+                continue
+            try:
+                writer.abort.submit(record.step, reason)
+            except Exception:
+                pass
+
+    # --- restoring ----------------------------------------------------------------------------
+    def restore(self, step: int | None = None, target: Any = None, *, keys: list[str] | None = None) -> Any:
+        """The state saved at `step` (default: the latest committed one).
+
+        `target`: a pytree of `jax.ShapeDtypeStruct`s with shardings (or arrays) naming what to
+        restore and where; it may shard differently than the save, over other devices, and hold
+        a subset of the saved keys. Without it, arrays come back with their saved shardings
+        (the same devices must exist) as plain dicts and lists; `keys` restricts that to some
+        top-level keys.
+        """
+        step = self._committed_step(step)
+        manifest = self._manifest(step)
+        if target is not None:
+            leaves, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=tree._is_none)
+            targets = {jax.tree_util.keystr(path): leaf for path, leaf in leaves}
+            values, self._restore_stats = restore_leaves(
+                self.storage.url, step, manifest, targets, self.cluster, self.storage_timeout
+            )
+            return jax.tree_util.tree_unflatten(treedef, [values[k] for k in targets])
+        wanted = set(manifest["leaves"])
+        if keys is not None:
+            prefixes = tuple(jax.tree_util.keystr((jax.tree_util.DictKey(k),)) for k in keys)
+            wanted = {k for k in wanted if k.startswith(prefixes)}
+            missing = [
+                k for k, p in zip(keys, prefixes, strict=True) if not any(w.startswith(p) for w in wanted)
+            ]
+            if missing:
+                raise CheckpointError(f"keys {missing} are not in step {step}")
+        values, self._restore_stats = restore_leaves(
+            self.storage.url, step, manifest, dict.fromkeys(wanted), self.cluster, self.storage_timeout
+        )
+        skeleton = tree.prune(manifest["tree"], wanted) if keys is not None else manifest["tree"]
+        return tree.rebuild(skeleton, values) if skeleton is not None else None
+
+    def _committed_step(self, step: int | None) -> int:
+        if step is None:
+            latest = self.latest_step()
+            if latest is None:
+                raise CheckpointError(f"no committed checkpoint in {self.storage.url}")
+            return latest
+        if not self.storage.exists(f"{layout.step_dir(step)}/{layout.COMMITTED}"):
+            raise CheckpointError(
+                f"step {step} is not a committed checkpoint in {self.storage.url} "
+                f"(committed: {self.all_steps()})"
+            )
+        return step
+
+    def _manifest(self, step: int) -> dict[str, Any]:
+        body = self.storage.read(f"{layout.step_dir(step)}/{layout.MANIFEST}")
+        if body is None:
+            raise CheckpointError(f"step {step} in {self.storage.url} has no manifest (corrupted)")
+        manifest = json.loads(body)
+        if manifest.get("format") != layout.FORMAT:
+            raise CheckpointError(f"step {step}: unknown format {manifest.get('format')!r}")
+        return manifest
+
+    # --- writers, lease, preemption -----------------------------------------------------------
+    def _host(self, index: int) -> Any:
+        return next(h for h in self.cluster.hosts if h.index == index)
+
+    def _chunk_bytes(self) -> int:
+        if self.max_chunk_bytes:
+            return self.max_chunk_bytes
+        pool = self.pool or "default"
+        sizes = [h.stats()["pools"].get(pool, {}).get("reserved", 0) for h in self.cluster.hosts if h.shm]
+        smallest = min([s for s in sizes if s] or [layout.MAX_OUTER_CHUNK_BYTES * 4])
+        return max(1 << 20, min(layout.MAX_OUTER_CHUNK_BYTES, smallest // 4))
+
+    def _writers_for(self, hosts: list[int]) -> dict[int, Any]:
+        for h in hosts:
+            if h not in self._writers:
+                name = f"colocar.checkpoint/{self._id}"
+                self._writers[h] = _Writer.on(self._host(h), name=name, ttl=WRITER_TTL)(
+                    self.storage.url, h, self.options
+                )
+        return self._writers
+
+    def _lease_body(self) -> bytes:
+        return json.dumps(
+            {"owner": self._id, "hostname": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
+        ).encode()
+
+    def _acquire_lease(self) -> None:
+        if self._lease_thread is not None:
+            return
+        if not self.storage.write(layout.WRITER_LEASE, self._lease_body(), create_only=True):
+            holder = json.loads(self.storage.read(layout.WRITER_LEASE) or b"{}")
+            age = self.storage.age(layout.WRITER_LEASE)
+            if holder.get("owner") != self._id and age is not None and age < self.lease_seconds:
+                raise CheckpointError(
+                    f"{self.storage.url} is being written by another CheckpointManager (pid "
+                    f"{holder.get('pid')} on {holder.get('hostname')}, seen {age:.0f} s ago); two writers "
+                    f"would destroy each other's steps. Stop it, write elsewhere, or wait until its "
+                    f"lease is {self.lease_seconds:.0f} s old"
+                )
+            self.storage.write(layout.WRITER_LEASE, self._lease_body())  # a stale lease: take it over
+        self._lease_thread = threading.Thread(
+            target=self._refresh_lease, name="colocar-ckpt-lease", daemon=True
+        )
+        self._lease_thread.start()
+
+    def _refresh_lease(self) -> None:
+        while not self._lease_stop.wait(self.lease_seconds / 4):
+            try:
+                holder = json.loads(self.storage.read(layout.WRITER_LEASE) or b"{}")
+                if holder.get("owner") not in (None, self._id):
+                    self._lease_error = (
+                        f"another CheckpointManager (pid {holder.get('pid')} on {holder.get('hostname')}) "
+                        f"took over {self.storage.url} after this one's lease went stale; not saving"
+                    )
+                    return
+                self.storage.write(layout.WRITER_LEASE, self._lease_body())
+            except Exception:
+                pass  # storage trouble: the saves report it; the lease just ages
+
+    def _install_preemption_handler(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            raise CheckpointError("save_on_preemption needs the manager to be created in the main thread")
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            self._preempted = True
+
+        self._previous_handler = signal.signal(signal.SIGTERM, on_sigterm)
+
+    def reached_preemption(self, step: int | None = None) -> bool:
+        """True once SIGTERM arrived (with `save_on_preemption`): save now, `wait()`, and exit."""
+        return self._preempted
+
+    def close(self) -> None:
+        """Waits for saves in flight, then releases the lease and the writers."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self._lease_stop.set()
+            if self._lease_thread is not None:
+                self._lease_thread.join(timeout=5)
+                try:
+                    holder = json.loads(self.storage.read(layout.WRITER_LEASE) or b"{}")
+                    if holder.get("owner") == self._id:
+                        self.storage.delete(layout.WRITER_LEASE)
+                except Exception:
+                    pass
+            for writer in self._writers.values():
+                try:
+                    writer.close()
+                    writer.delete()
+                except Exception:
+                    pass
+            self._writers.clear()
+            if self._previous_handler is not None:
+                signal.signal(signal.SIGTERM, self._previous_handler)
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"CheckpointManager({self.storage.url!r}, hosts={len(self.cluster.hosts)})"

@@ -1,0 +1,163 @@
+"""Restore: read what each host's devices need, then build global arrays (runs in the controller).
+
+For every array leaf the target sharding (which may differ from the saved one, also in device
+count) gives each device's slice; each host asks its sidecar for its distinct slices, which
+tensorstore reads into arena blocks; the controller puts each slice on its device (on CPU the
+device array aliases the block, which then stays leased as long as that array lives) and
+assembles the global array with `jax.make_array_from_single_device_arrays`.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+
+from colocar.controller_bridge.func import colocated
+from colocar.errors import CheckpointError
+
+from . import tree
+from .reader_backend import read_slices
+from .save import _bounds
+from .writer_backend import describe
+
+_read = colocated(read_slices)
+
+
+@dataclass
+class _Leaf:
+    key: str
+    entry: dict[str, Any]
+    shape: tuple[int, ...]
+    sharding: Any  # None: a numpy leaf, read on host 0
+    device_bounds: dict[Any, list[list[int]]] = field(default_factory=dict)
+
+
+@dataclass
+class RestoreStats:
+    bytes_read: dict[int, int] = field(default_factory=dict)  # host index -> bytes
+    bytes_needed: dict[int, int] = field(default_factory=dict)  # host index -> bytes of its slices
+
+
+def _describe(entry: dict[str, Any]) -> str:
+    dtype = f"key<{entry['impl']}>" if entry["kind"] == "prng_key" else entry["dtype"]
+    return f"{dtype}{list(entry['shape'])}"
+
+
+def _target_leaf(key: str, entry: dict[str, Any], target: Any, devices: list[Any], step: int) -> _Leaf:
+    """Checks `target` (None, a ShapeDtypeStruct with a sharding, or an array) against the entry."""
+    saved_shape = tuple(entry["shape"])
+    if target is None:
+        if entry["kind"] == "numpy":
+            return _Leaf(key, entry, saved_shape, None)
+        sharding = tree.sharding_from_json(entry["sharding"], devices)
+        if sharding is None:
+            raise CheckpointError(
+                f"{key}: step {step} was saved with a sharding over devices this cluster does not have "
+                f"({entry['sharding']}); pass a target (jax.ShapeDtypeStruct with a sharding) for it"
+            )
+        return _Leaf(key, entry, saved_shape, sharding)
+    shape = tuple(getattr(target, "shape", ()))
+    if shape != saved_shape:
+        raise CheckpointError(
+            f"{key}: the target has shape {list(shape)}, step {step} holds {_describe(entry)}"
+        )
+    if entry["kind"] == "prng_key":
+        if not tree.is_prng_key(target) or target.dtype != jax.random.key(0, impl=entry["impl"]).dtype:
+            raise CheckpointError(
+                f"{key}: the target is {target.dtype}, step {step} holds {_describe(entry)}"
+            )
+    elif tree.is_prng_key(target) or np.dtype(target.dtype).name != entry["dtype"]:
+        raise CheckpointError(f"{key}: the target is {target.dtype}, step {step} holds {_describe(entry)}")
+    if isinstance(target, np.ndarray | np.generic):
+        return _Leaf(key, entry, saved_shape, None)
+    sharding = getattr(target, "sharding", None)
+    if sharding is None:
+        raise CheckpointError(
+            f"{key}: the target has no sharding; give jax.ShapeDtypeStruct(..., sharding=...)"
+        )
+    return _Leaf(key, entry, saved_shape, sharding)
+
+
+def restore_leaves(
+    url: str,
+    step: int,
+    manifest: dict[str, Any],
+    targets: dict[str, Any],
+    cluster: Any,
+    storage_timeout: float,
+) -> tuple[dict[str, Any], RestoreStats]:
+    """The values of the keys in `targets` (key -> target leaf or None) at `step`."""
+    saved = manifest["leaves"]
+    values: dict[str, Any] = {}
+    leaves: list[_Leaf] = []
+    for key, target in targets.items():
+        entry = saved.get(key)
+        if entry is None:
+            raise CheckpointError(f"{key}: not in step {step} (it holds {sorted(saved)[:20]})")
+        if entry["kind"] == "value":
+            values[key] = entry["value"]
+        else:
+            leaves.append(_target_leaf(key, entry, target, cluster.devices, step))
+
+    # Per host: its distinct slices, in request order.
+    requests: dict[int, list[tuple[int, str, list[list[int]]]]] = {h.index: [] for h in cluster.hosts}
+    where: dict[tuple[str, int, str], int] = {}  # (key, host, bounds) -> request number on that host
+    stats = RestoreStats()
+    for leaf in leaves:
+        entry = leaf.entry
+        stored_shape = tuple(entry["stored_shape"])
+        itemsize = np.dtype(entry["stored_dtype"]).itemsize
+        if leaf.sharding is None:
+            placements = [(cluster.hosts[0], None, [[0, n] for n in stored_shape])]
+        else:
+            index_map = leaf.sharding.devices_indices_map(leaf.shape)
+            placements = []
+            for device, index in index_map.items():
+                host = cluster.host_of(device)
+                if host is None:
+                    raise CheckpointError(f"{leaf.key}: device {device} of the target belongs to no host")
+                placements.append((host, device, _bounds(index, stored_shape)))
+        for host, device, bounds in placements:
+            token = (leaf.key, host.index, repr(bounds))
+            if token not in where:
+                where[token] = len(requests[host.index])
+                requests[host.index].append((entry["index"], entry["stored_dtype"], bounds))
+                size = int(np.prod([b - a for a, b in bounds], dtype=np.int64)) * itemsize
+                stats.bytes_needed[host.index] = stats.bytes_needed.get(host.index, 0) + size
+            leaf.device_bounds[device] = bounds
+
+    futures: dict[int, Future] = {
+        host.index: _read.on(host).submit(url, step, requests[host.index], storage_timeout)
+        for host in cluster.hosts
+        if requests[host.index]
+    }
+    results: dict[int, list[np.ndarray]] = {}
+    for host_index, future in futures.items():
+        try:
+            arrays, nbytes = future.result()
+        except Exception as e:
+            raise CheckpointError(f"restoring step {step} on host {host_index} failed: {describe(e)}") from e
+        results[host_index] = arrays
+        stats.bytes_read[host_index] = nbytes
+
+    for leaf in leaves:
+        values[leaf.key] = _assemble(leaf, cluster, where, results)
+    return values, stats
+
+
+def _assemble(leaf: _Leaf, cluster: Any, where: dict, results: dict[int, list[np.ndarray]]) -> Any:
+    def piece(device: Any) -> np.ndarray:
+        host = cluster.hosts[0] if device is None else cluster.host_of(device)
+        return results[host.index][where[(leaf.key, host.index, repr(leaf.device_bounds[device]))]]
+
+    if leaf.sharding is None:
+        return np.array(piece(None))  # a host copy: numpy leaves do not pin arena blocks
+    devices = list(leaf.device_bounds)
+    arrays = jax.device_put([piece(d) for d in devices], devices)
+    if leaf.entry["kind"] == "prng_key":
+        arrays = [jax.random.wrap_key_data(a, impl=leaf.entry["impl"]) for a in arrays]
+    return jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, arrays)

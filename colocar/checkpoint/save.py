@@ -1,0 +1,217 @@
+"""The blocking part of a save: plan the step, copy shards device -> arena (runs in the controller).
+
+`plan` turns the state into manifest entries and, per host, the pieces it will write: one
+piece per outer chunk of each distinct shard (replicated shards once, by the host holding
+replica 0). `send` starts the device-to-host copies a window ahead, copies each piece into an
+arena block of its host's sidecar (one memcpy; on CPU the shard is host memory already) and
+hands the blocks to that host's writer; when the arena is full it waits for the writers to
+free blocks (backpressure), and counts that time.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+
+from colocar.errors import CheckpointError
+from colocar.shm import ArenaFullError
+
+from . import layout, tree
+
+PREFETCH_BYTES = 256 << 20  # device-to-host copies started ahead of the one being placed
+BATCH_BYTES = 64 << 20  # pieces handed to a writer per call
+
+
+@dataclass
+class Piece:
+    leaf: int
+    bounds: list[list[int]]  # in the stored array
+    source: Any  # a single-device jax.Array or a numpy array
+    local: tuple[slice, ...]  # of `source`
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass
+class Plan:
+    leaves: dict[str, dict[str, Any]] = field(default_factory=dict)  # manifest entries by key
+    pieces: dict[int, list[Piece]] = field(default_factory=dict)  # host index -> pieces
+    bytes: int = 0
+
+
+def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> list[list[int]]:
+    out = []
+    for s, n in zip(index, shape, strict=False):
+        start, stop, step = s.indices(n)
+        if step != 1:
+            raise CheckpointError("strided shardings cannot be saved")
+        out.append([start, stop])
+    return out + [[0, n] for n in shape[len(out) :]]
+
+
+def _chunk_grid(bounds: list[list[int]], chunk: tuple[int, ...]) -> Iterator[list[list[int]]]:
+    """The outer chunks inside one shard's bounds (one, empty, for an empty shard)."""
+    ranges = [
+        [[a, min(a + c, hi)] for a in range(lo, hi, c)] if hi > lo else [[lo, hi]]
+        for (lo, hi), c in zip(bounds, chunk, strict=True)
+    ]
+    for combo in itertools.product(*ranges):
+        yield [list(r) for r in combo]
+
+
+def plan(named: list[tuple[str, Any]], cluster: Any, max_chunk_bytes: int) -> Plan:
+    """Manifest entries for every leaf and the pieces each host writes."""
+    result = Plan()
+    primary = cluster.hosts[0].index
+    for index, (key, leaf) in enumerate(named):
+        if not tree.is_array(leaf):
+            result.leaves[key] = {
+                "kind": "value",
+                "index": index,
+                "key": key,
+                "value": tree.json_value(key, leaf),
+            }
+            continue
+        entry: dict[str, Any] = {"index": index, "key": key}
+        data: Any
+        if tree.is_prng_key(leaf):
+            entry.update(kind="prng_key", impl=str(jax.random.key_impl(leaf)), shape=list(leaf.shape))
+            data = jax.random.key_data(leaf)
+        elif isinstance(leaf, jax.Array):
+            entry.update(kind="array", shape=list(leaf.shape))
+            data = leaf
+        else:
+            data = np.asarray(leaf)
+            entry.update(kind="numpy", shape=list(data.shape))
+        dtype = np.dtype(data.dtype)
+        shape = tuple(int(n) for n in data.shape)
+        entry.update(
+            dtype=str(np.dtype(leaf.dtype)) if entry["kind"] != "prng_key" else "key",
+            stored_dtype=dtype.name,
+            stored_shape=list(shape),
+        )
+        if isinstance(data, jax.Array):
+            entry["sharding"] = tree.sharding_to_json(leaf.sharding)
+            shard_shape = tuple(data.sharding.shard_shape(shape))
+            shards = [
+                (s.data, _bounds(s.index, shape), cluster.host_of(s.device), s.device)
+                for s in data.addressable_shards
+                if s.replica_id == 0
+            ]
+        else:
+            entry["sharding"] = None
+            shard_shape = shape
+            shards = [(data, [[0, n] for n in shape], cluster.hosts[0], None)]
+        outer, inner = layout.chunk_shapes(shard_shape, dtype.itemsize, max_chunk_bytes)
+        entry.update(chunks=list(outer), inner_chunks=list(inner))
+        for source, bounds, host, device in shards:
+            if host is None:
+                raise CheckpointError(f"{key}: device {device} belongs to no host of the cluster")
+            for piece in _chunk_grid(bounds, outer):
+                local = tuple(slice(a - lo, b - lo) for (a, b), (lo, _) in zip(piece, bounds, strict=True))
+                result.pieces.setdefault(host.index, []).append(
+                    Piece(index, piece, source, local, tuple(b - a for a, b in piece), dtype)
+                )
+                result.bytes += math.prod(b - a for a, b in piece) * dtype.itemsize
+        result.leaves[key] = entry
+    result.pieces.setdefault(primary, [])
+    return result
+
+
+def _prefetched(pieces: list[Piece]) -> Iterator[Piece]:
+    """Yields pieces while device-to-host copies run up to PREFETCH_BYTES ahead."""
+    started: set[int] = set()
+    ahead: deque[Piece] = deque()
+    ahead_bytes = 0
+    queue = iter(pieces)
+    while True:
+        for piece in queue:
+            source = piece.source
+            if isinstance(source, jax.Array) and id(source) not in started:
+                started.add(id(source))
+                source.copy_to_host_async()
+            ahead.append(piece)
+            ahead_bytes += piece.nbytes
+            if ahead_bytes >= PREFETCH_BYTES:
+                break
+        if not ahead:
+            return
+        piece = ahead.popleft()
+        ahead_bytes -= piece.nbytes
+        yield piece
+
+
+@dataclass
+class SendStats:
+    bytes: int = 0
+    pieces: int = 0
+    arena_waits: int = 0  # pieces that found the arena full
+    arena_wait_seconds: float = 0.0
+
+
+def send(
+    host: Any, writer: Any, step: int, pieces: list[Piece], pool: str, check: Any
+) -> tuple[list, SendStats]:
+    """Copies `pieces` into `host`'s arena and hands them to its writer; returns the call
+    futures (each completes once the writer queued its blocks) and the stats. `check()` raises
+    when the save failed meanwhile (so a full arena never waits on a dead save)."""
+    conn = host.connection
+    stats = SendStats()
+    futures = []
+    batch: list[tuple[int, list[list[int]], np.ndarray]] = []
+    batch_bytes = 0
+
+    def flush() -> None:
+        nonlocal batch, batch_bytes
+        if batch:
+            futures.append(writer.write.submit(step, batch))
+            batch, batch_bytes = [], 0
+
+    for piece in _prefetched(pieces):
+        source = np.asarray(piece.source)[piece.local]
+        if conn.shm:
+            block = _allocate(conn, piece, pool, stats, check, flush)
+            np.copyto(block, source)
+        else:
+            block = np.ascontiguousarray(source)  # uploaded in chunks over gRPC by the call
+        batch.append((piece.leaf, piece.bounds, block))
+        del block, source
+        batch_bytes += piece.nbytes
+        stats.bytes += piece.nbytes
+        stats.pieces += 1
+        if batch_bytes >= BATCH_BYTES:
+            flush()
+    flush()
+    return futures, stats
+
+
+def _allocate(conn: Any, piece: Piece, pool: str, stats: SendStats, check: Any, flush: Any) -> np.ndarray:
+    """An arena block for `piece`; when the arena is full, hands over the blocks filled so far
+    and waits for the writers to free some (counted in the stats), unless the save failed."""
+    try:
+        return conn.empty([(piece.shape, piece.dtype)], pool=pool, timeout=0.0)[0]
+    except ArenaFullError:
+        stats.arena_waits += 1
+        flush()
+    started = time.monotonic()
+    try:
+        while True:
+            check()
+            try:
+                return conn.empty([(piece.shape, piece.dtype)], pool=pool, timeout=1.0)[0]
+            except ArenaFullError:
+                pass
+    finally:
+        stats.arena_wait_seconds += time.monotonic() - started

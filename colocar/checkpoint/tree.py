@@ -1,0 +1,120 @@
+"""Pytrees to manifest entries and back (runs in the controller).
+
+Leaves are named by `jax.tree_util.keystr` of their path (`['params']['w']`); the manifest
+records each leaf by that name, plus a JSON skeleton of dicts and lists so that a restore
+without a target can rebuild a tree of plain containers. Arrays (`jax.Array`, numpy arrays,
+typed PRNG keys, stored as their key data) are written by the sidecars; everything else
+(numbers, strings, booleans, None, the data iterator's state) is stored in the manifest.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+
+from colocar.errors import CheckpointError
+
+
+def is_array(x: Any) -> bool:
+    return isinstance(x, jax.Array | np.ndarray | np.generic)
+
+
+def is_prng_key(x: Any) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def flatten(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
+    """[(key, leaf)] in tree order, and the JSON skeleton of the tree."""
+    leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_none)
+    named = [(jax.tree_util.keystr(path), leaf) for path, leaf in leaves]
+    return named, _skeleton(tree)
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def _skeleton(tree: Any, path: tuple = ()) -> Any:
+    """dicts stay dicts, lists and tuples become lists, other nodes dicts of their children."""
+    treedef: Any = jax.tree_util.tree_structure(tree, is_leaf=_is_none)
+    if treedef.num_nodes == 1 and treedef.num_leaves == 1:
+        return {"leaf": jax.tree_util.keystr(path)}
+    children = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is not tree)[0]
+    if isinstance(tree, list | tuple) and not hasattr(tree, "_fields"):
+        return {"list": [_skeleton(child, path + (p[0],)) for p, child in children]}
+    return {"dict": {_key_name(p[0]): _skeleton(child, path + (p[0],)) for p, child in children}}
+
+
+def _key_name(key: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def rebuild(skeleton: Any, values: dict[str, Any]) -> Any:
+    """A tree of dicts and lists from a skeleton and the restored leaves by key."""
+    if "leaf" in skeleton:
+        return values[skeleton["leaf"]]
+    if "list" in skeleton:
+        return [rebuild(child, values) for child in skeleton["list"]]
+    return {name: rebuild(child, values) for name, child in skeleton["dict"].items()}
+
+
+def prune(skeleton: Any, keep: set[str]) -> Any:
+    """The skeleton restricted to leaves in `keep` (None when nothing is left)."""
+    if "leaf" in skeleton:
+        return skeleton if skeleton["leaf"] in keep else None
+    if "list" in skeleton:
+        items = [prune(c, keep) for c in skeleton["list"]]
+        return {"list": items} if any(i is not None for i in items) else None
+    kept = {n: p for n, c in skeleton["dict"].items() if (p := prune(c, keep)) is not None}
+    return {"dict": kept} if kept else None
+
+
+def json_value(key: str, value: Any) -> Any:
+    """A non-array leaf as JSON, or a clear error."""
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        raise CheckpointError(
+            f"{key}: cannot save a leaf of type {type(value).__name__}; leaves must be arrays, "
+            "numbers, strings, booleans or None (JSON-able)"
+        ) from None
+    return value
+
+
+# --- shardings ---------------------------------------------------------------------------------
+def sharding_to_json(sharding: Any) -> dict[str, Any]:
+    if isinstance(sharding, NamedSharding):
+        mesh = sharding.mesh
+        return {
+            "type": "NamedSharding",
+            "axis_names": list(mesh.axis_names),
+            "mesh_shape": [int(n) for n in mesh.devices.shape],
+            "device_ids": [int(d.id) for d in mesh.devices.flat],
+            "spec": [list(p) if isinstance(p, tuple) else p for p in sharding.spec],
+        }
+    if isinstance(sharding, SingleDeviceSharding):
+        device: Any = next(iter(sharding.device_set))
+        return {"type": "SingleDeviceSharding", "device_id": int(device.id)}
+    return {"type": type(sharding).__name__, "repr": repr(sharding)}
+
+
+def sharding_from_json(data: dict[str, Any] | None, devices: list[Any]) -> Any:
+    """The saved sharding on the current devices, or None when they are not all here."""
+    if not data:
+        return None
+    by_id = {d.id: d for d in devices}
+    if data["type"] == "NamedSharding" and all(i in by_id for i in data["device_ids"]):
+        mesh_devices = np.array([by_id[i] for i in data["device_ids"]]).reshape(data["mesh_shape"])
+        spec = PartitionSpec(*[tuple(p) if isinstance(p, list) else p for p in data["spec"]])
+        return NamedSharding(Mesh(mesh_devices, tuple(data["axis_names"])), spec)
+    if data["type"] == "SingleDeviceSharding" and data["device_id"] in by_id:
+        return SingleDeviceSharding(by_id[data["device_id"]])
+    return None

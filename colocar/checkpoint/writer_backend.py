@@ -1,0 +1,346 @@
+"""The checkpoint writer: a detached object in each sidecar (runs in the sidecar).
+
+The controller copies each shard into an arena block and hands the block's view to
+`write`; the writer stores it with tensorstore on its own threads (bounded concurrency) and
+drops the view, which frees the block, once the write is durable. After `finish`, the host
+writes its done marker. The primary writer (host 0's) also holds the step's plan from `begin`
+on, so the commit does not depend on the trainer: it writes the manifest, keeps the step's
+heartbeat fresh, waits for every planned host's done marker, writes the commit marker last
+(create-only), then applies retention and removes debris of crashed saves.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import layout
+from .storage import Storage, open_storage
+
+TERMINAL = ("committed", "done", "failed")
+_TS_SPEC = re.compile(r" \[tensorstore_spec='.*'\]", re.S)
+
+
+def describe(error: BaseException) -> str:
+    """An exception as one line, without the full spec tensorstore appends to its messages."""
+    return f"{type(error).__name__}: {_TS_SPEC.sub('', str(error))}"
+
+
+@dataclass
+class WriterOptions:
+    """Plain data, sent from the controller once per manager."""
+
+    concurrent_writes: int = 4
+    heartbeat_seconds: float = 5.0
+    stale_seconds: float = 60.0  # an uncommitted step without a fresher heartbeat is debris
+    commit_timeout: float = 600.0  # the primary gives up waiting for other hosts' done markers
+    max_to_keep: int | None = None
+    keep_period: int | None = None
+    storage_timeout: float = 30.0
+
+
+@dataclass
+class _Job:
+    step: int
+    primary: bool
+    hosts: list[int]
+    leaves: dict[int, dict[str, Any]]  # leaf index -> manifest entry (arrays only)
+    manifest: bytes = b""
+    state: str = "writing"  # writing -> done (this host's part durable) -> committed | failed
+    error: str = ""
+    pieces_sent: int | None = None  # set by finish()
+    pieces_written: int = 0
+    bytes_written: int = 0
+    pending: int = 0
+    started: float = field(default_factory=time.monotonic)
+    finished: float = 0.0
+    stores: dict[int, Any] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    changed: threading.Condition = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.changed = threading.Condition(self.lock)
+
+
+class CheckpointWriter:
+    """One per sidecar and manager; created detached (it outlives the trainer's session)."""
+
+    def __init__(self, url: str, host: int, options: WriterOptions):
+        self.url = url
+        self.host = host
+        self.options = options
+        self.storage: Storage = open_storage(url, options.storage_timeout)
+        self._jobs: dict[int, _Job] = {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(options.concurrent_writes, thread_name_prefix="colocar-ckpt-write")
+        self._context: Any = None
+
+    # --- called by the controller -----------------------------------------------------------
+    def begin(self, step: int, manifest: bytes, hosts: list[int], primary: bool) -> None:
+        """Registers the step's plan (which hosts write it); the primary also owns its commit."""
+        entries = json.loads(manifest)["leaves"]
+        leaves = {int(e["index"]): e for e in entries.values() if e["kind"] != "value"}
+        job = _Job(step, primary, sorted(hosts), leaves, manifest)
+        with self._lock:
+            old = self._jobs.get(step)
+            if old is not None and old.state not in TERMINAL:
+                raise RuntimeError(f"step {step} is already being saved on host {self.host}")
+            self._jobs[step] = job
+        if primary:
+            threading.Thread(
+                target=self._primary, args=(job,), name=f"colocar-ckpt-commit-{step}", daemon=True
+            ).start()
+
+    def write(self, step: int, pieces: list[tuple[int, list[list[int]], np.ndarray]]) -> None:
+        """Queues pieces (leaf index, [[start, stop], ...] in the global array, arena view)."""
+        job = self._job(step)
+        with job.lock:
+            if job.state == "failed":
+                return  # the step is lost already; dropping the views frees their blocks
+            job.pending += len(pieces)
+        for leaf, bounds, data in pieces:
+            self._pool.submit(self._write_piece, job, leaf, bounds, data)
+
+    def finish(self, step: int, pieces: int) -> None:
+        """No more pieces: `pieces` were sent in all; the host's part is durable after them."""
+        job = self._job(step)
+        with job.lock:
+            job.pieces_sent = pieces
+            self._check_done(job)
+
+    def status(self, step: int, wait: float = 0.0) -> dict[str, Any]:
+        """The step's state on this host, waiting up to `wait` s for it to end."""
+        job = self._job(step)
+        deadline = time.monotonic() + wait
+        with job.lock:
+            while job.state not in TERMINAL and (remaining := deadline - time.monotonic()) > 0:
+                if job.state == "done" and not job.primary:
+                    break
+                job.changed.wait(remaining)
+            return {
+                "state": job.state,
+                "error": job.error,
+                "host": self.host,
+                "pieces_written": job.pieces_written,
+                "bytes_written": job.bytes_written,
+                "pending": job.pending,
+                "seconds": (job.finished or time.monotonic()) - job.started,
+            }
+
+    def abort(self, step: int, reason: str) -> None:
+        job = self._jobs.get(step)
+        if job is not None:
+            self._fail(job, reason, marker=False)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # --- writing ----------------------------------------------------------------------------
+    def _job(self, step: int) -> _Job:
+        job = self._jobs.get(step)
+        if job is None:
+            raise KeyError(f"host {self.host} has no save of step {step} (begin was not called)")
+        return job
+
+    def _ts_context(self) -> Any:
+        import tensorstore as ts
+
+        if self._context is None:
+            self._context = ts.Context(self.storage.context_spec())
+        return self._context
+
+    def _store(self, job: _Job, leaf: int) -> Any:
+        import tensorstore as ts
+
+        with job.lock:
+            store = job.stores.get(leaf)
+        if store is None:
+            e = job.leaves[leaf]
+            spec = layout.array_spec(
+                self.storage.kvstore(f"{layout.step_dir(job.step)}/{layout.array_dir(leaf)}"),
+                tuple(e["stored_shape"]),
+                e["stored_dtype"],
+                tuple(e["chunks"]),
+                tuple(e["inner_chunks"]),
+            )
+            # Only the primary writes the array's metadata; the others write chunks blindly.
+            store = ts.open(spec, context=self._ts_context(), open=True, assume_metadata=True).result()
+            with job.lock:
+                store = job.stores.setdefault(leaf, store)
+        return store
+
+    def _write_piece(self, job: _Job, leaf: int, bounds: list[list[int]], data: np.ndarray) -> None:
+        try:
+            if job.state == "failed":
+                return
+            store = self._store(job, leaf)
+            store[layout.slices_of(bounds)].write(data).result()
+            with job.lock:
+                job.pieces_written += 1
+                job.bytes_written += data.nbytes
+        except Exception as e:
+            key = job.leaves.get(leaf, {}).get("key", f"leaf {leaf}")
+            self._fail(
+                job,
+                f"host {self.host}: writing {key} {bounds} of step {job.step} failed: {describe(e)}",
+            )
+        finally:
+            del data  # frees the arena block once nothing else holds it
+            with job.lock:
+                job.pending -= 1
+                self._check_done(job)
+
+    def _check_done(self, job: _Job) -> None:
+        """Under job.lock: writes the done marker once every sent piece is durable."""
+        if job.state != "writing" or job.pieces_sent is None or job.pending:
+            return
+        if job.pieces_written < job.pieces_sent:
+            return
+        job.state = "marking"
+        threading.Thread(target=self._mark_done, args=(job,), daemon=True).start()
+
+    def _mark_done(self, job: _Job) -> None:
+        body = json.dumps(
+            {
+                "host": self.host,
+                "hostname": socket.gethostname(),
+                "time": time.time(),
+                "pieces": job.pieces_written,
+                "bytes": job.bytes_written,
+            }
+        ).encode()
+        try:
+            self.storage.write(f"{layout.step_dir(job.step)}/{layout.done_marker(self.host)}", body)
+        except Exception as e:
+            self._fail(job, f"host {self.host}: writing the done marker of step {job.step} failed: {e}")
+            return
+        with job.lock:
+            if job.state == "marking":
+                job.state = "done"
+                if not job.primary:
+                    job.finished = time.monotonic()
+            job.changed.notify_all()
+
+    def _fail(self, job: _Job, error: str, marker: bool = True) -> None:
+        with job.lock:
+            if job.state in ("failed", "committed"):
+                return
+            job.state, job.error, job.finished = "failed", error, time.monotonic()
+            job.changed.notify_all()
+        if marker:
+            try:
+                body = json.dumps({"host": self.host, "error": error, "time": time.time()}).encode()
+                self.storage.write(f"{layout.step_dir(job.step)}/{layout.failed_marker(self.host)}", body)
+            except Exception:
+                pass  # storage itself may be what failed; the error still reaches the controller
+
+    # --- the primary: plan, heartbeat, commit, retention -----------------------------------
+    def _primary(self, job: _Job) -> None:
+        step = layout.step_dir(job.step)
+        stop = threading.Event()
+        try:
+            self.storage.write(f"{step}/{layout.HEARTBEAT}", b"%f" % time.time())
+            threading.Thread(target=self._heartbeat, args=(job, stop), daemon=True).start()
+            self._create_arrays(job)
+            self.storage.write(f"{step}/{layout.MANIFEST}", job.manifest)
+            self._await_hosts(job)
+            committed = json.dumps({"step": job.step, "time": time.time(), "hosts": job.hosts}).encode()
+            if not self.storage.write(f"{step}/{layout.COMMITTED}", committed, create_only=True):
+                raise RuntimeError(f"step {job.step} was committed by another writer meanwhile")
+            job.finished = time.monotonic()  # durable from here on
+        except Exception as e:
+            self._fail(job, f"host {self.host}: committing step {job.step} failed: {describe(e)}")
+            return
+        finally:
+            stop.set()
+        try:
+            self._retain(job.step)
+        except Exception as e:
+            print(f"colocar checkpoint: retention after step {job.step} failed: {e}", flush=True)
+        with job.lock:  # reported once retention is done too, so listings after wait() are settled
+            job.state = "committed"
+            job.changed.notify_all()
+
+    def _heartbeat(self, job: _Job, stop: threading.Event) -> None:
+        name = f"{layout.step_dir(job.step)}/{layout.HEARTBEAT}"
+        while not stop.wait(self.options.heartbeat_seconds):
+            try:
+                self.storage.write(name, b"%f" % time.time())
+            except Exception:
+                pass  # a failing store fails the writes too; the heartbeat only delays deletion
+
+    def _create_arrays(self, job: _Job) -> None:
+        import tensorstore as ts
+
+        opens = []
+        for leaf, e in job.leaves.items():
+            spec = layout.array_spec(
+                self.storage.kvstore(f"{layout.step_dir(job.step)}/{layout.array_dir(leaf)}"),
+                tuple(e["stored_shape"]),
+                e["stored_dtype"],
+                tuple(e["chunks"]),
+                tuple(e["inner_chunks"]),
+            )
+            opens.append((e["key"], ts.open(spec, context=self._ts_context(), create=True, open=True)))
+        for key, future in opens:
+            try:
+                future.result()
+            except Exception as error:
+                raise RuntimeError(f"creating the array of {key} failed: {describe(error)}") from None
+
+    def _await_hosts(self, job: _Job) -> None:
+        step = layout.step_dir(job.step)
+        deadline = time.monotonic() + self.options.commit_timeout
+        delay = 0.05
+        while True:
+            with job.lock:
+                if job.state == "failed":
+                    raise RuntimeError(job.error)
+            failed = self.storage.children(f"{step}/{layout.FAILED_DIR}")
+            if failed:
+                body = self.storage.read(f"{step}/{layout.FAILED_DIR}/{failed[0]}") or b"{}"
+                raise RuntimeError(json.loads(body).get("error", f"a host failed ({failed[0]})"))
+            done = set(self.storage.children(f"{step}/{layout.DONE_DIR}"))
+            missing = [h for h in job.hosts if f"host_{h}.json" not in done]
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"hosts {missing} did not report their part of step {job.step} done within "
+                    f"{self.options.commit_timeout:.0f} s"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+    def _retain(self, latest: int) -> None:
+        """Deletes committed steps beyond the policy and uncommitted debris of crashed saves."""
+        steps = sorted(s for s in map(layout.parse_step_dir, self.storage.children()) if s is not None)
+        with self._lock:
+            active = {s for s, j in self._jobs.items() if j.state not in TERMINAL}
+        committed = [s for s in steps if self.storage.exists(f"{layout.step_dir(s)}/{layout.COMMITTED}")]
+        keep = set(committed)
+        if self.options.max_to_keep is not None:
+            keep = set(committed[-self.options.max_to_keep :])
+            if self.options.keep_period:
+                keep |= {s for s in committed if s % self.options.keep_period == 0}
+        for s in committed:
+            if s not in keep and s != latest:
+                self.storage.delete(f"{layout.step_dir(s)}/{layout.COMMITTED}")  # unrestorable first
+                self.storage.delete_tree(layout.step_dir(s))
+        for s in steps:
+            if s in active or s in committed:
+                continue
+            name = layout.step_dir(s)
+            age = self.storage.age(f"{name}/{layout.HEARTBEAT}")
+            if age is None:
+                age = self.storage.age(f"{name}/{layout.MANIFEST}")
+            if (age is None and s < latest) or (age is not None and age > self.options.stale_seconds):
+                self.storage.delete_tree(name)

@@ -1,0 +1,475 @@
+"""Checkpoints: real sidecars writing zarr3 through tensorstore to a local disk and a real GCS
+server (fake-gcs-server), restores with resharding, retention, corruption, and failures."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from helpers import FakeGcs, wait_for
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import colocar
+from colocar.checkpoint import CheckpointError, CheckpointManager, layout
+
+MiB = 1 << 20
+
+
+def make_state(seed: int = 0, rows: int = 64) -> dict:
+    """Arrays sharded over the session cluster's 8 devices (2 hosts x 4), and plain values."""
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+    rng = np.random.default_rng(seed)
+    return {
+        "params": {
+            "w": jax.device_put(
+                rng.standard_normal((rows, 32), np.float32), NamedSharding(mesh, P("data", "model"))
+            ),
+            "b": jax.device_put(rng.standard_normal(32).astype(ml_dtypes.bfloat16), NamedSharding(mesh, P())),
+        },
+        "step": seed,
+        "data": {"epoch": 1, "positions": [3, 5], "source": "train"},
+    }
+
+
+def assert_same(a, b) -> None:
+    """Bit-exact equality of two trees (arrays compared as bytes, keys by key data)."""
+    la, ta = jax.tree_util.tree_flatten(a)
+    lb, tb = jax.tree_util.tree_flatten(b)
+    assert ta == tb
+    for x, y in zip(la, lb, strict=True):
+        if isinstance(x, jax.Array | np.ndarray):
+            if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+                assert y.dtype == x.dtype
+                x, y = jax.random.key_data(x), jax.random.key_data(y)
+            x, y = np.asarray(x), np.asarray(y)
+            assert x.dtype == y.dtype and x.shape == y.shape
+            assert x.tobytes() == y.tobytes()
+        else:
+            assert x == y
+
+
+def abstract(tree):
+    return jax.tree_util.tree_map(
+        lambda x: (
+            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x
+        ),
+        tree,
+    )
+
+
+@pytest.fixture
+def mngr(cluster, tmp_path):
+    m = CheckpointManager(str(tmp_path / "ckpt"), cluster, stale_seconds=0.5)
+    yield m
+    m.close()
+
+
+def test_round_trip_of_every_dtype(cluster, mngr):
+    mesh = cluster.mesh(("data", "model"), (4, 2))
+    sharded = NamedSharding(mesh, P("data"))
+    rng = np.random.default_rng(1)
+    arrays = {}
+    for name in (
+        "bool",
+        "int8",
+        "int16",
+        "int32",
+        "uint8",
+        "uint16",
+        "uint32",
+        "float16",
+        "bfloat16",
+        "float32",
+        "complex64",
+        "float8_e4m3fn",
+    ):
+        dtype = np.dtype(getattr(ml_dtypes, name, None) or name)
+        value = rng.integers(0, 256, size=(16, 6 * dtype.itemsize), dtype=np.uint8).view(dtype)
+        if name == "bool":
+            value = rng.integers(0, 2, size=(16, 6)).astype(bool)
+        arrays[name] = jax.device_put(value, sharded)
+    state = {
+        "arrays": arrays,
+        "scalar": jax.device_put(jnp.float32(2.5), NamedSharding(mesh, P())),
+        "keys": jax.device_put(jax.random.split(jax.random.key(7), 8), sharded),
+        "rbg": jax.random.key(3, impl="rbg"),
+        "host": {"int64": np.arange(10, dtype=np.int64), "float64": np.linspace(0, 1, 7)},
+        "empty": jax.device_put(jnp.zeros((0, 3)), NamedSharding(mesh, P())),
+        "values": [1, 2.5, "text", True, None],
+    }
+    mngr.save(1, state, metadata={"run": "dtypes"})
+    mngr.wait()
+    assert mngr.all_steps() == [1] and mngr.metadata(1) == {"run": "dtypes"}
+    restored = mngr.restore(target=abstract(state))
+    assert_same(state, restored)
+    assert restored["arrays"]["bfloat16"].sharding == sharded
+    plain = mngr.restore(1)  # no target: the saved shardings, plain containers
+    assert_same(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(plain))
+    assert isinstance(plain["host"]["int64"], np.ndarray)
+
+
+def test_resharded_restore_to_fewer_devices_and_another_mesh(cluster, mngr, make_cluster):
+    rows = 4096  # 512 KiB; small outer and inner chunks make the read accounting visible
+    state = make_state(3, rows=rows)
+    m = CheckpointManager(mngr.directory, cluster, max_chunk_bytes=64 * 1024, stale_seconds=0.5)
+    m.save(5, state)
+    m.wait()
+    m.close()
+    one_host = make_cluster(hosts=1, devices=jax.devices()[:4], arena_size=16 * MiB)
+    try:
+        reader = CheckpointManager(mngr.directory, one_host)
+        for shape, spec in (((4, 1), P("a", None)), ((2, 2), P(None, ("a", "b")))):
+            mesh = Mesh(np.array(jax.devices()[:4]).reshape(shape), ("a", "b"))
+            target = {
+                "params": {
+                    "w": jax.ShapeDtypeStruct((rows, 32), jnp.float32, sharding=NamedSharding(mesh, spec))
+                }
+            }
+            restored = reader.restore(target=target)
+            w = restored["params"]["w"]
+            assert w.sharding == target["params"]["w"].sharding
+            assert np.asarray(w).tobytes() == np.asarray(state["params"]["w"]).tobytes()
+            stats = reader.stats()["restore"]
+            entry = json.loads(open(os.path.join(mngr.directory, layout.step_dir(5), "manifest.json")).read())
+            inner = entry["leaves"]["['params']['w']"]["inner_chunks"]
+            inner_bytes = int(np.prod(inner)) * 4
+            # Its slices, plus at most one inner chunk per boundary, plus shard indexes and metadata.
+            slack = 8 * inner_bytes + 64 * 1024
+            assert stats["bytes_needed"][0] == rows * 32 * 4
+            assert stats["bytes_read"][0] <= stats["bytes_needed"][0] + slack
+        reader.close()
+    finally:
+        cluster.make_current()
+
+
+def test_partial_restore_and_mismatches_name_the_key(cluster, mngr):
+    state = make_state(4)
+    mngr.save(2, state)
+    mngr.wait()
+    part = mngr.restore(target={"params": {"w": abstract(state)["params"]["w"]}})
+    assert np.array_equal(np.asarray(part["params"]["w"]), np.asarray(state["params"]["w"]))
+    assert mngr.restore(keys=["data"]) == {"data": state["data"]}
+    w = state["params"]["w"]
+    with pytest.raises(CheckpointError, match=r"\['params'\]\['w'\].*bfloat16.*float32\[64, 32\]"):
+        mngr.restore(
+            target={"params": {"w": jax.ShapeDtypeStruct(w.shape, jnp.bfloat16, sharding=w.sharding)}}
+        )
+    with pytest.raises(CheckpointError, match=r"\['params'\]\['w'\]: the target has shape \[64, 16\]"):
+        mngr.restore(
+            target={"params": {"w": jax.ShapeDtypeStruct((64, 16), jnp.float32, sharding=w.sharding)}}
+        )
+    with pytest.raises(CheckpointError, match=r"\['nope'\]: not in step 2"):
+        b = state["params"]["b"]
+        mngr.restore(target={"nope": jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=b.sharding)})
+    with pytest.raises(CheckpointError, match="step 9 is not a committed checkpoint"):
+        mngr.restore(9)
+
+
+def test_retention_listing_and_delete(cluster, tmp_path):
+    state = make_state(5)
+    m = CheckpointManager(str(tmp_path / "keep"), cluster, max_to_keep=2, keep_period=4)
+    for step in range(1, 8):
+        m.save(step, state)
+    m.wait()
+    assert m.all_steps() == [4, 6, 7] and m.latest_step() == 7
+    m.delete(6)
+    assert m.all_steps() == [4, 7]
+    assert not os.path.exists(tmp_path / "keep" / layout.step_dir(6))
+    assert_same(state, m.restore(4, target=abstract(state)))
+    with pytest.raises(CheckpointError, match="step 7 already exists"):
+        m.save(7, state)
+    assert m.save(9, state) and not CheckpointManager(
+        str(tmp_path / "x"), cluster, save_interval_steps=2
+    ).save(3, state)
+    m.close()
+
+
+def test_uncommitted_steps_are_never_restored_and_debris_is_removed(cluster, mngr):
+    state = make_state(6)
+    mngr.save(1, state)
+    mngr.wait()
+    # A crashed save: everything but the commit marker.
+    root = mngr.directory
+    src, crashed = os.path.join(root, layout.step_dir(1)), os.path.join(root, layout.step_dir(2))
+    subprocess.run(["cp", "-r", src, crashed], check=True)
+    os.remove(os.path.join(crashed, layout.COMMITTED))
+    assert mngr.all_steps() == [1] and mngr.latest_step() == 1
+    with pytest.raises(CheckpointError, match="step 2 is not a committed"):
+        mngr.restore(2)
+    time.sleep(0.6)  # older than stale_seconds: debris
+    mngr.save(3, state)
+    mngr.wait()
+    assert not os.path.exists(crashed)
+    assert mngr.all_steps() == [1, 3]
+
+
+def test_flipped_byte_and_missing_chunk_give_clear_errors(cluster, mngr):
+    state = make_state(7)
+    mngr.save(1, state)
+    mngr.wait()
+    leaf = json.load(open(os.path.join(mngr.directory, layout.step_dir(1), "manifest.json")))["leaves"]
+    array = os.path.join(
+        mngr.directory, layout.step_dir(1), layout.array_dir(leaf["['params']['w']"]["index"])
+    )
+    chunk = os.path.join(array, "c", "0", "0")
+    data = bytearray(open(chunk, "rb").read())
+    data[10] ^= 0x40
+    open(chunk, "wb").write(bytes(data))
+    with pytest.raises(CheckpointError, match=r"host \d.*[Dd]igest mismatch"):
+        mngr.restore(target=abstract(state))
+    os.remove(chunk)
+    with pytest.raises(CheckpointError, match=r"c/0/0.*missing|missing.*c/0/0"):
+        mngr.restore(target=abstract(state))
+
+
+def test_second_writer_is_refused(cluster, tmp_path):
+    state = make_state(8)
+    first = CheckpointManager(str(tmp_path / "two"), cluster)
+    second = CheckpointManager(str(tmp_path / "two"), cluster)
+    first.save(1, state)
+    with pytest.raises(CheckpointError, match="being written by another CheckpointManager"):
+        second.save(2, state)
+    first.close()  # releases the lease
+    second.save(2, state)
+    second.close()
+    assert second.all_steps() == [1, 2]
+
+
+def test_arena_smaller_than_the_checkpoint_applies_backpressure(make_cluster, tmp_path, cluster):
+    small = make_cluster(hosts=2, arena_size=8 * MiB, processes=1)
+    mesh = small.mesh(("data",), (8,))
+    big = jax.device_put(
+        np.random.default_rng(9).standard_normal((8 * 256, 4096), np.float32),
+        NamedSharding(mesh, P("data")),
+    )  # 32 MiB: 16 MiB per host's 8 MiB arena
+    try:
+        m = CheckpointManager(str(tmp_path / "small"), small, max_chunk_bytes=1 * MiB)
+        m.save(1, {"big": big})
+        stats = m.stats()["save"]
+        assert stats["arena_waits"] > 0 and stats["bytes"] == big.nbytes
+        m.wait()
+        m.close()
+    finally:
+        small.close()
+    # A restore needs room for what it returns (the arrays alias their blocks): a larger arena.
+    reader = CheckpointManager(str(tmp_path / "small"), cluster.make_current())
+    target = {"big": jax.ShapeDtypeStruct(big.shape, big.dtype, sharding=big.sharding)}
+    assert np.asarray(reader.restore(target=target)["big"]).tobytes() == np.asarray(big).tobytes()
+
+
+def test_failed_background_write_raises_on_next_save(cluster, mngr):
+    state = make_state(10)
+    mngr.save(1, state)
+    mngr.wait()
+    blocker = os.path.join(mngr.directory, layout.step_dir(2))
+    os.makedirs(blocker)
+    open(os.path.join(blocker, "arrays"), "w").close()  # a file where the arrays' directory goes
+    mngr.save(2, state)  # the failure happens in the sidecars, after save returned
+    with pytest.raises(CheckpointError, match=r"step 2 failed: host \d: .*\['params'\]\[.*Not a directory"):
+        mngr.save(3, state)
+    mngr.save(3, state)  # reported once; later saves work
+    mngr.wait()
+    assert mngr.all_steps() == [1, 3]
+    assert_same(state, mngr.restore(1, target=abstract(state)))
+
+
+def _kill_during_save(make_cluster, directory: str, seed: int) -> None:
+    """Saves steps until a sidecar is SIGKILLed at a seeded random moment; then a fresh cluster
+    restores the latest committed step bit-exactly, and never an uncommitted one."""
+    rnd = random.Random(seed)
+    c = make_cluster(hosts=2, arena_size=32 * MiB, lease_seconds=2)
+    c.make_current()
+    m = CheckpointManager(directory, c, max_chunk_bytes=256 * 1024, queue=True)
+    saved = {}
+    victim = c.processes[rnd.randrange(2)]
+    killer = threading.Timer(rnd.uniform(0.2, 1.5), victim.kill)
+    killer.start()
+    try:
+        with pytest.raises((CheckpointError, colocar.HostLostError)):
+            for step in range(1, 100):
+                state = make_state(step, rows=512)
+                m.save(step, state)
+                saved[step] = jax.tree_util.tree_map(np.asarray, state)
+                m.wait(timeout=60)
+    finally:
+        killer.cancel()
+    fresh = make_cluster(hosts=2, arena_size=32 * MiB)
+    reader = CheckpointManager(directory, fresh)
+    latest = reader.latest_step()
+    if latest is not None:
+        assert latest in saved
+        restored = reader.restore(target=abstract(make_state(latest, rows=512)))
+        assert_same(saved[latest], jax.tree_util.tree_map(np.asarray, restored))
+    for step in range(1, 100):  # every listed step restores; nothing else is listed
+        if os.path.exists(os.path.join(directory, layout.step_dir(step), layout.COMMITTED)):
+            assert step in reader.all_steps()
+    reader.close()
+
+
+def test_sidecar_killed_mid_save_keeps_the_previous_step(make_cluster, tmp_path, cluster):
+    try:
+        _kill_during_save(make_cluster, str(tmp_path / "kill"), seed=1)
+    finally:
+        cluster.make_current()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(2, 12))
+def test_sidecar_killed_at_random_points(make_cluster, tmp_path, cluster, seed):
+    try:
+        _kill_during_save(make_cluster, str(tmp_path / "kill"), seed)
+    finally:
+        cluster.make_current()
+
+
+TRAINER = """
+import os, sys, signal
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import jax, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import colocar
+from colocar.checkpoint import CheckpointManager
+addresses, token_file, directory = sys.argv[1].split(","), sys.argv[2], sys.argv[3]
+cluster = colocar.connect(addresses, token_file=token_file)
+mesh = Mesh(np.array(jax.devices()).reshape(8), ("d",))
+values = np.arange(8 * 1024 * 64, dtype=np.float32).reshape(8 * 1024, 64)
+w = jax.device_put(values, NamedSharding(mesh, P("d")))
+m = CheckpointManager(directory, cluster, max_chunk_bytes=64 * 1024)
+m.save(1, {"w": w, "note": "from a dead trainer"})
+os.kill(os.getpid(), signal.SIGKILL)  # right after save returned: nothing else runs here
+"""
+
+
+def test_trainer_killed_after_save_still_commits(make_cluster, tmp_path, cluster):
+    sidecars = make_cluster(hosts=2, arena_size=16 * MiB, persist=True, lease_seconds=2)
+    directory = str(tmp_path / "orphan")
+    try:
+        trainer = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                TRAINER,
+                ",".join(h.address for h in sidecars.hosts),
+                sidecars.token_file,
+                directory,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        assert trainer.returncode == -signal.SIGKILL, trainer.stderr[-3000:]
+        wait_for(
+            lambda: os.path.exists(os.path.join(directory, layout.step_dir(1), layout.COMMITTED)),
+            "the sidecars to commit the dead trainer's step",
+            timeout=60,
+        )
+        sidecars.make_current()
+        m = CheckpointManager(directory, sidecars)
+        mesh = Mesh(np.array(jax.devices()).reshape(8), ("d",))
+        target = {
+            "w": jax.ShapeDtypeStruct((8 * 1024, 64), jnp.float32, sharding=NamedSharding(mesh, P("d"))),
+            "note": None,
+        }
+        restored = m.restore(target=target)
+        assert restored["note"] == "from a dead trainer"
+        assert np.array_equal(np.asarray(restored["w"]).ravel(), np.arange(8 * 1024 * 64, dtype=np.float32))
+        m.close()
+    finally:
+        cluster.make_current()
+
+
+def test_preemption_signal_is_recorded(cluster, tmp_path):
+    m = CheckpointManager(str(tmp_path / "pre"), cluster, save_on_preemption=True, save_interval_steps=100)
+    before = signal.getsignal(signal.SIGTERM)
+    assert not m.reached_preemption(1) and not m.should_save(1)
+    os.kill(os.getpid(), signal.SIGTERM)
+    wait_for(lambda: m.reached_preemption(1), "SIGTERM to be recorded")
+    assert m.should_save(1) and m.save(1, make_state(11))
+    m.close()
+    assert m.all_steps() == [1]
+    assert signal.getsignal(signal.SIGTERM) is not before or before is signal.SIG_DFL
+
+
+def test_cli_lists_and_shows(cluster, mngr):
+    mngr.save(4, make_state(12), metadata={"lr": 0.1})
+    mngr.wait()
+    run = [sys.executable, "-c", "from colocar.cli import main; main()", "ckpt"]
+    ls = subprocess.run(run + ["ls", mngr.directory, "--json"], capture_output=True, text=True, timeout=60)
+    listing = json.loads(ls.stdout.strip().splitlines()[-1])
+    assert [(s["step"], s["status"]) for s in listing["steps"]] == [(4, "committed")]
+    show = subprocess.run(run + ["show", mngr.directory, "4"], capture_output=True, text=True, timeout=60)
+    assert (
+        "['params']['w']" in show.stdout and "float32[64, 32]" in show.stdout and '"lr": 0.1' in show.stdout
+    )
+    bad = subprocess.run(run + ["show", mngr.directory, "5"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "no step 5" in bad.stderr
+
+
+# --- GCS (fake-gcs-server) ------------------------------------------------------------------------
+@pytest.fixture
+def gcs_cluster(make_cluster, gcs_server, cluster):
+    """Two sidecars that reach the fake GCS server (tensorstore reads its endpoint from the env)."""
+    c = make_cluster(hosts=2, arena_size=32 * MiB, env=gcs_server.env)
+    c.make_current()
+    yield c
+    cluster.make_current()
+
+
+def test_gcs_round_trip_retention_and_listing(gcs_cluster, gcs_server):
+    gcs_server.create_bucket("colocar-ckpt")
+    url = "gs://colocar-ckpt/run1"
+    state = make_state(13)
+    m = CheckpointManager(url, gcs_cluster, max_to_keep=1)
+    for step in (1, 2):
+        m.save(step, state)
+        m.wait()
+    assert m.all_steps() == [2]
+    assert_same(state, m.restore(target=abstract(state)))
+    m.close()
+    ls = subprocess.run(
+        [sys.executable, "-c", "from colocar.cli import main; main()", "ckpt", "ls", url, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert [s["step"] for s in json.loads(ls.stdout.strip().splitlines()[-1])["steps"]] == [2]
+
+
+def test_gcs_server_stopped_mid_save_fails_in_bounded_time(make_cluster, tmp_path, cluster):
+    server = FakeGcs(str(tmp_path))
+    server.start()
+    saved = {k: os.environ.get(k) for k in server.env}
+    os.environ.update(server.env)
+    try:
+        server.create_bucket("colocar-stop")
+        c = make_cluster(hosts=2, arena_size=32 * MiB, env=server.env)
+        c.make_current()
+        m = CheckpointManager("gs://colocar-stop/run", c, storage_timeout=3, max_chunk_bytes=64 * 1024)
+        m.save(1, make_state(14, rows=256))
+        m.wait()
+        m.save(2, make_state(15, rows=65536))  # 8 MiB in 128 objects of 64 KiB
+        server.stop()
+        # Bounded by storage_timeout and the retries; a hang would end in TimeoutError instead.
+        with pytest.raises(CheckpointError, match=r"step 2 failed: host \d.*(connect|CURL|UNAVAILABLE)"):
+            m.wait(timeout=120)
+        m.close()
+    finally:
+        server.stop()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        cluster.make_current()
