@@ -27,7 +27,7 @@ from colocar.shm import ArenaFullError
 from . import layout, tree
 
 PREFETCH_BYTES = 256 << 20  # device-to-host copies started ahead of the one being placed
-BATCH_BYTES = 64 << 20  # pieces handed to a writer per call
+BATCH_BYTES = 16 << 20  # pieces allocated together and handed to a writer per call
 
 
 @dataclass
@@ -161,6 +161,20 @@ class SendStats:
     arena_wait_seconds: float = 0.0
 
 
+def _groups(pieces: Iterator[Piece]) -> Iterator[list[Piece]]:
+    """Consecutive pieces of at most BATCH_BYTES (one Allocate and one writer call each)."""
+    group: list[Piece] = []
+    size = 0
+    for piece in pieces:
+        if group and size + piece.nbytes > BATCH_BYTES:
+            yield group
+            group, size = [], 0
+        group.append(piece)
+        size += piece.nbytes
+    if group:
+        yield group
+
+
 def send(
     host: Any, writer: Any, step: int, pieces: list[Piece], pool: str, check: Any
 ) -> tuple[list, SendStats]:
@@ -170,41 +184,39 @@ def send(
     conn = host.connection
     stats = SendStats()
     futures = []
-    batch: list[tuple[int, list[list[int]], np.ndarray]] = []
-    batch_bytes = 0
 
-    def flush() -> None:
-        nonlocal batch, batch_bytes
-        if batch:
-            futures.append(writer.write.submit(step, batch))
-            batch, batch_bytes = [], 0
+    def hand_over(group: list[Piece], blocks: list[np.ndarray] | None) -> None:
+        items = []
+        for i, piece in enumerate(group):
+            source = np.asarray(piece.source)[piece.local]
+            if blocks is None:
+                block = np.ascontiguousarray(source)  # uploaded in chunks over gRPC by the call
+            else:
+                block = blocks[i]
+                np.copyto(block, source)
+            items.append((piece.leaf, piece.bounds, block))
+            stats.bytes += piece.nbytes
+            stats.pieces += 1
+        futures.append(writer.write.submit(step, items))
 
-    for piece in _prefetched(pieces):
-        source = np.asarray(piece.source)[piece.local]
-        if conn.shm:
-            block = _allocate(conn, piece, pool, stats, check, flush)
-            np.copyto(block, source)
-        else:
-            block = np.ascontiguousarray(source)  # uploaded in chunks over gRPC by the call
-        batch.append((piece.leaf, piece.bounds, block))
-        del block, source
-        batch_bytes += piece.nbytes
-        stats.bytes += piece.nbytes
-        stats.pieces += 1
-        if batch_bytes >= BATCH_BYTES:
-            flush()
-    flush()
+    for group in _groups(_prefetched(pieces)):
+        if not conn.shm:
+            hand_over(group, None)
+            continue
+        try:
+            blocks = conn.empty([(p.shape, p.dtype) for p in group], pool=pool, timeout=0.0)
+        except ArenaFullError:
+            stats.arena_waits += 1
+            for piece in group:  # one piece at a time, each waiting for the writers to free room
+                hand_over([piece], [_wait_for_block(conn, piece, pool, stats, check)])
+            continue
+        hand_over(group, blocks)
+        del blocks
     return futures, stats
 
 
-def _allocate(conn: Any, piece: Piece, pool: str, stats: SendStats, check: Any, flush: Any) -> np.ndarray:
-    """An arena block for `piece`; when the arena is full, hands over the blocks filled so far
-    and waits for the writers to free some (counted in the stats), unless the save failed."""
-    try:
-        return conn.empty([(piece.shape, piece.dtype)], pool=pool, timeout=0.0)[0]
-    except ArenaFullError:
-        stats.arena_waits += 1
-        flush()
+def _wait_for_block(conn: Any, piece: Piece, pool: str, stats: SendStats, check: Any) -> np.ndarray:
+    """An arena block for `piece`, waiting while the arena is full, unless the save failed."""
     started = time.monotonic()
     try:
         while True:
