@@ -17,6 +17,7 @@ import threading
 import time
 import uuid
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -77,7 +78,7 @@ class CheckpointManager:
         save_interval_steps: int = 1,
         queue: bool = False,
         pool: str = "",
-        concurrent_writes: int = 4,
+        concurrent_writes: int = 2,
         max_chunk_bytes: int | None = None,
         heartbeat_seconds: float = 5.0,
         stale_seconds: float = 60.0,
@@ -108,6 +109,7 @@ class CheckpointManager:
         )
         self._id = uuid.uuid4().hex
         self._writers: dict[int, Any] = {}
+        self._senders = ThreadPoolExecutor(len(self.cluster.hosts), thread_name_prefix="colocar-ckpt-send")
         self._inflight: deque[_Save] = deque()
         self._last = SaveStats()
         self._restore_stats = RestoreStats()
@@ -196,13 +198,21 @@ class CheckpointManager:
             writers[primary].begin(step, body, hosts, True)  # the plan is recorded before anything else
             for future in [writers[h].begin.submit(step, body, hosts, False) for h in hosts if h != primary]:
                 future.result()
-            calls = []
-            for h in hosts:
-                futures, sent = save.send(
-                    self._host(h), writers[h], step, plan.pieces[h], self.pool, lambda: self._check(record)
+            # One thread per host: the copies into the arenas run in parallel (numpy drops the GIL).
+            sends = {
+                h: self._senders.submit(
+                    save.send,
+                    self._host(h),
+                    writers[h],
+                    step,
+                    plan.pieces[h],
+                    self.pool,
+                    lambda: self._check(record),
                 )
-                calls.append((h, futures, sent))
-            for h, futures, sent in calls:
+                for h in hosts
+            }
+            for h, send in sends.items():
+                futures, sent = send.result()
                 for future in futures:
                     future.result()
                 writers[h].finish(step, sent.pieces)
@@ -359,12 +369,13 @@ class CheckpointManager:
         return next(h for h in self.cluster.hosts if h.index == index)
 
     def _chunk_bytes(self) -> int:
-        if self.max_chunk_bytes:
+        if self.max_chunk_bytes:  # given, or computed once (arena sizes do not change)
             return self.max_chunk_bytes
         pool = self.pool or "default"
         sizes = [h.stats()["pools"].get(pool, {}).get("reserved", 0) for h in self.cluster.hosts if h.shm]
         smallest = min([s for s in sizes if s] or [layout.MAX_OUTER_CHUNK_BYTES * 4])
-        return max(1 << 20, min(layout.MAX_OUTER_CHUNK_BYTES, smallest // 4))
+        self.max_chunk_bytes = max(1 << 20, min(layout.MAX_OUTER_CHUNK_BYTES, smallest // 4))
+        return self.max_chunk_bytes
 
     def _writers_for(self, hosts: list[int]) -> dict[int, Any]:
         for h in hosts:
@@ -450,6 +461,7 @@ class CheckpointManager:
                 except Exception:
                     pass
             self._writers.clear()
+            self._senders.shutdown(wait=False)
             if self._previous_handler is not None:
                 signal.signal(signal.SIGTERM, self._previous_handler)
 

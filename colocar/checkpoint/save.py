@@ -199,12 +199,22 @@ def send(
             stats.pieces += 1
         futures.append(writer.write.submit(step, items))
 
+    ready: list[np.ndarray] = []  # blocks for every piece when the arena has room for all
+    if conn.shm and pieces:
+        try:
+            ready = conn.empty([(p.shape, p.dtype) for p in pieces], pool=pool, timeout=0.0)
+        except ArenaFullError:
+            pass
+    ready.reverse()
     for group in _groups(_prefetched(pieces)):
         if not conn.shm:
             hand_over(group, None)
             continue
         try:
-            blocks = conn.empty([(p.shape, p.dtype) for p in group], pool=pool, timeout=0.0)
+            if ready:
+                blocks = [ready.pop() for _ in group]
+            else:
+                blocks = conn.empty([(p.shape, p.dtype) for p in group], pool=pool, timeout=0.0)
         except ArenaFullError:
             stats.arena_waits += 1
             for piece in group:  # one piece at a time, each waiting for the writers to free room

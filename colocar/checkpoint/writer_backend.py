@@ -11,6 +11,7 @@ heartbeat fresh, waits for every planned host's done marker, writes the commit m
 
 from __future__ import annotations
 
+import ctypes
 import json
 import re
 import socket
@@ -29,6 +30,14 @@ TERMINAL = ("committed", "done", "failed")
 _TS_SPEC = re.compile(r" \[tensorstore_spec='.*'\]", re.S)
 
 
+def _trim_heap() -> None:
+    """Returns the encode buffers tensorstore freed to the OS (glibc keeps them otherwise)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def describe(error: BaseException) -> str:
     """An exception as one line, without the full spec tensorstore appends to its messages."""
     return f"{type(error).__name__}: {_TS_SPEC.sub('', str(error))}"
@@ -38,7 +47,7 @@ def describe(error: BaseException) -> str:
 class WriterOptions:
     """Plain data, sent from the controller once per manager."""
 
-    concurrent_writes: int = 4
+    concurrent_writes: int = 2
     heartbeat_seconds: float = 5.0
     stale_seconds: float = 60.0  # an uncommitted step without a fresher heartbeat is debris
     commit_timeout: float = 600.0  # the primary gives up waiting for other hosts' done markers
@@ -182,7 +191,7 @@ class CheckpointWriter:
             if job.state == "failed":
                 return
             store = self._store(job, leaf)
-            store[layout.slices_of(bounds)].write(data).result()
+            store[layout.slices_of(bounds)].write(data, can_reference_source_data_indefinitely=True).result()
             with job.lock:
                 job.pieces_written += 1
                 job.bytes_written += data.nbytes
@@ -196,7 +205,10 @@ class CheckpointWriter:
             del data  # frees the arena block once nothing else holds it
             with job.lock:
                 job.pending -= 1
+                idle = job.pending == 0
                 self._check_done(job)
+            if idle:
+                _trim_heap()
 
     def _check_done(self, job: _Job) -> None:
         """Under job.lock: writes the done marker once every sent piece is durable."""
