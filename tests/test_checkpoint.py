@@ -179,10 +179,12 @@ def test_partial_restore_and_mismatches_name_the_key(cluster, mngr):
 
 def test_retention_listing_and_delete(cluster, tmp_path):
     state = make_state(5)
+    objects = [h.stats()["objects"] for h in cluster.hosts]
     m = CheckpointManager(str(tmp_path / "keep"), cluster, max_to_keep=2, keep_period=4)
     for step in range(1, 8):
         m.save(step, state)
     m.wait()
+    assert [h.stats()["objects"] for h in cluster.hosts] == objects  # each save's writers are gone
     assert m.all_steps() == [4, 6, 7] and m.latest_step() == 7
     m.delete(6)
     assert m.all_steps() == [4, 7]

@@ -33,7 +33,6 @@ from .storage import open_storage
 from .writer_backend import CheckpointWriter, WriterOptions
 
 _Writer = colocated_class(CheckpointWriter)
-WRITER_TTL = 7 * 24 * 3600.0
 
 
 @dataclass
@@ -57,6 +56,7 @@ class _Save:
     started: float
     stats: SaveStats
     begun: float = 0.0
+    writers: dict[int, Any] = field(default_factory=dict)  # host index -> its writer of this step
 
 
 class CheckpointManager:
@@ -108,7 +108,6 @@ class CheckpointManager:
             storage_timeout=storage_timeout,
         )
         self._id = uuid.uuid4().hex
-        self._writers: dict[int, Any] = {}
         self._senders = ThreadPoolExecutor(len(self.cluster.hosts), thread_name_prefix="colocar-ckpt-send")
         self._inflight: deque[_Save] = deque()
         self._last = SaveStats()
@@ -189,11 +188,11 @@ class CheckpointManager:
             "jax_version": jax.__version__,
         }
         body = json.dumps(manifest).encode()
-        writers = self._writers_for(hosts)
         primary = self.cluster.hosts[0].index
         stats = SaveStats(step=step)
         record = _Save(step, hosts, started, stats)
         try:
+            writers = record.writers = self._new_writers(step, hosts)
             record.begun = time.monotonic()
             writers[primary].begin(step, body, hosts, True)  # the plan is recorded before anything else
             for future in [writers[h].begin.submit(step, body, hosts, False) for h in hosts if h != primary]:
@@ -222,6 +221,7 @@ class CheckpointManager:
                 stats.arena_wait_seconds += sent.arena_wait_seconds
         except Exception as e:
             self._abort(record, str(e))
+            self._forget(record)
             if isinstance(e, CheckpointError):
                 raise
             raise CheckpointError(f"save of step {step} failed: {type(e).__name__}: {e}") from e
@@ -264,7 +264,7 @@ class CheckpointManager:
         try:
             status = self._check(record)
             if status[primary]["state"] != "committed" and wait:
-                status[primary] = self._writers[primary].status(record.step, wait)
+                status[primary] = record.writers[primary].status(record.step, wait)
         except CheckpointError:
             self._forget(record)
             raise
@@ -281,7 +281,7 @@ class CheckpointManager:
         status: dict[int, dict[str, Any]] = {}
         for h in record.hosts:
             try:
-                status[h] = self._writers[h].status(record.step, 0.0)
+                status[h] = record.writers[h].status(record.step, 0.0)
             except (HostLostError, ColocarError) as e:
                 self._abort(record, f"host {h} was lost: {e}")
                 raise CheckpointError(
@@ -294,17 +294,22 @@ class CheckpointManager:
         return status
 
     def _forget(self, record: _Save) -> None:
+        """The save ended: its writers are no longer needed."""
         if record in self._inflight:
             self._inflight.remove(record)
+        for writer in record.writers.values():
+            try:
+                writer.close()
+                writer.delete()
+            except Exception:
+                pass  # a lost sidecar took its writer with it
+        record.writers = {}
 
     def _abort(self, record: _Save, reason: str) -> None:
         """Tells the writers to drop the step (best effort: some may be gone)."""
-        for h in record.hosts:
-            writer = self._writers.get(h)
-            if writer is None:
-                continue
+        for writer in record.writers.values():
             try:
-                writer.abort.submit(record.step, reason)
+                writer.abort(record.step, reason)
             except Exception:
                 pass
 
@@ -377,14 +382,14 @@ class CheckpointManager:
         self.max_chunk_bytes = max(1 << 20, min(layout.MAX_OUTER_CHUNK_BYTES, smallest // 4))
         return self.max_chunk_bytes
 
-    def _writers_for(self, hosts: list[int]) -> dict[int, Any]:
-        for h in hosts:
-            if h not in self._writers:
-                name = f"colocar.checkpoint/{self._id}"
-                self._writers[h] = _Writer.on(self._host(h), name=name, ttl=WRITER_TTL)(
-                    self.storage.url, h, self.options
-                )
-        return self._writers
+    def _new_writers(self, step: int, hosts: list[int]) -> dict[int, Any]:
+        """A detached writer per host for this save: it outlives this process long enough to
+        commit (commit_timeout), and is deleted once the save ended."""
+        ttl = self.options.commit_timeout + 600
+        name = f"colocar.checkpoint/{self._id}/{step}"
+        return {
+            h: _Writer.on(self._host(h), name=name, ttl=ttl)(self.storage.url, h, self.options) for h in hosts
+        }
 
     def _lease_body(self) -> bytes:
         return json.dumps(
@@ -454,13 +459,8 @@ class CheckpointManager:
                         self.storage.delete(layout.WRITER_LEASE)
                 except Exception:
                     pass
-            for writer in self._writers.values():
-                try:
-                    writer.close()
-                    writer.delete()
-                except Exception:
-                    pass
-            self._writers.clear()
+            for record in list(self._inflight):
+                self._forget(record)
             self._senders.shutdown(wait=False)
             if self._previous_handler is not None:
                 signal.signal(signal.SIGTERM, self._previous_handler)
