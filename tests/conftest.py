@@ -120,17 +120,11 @@ def gcs_server(tmp_path_factory):
 
     server = FakeGcs(str(tmp_path_factory.mktemp("gcs")))
     server.start()
-    saved = {k: os.environ.get(k) for k in server.env}
-    os.environ.update(server.env)
     try:
-        yield server
+        with server.environment():
+            yield server
     finally:
         server.stop()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

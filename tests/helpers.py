@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 DEADLINE = 30.0
@@ -52,9 +53,23 @@ class FakeGcs:
     def start(self) -> None:
         log = open(os.path.join(self.workdir, "fake-gcs.log"), "ab")
         self.process = subprocess.Popen(
-            [self.binary, "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1",
-             "-port", str(self.port), "-external-url", self.url, "-log-level", "error"],
-            stdout=log, stderr=log,
+            [
+                self.binary,
+                "-scheme",
+                "http",
+                "-backend",
+                "memory",
+                "-host",
+                "127.0.0.1",
+                "-port",
+                str(self.port),
+                "-external-url",
+                self.url,
+                "-log-level",
+                "error",
+            ],
+            stdout=log,
+            stderr=log,
         )
         deadline = time.monotonic() + 30
         while True:
@@ -71,6 +86,20 @@ class FakeGcs:
         from google.cloud import storage
 
         storage.Client(project="colocar", credentials=AnonymousCredentials()).create_bucket(name)
+
+    @contextlib.contextmanager
+    def environment(self) -> Iterator[None]:
+        """Points this process's google-cloud-storage and tensorstore at the server meanwhile."""
+        saved = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)
+        try:
+            yield
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:

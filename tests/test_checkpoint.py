@@ -450,28 +450,22 @@ def test_gcs_round_trip_retention_and_listing(gcs_cluster, gcs_server):
 
 
 def test_gcs_server_stopped_mid_save_fails_in_bounded_time(make_cluster, tmp_path, cluster):
-    server = FakeGcs(str(tmp_path))
+    server = FakeGcs(str(tmp_path))  # its own server: this test stops it
     server.start()
-    saved = {k: os.environ.get(k) for k in server.env}
-    os.environ.update(server.env)
     try:
-        server.create_bucket("colocar-stop")
-        c = make_cluster(hosts=2, arena_size=32 * MiB, env=server.env)
-        c.make_current()
-        m = CheckpointManager("gs://colocar-stop/run", c, storage_timeout=3, max_chunk_bytes=64 * 1024)
-        m.save(1, make_state(14, rows=256))
-        m.wait()
-        m.save(2, make_state(15, rows=65536))  # 8 MiB in 128 objects of 64 KiB
-        server.stop()
-        # Bounded by storage_timeout and the retries; a hang would end in TimeoutError instead.
-        with pytest.raises(CheckpointError, match=r"step 2 failed: host \d.*(connect|CURL|UNAVAILABLE)"):
-            m.wait(timeout=120)
-        m.close()
+        with server.environment():
+            server.create_bucket("colocar-stop")
+            c = make_cluster(hosts=2, arena_size=32 * MiB, env=server.env)
+            c.make_current()
+            m = CheckpointManager("gs://colocar-stop/run", c, storage_timeout=3, max_chunk_bytes=64 * 1024)
+            m.save(1, make_state(14, rows=256))
+            m.wait()
+            m.save(2, make_state(15, rows=65536))  # 8 MiB in 128 objects of 64 KiB
+            server.stop()
+            # Bounded by storage_timeout and the retries; a hang would end in TimeoutError instead.
+            with pytest.raises(CheckpointError, match=r"step 2 failed: host \d.*(connect|CURL|UNAVAILABLE)"):
+                m.wait(timeout=120)
+            m.close()
     finally:
         server.stop()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
         cluster.make_current()

@@ -166,21 +166,20 @@ class CheckpointWriter:
             self._context = ts.Context(self.storage.context_spec())
         return self._context
 
+    def _spec(self, job: _Job, leaf: int) -> dict[str, Any]:
+        e = job.leaves[leaf]
+        kvstore = self.storage.kvstore(f"{layout.step_dir(job.step)}/{layout.array_dir(leaf)}")
+        shape, outer, inner = tuple(e["stored_shape"]), tuple(e["chunks"]), tuple(e["inner_chunks"])
+        return layout.array_spec(kvstore, shape, e["stored_dtype"], outer, inner)
+
     def _store(self, job: _Job, leaf: int) -> Any:
         import tensorstore as ts
 
         with job.lock:
             store = job.stores.get(leaf)
         if store is None:
-            e = job.leaves[leaf]
-            spec = layout.array_spec(
-                self.storage.kvstore(f"{layout.step_dir(job.step)}/{layout.array_dir(leaf)}"),
-                tuple(e["stored_shape"]),
-                e["stored_dtype"],
-                tuple(e["chunks"]),
-                tuple(e["inner_chunks"]),
-            )
             # Only the primary writes the array's metadata; the others write chunks blindly.
+            spec = self._spec(job, leaf)
             store = ts.open(spec, context=self._ts_context(), open=True, assume_metadata=True).result()
             with job.lock:
                 store = job.stores.setdefault(leaf, store)
@@ -294,13 +293,7 @@ class CheckpointWriter:
 
         opens = []
         for leaf, e in job.leaves.items():
-            spec = layout.array_spec(
-                self.storage.kvstore(f"{layout.step_dir(job.step)}/{layout.array_dir(leaf)}"),
-                tuple(e["stored_shape"]),
-                e["stored_dtype"],
-                tuple(e["chunks"]),
-                tuple(e["inner_chunks"]),
-            )
+            spec = self._spec(job, leaf)
             opens.append((e["key"], ts.open(spec, context=self._ts_context(), create=True, open=True)))
         for key, future in opens:
             try:
