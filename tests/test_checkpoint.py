@@ -271,6 +271,16 @@ def test_arena_smaller_than_the_checkpoint_applies_backpressure(make_cluster, tm
     assert np.asarray(reader.restore(target=target)["big"]).tobytes() == np.asarray(big).tobytes()
 
 
+def test_chunk_larger_than_the_arena_is_refused(make_cluster, tmp_path, cluster):
+    small = make_cluster(hosts=1, devices=jax.devices()[:1], arena_size=4 * MiB)
+    x = jax.device_put(np.zeros((2048, 1024), np.float32), jax.devices()[0])  # 8 MiB, one chunk
+    m = CheckpointManager(str(tmp_path / "tiny"), small, max_chunk_bytes=8 * MiB)
+    with pytest.raises(CheckpointError, match="cannot fit arena pool 'default' of host 0"):
+        m.save(1, {"x": x})
+    m.close()
+    cluster.make_current()
+
+
 def test_failed_background_write_raises_on_next_save(cluster, mngr):
     state = make_state(10)
     mngr.save(1, state)
@@ -390,6 +400,91 @@ def test_trainer_killed_after_save_still_commits(make_cluster, tmp_path, cluster
         m.close()
     finally:
         cluster.make_current()
+
+
+MULTI_CONTROLLER = """
+import json, os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax, numpy as np
+process, port = int(sys.argv[1]), sys.argv[2]
+address, token_file, directory = sys.argv[3:6]
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process)
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import colocar
+from colocar.checkpoint import CheckpointManager
+cluster = colocar.connect([address], token_file=token_file)  # this process's own sidecar
+full = np.arange(64 * 16, dtype=np.float32).reshape(64, 16)
+def make(sharding):
+    return jax.make_array_from_callback(full.shape, sharding, lambda index: full[index])
+mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("d", "m"))
+state = {"w": make(NamedSharding(mesh, P("d", "m"))), "b": make(NamedSharding(mesh, P())), "step": 3,
+         "host": np.arange(4)}
+m = CheckpointManager(directory, cluster, max_chunk_bytes=1 << 20)
+m.save(3, state)
+m.wait()
+other = NamedSharding(Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b")), P("b", "a"))
+restored = m.restore(target={"w": jax.ShapeDtypeStruct(full.shape, np.float32, sharding=other), "step": None,
+                             "host": None})
+for shard in restored["w"].addressable_shards:
+    assert np.array_equal(np.asarray(shard.data), full[shard.index])
+assert restored["step"] == 3 and np.array_equal(restored["host"], np.arange(4))
+read = m.stats()["restore"]["bytes_read"]
+m.close()
+print("OK", json.dumps(read), flush=True)
+"""
+
+
+def test_multi_controller_save_and_restore(make_cluster, tmp_path, cluster):
+    """Two JAX processes (jax.distributed on CPU), each with its own sidecar: each writes the
+    shards it holds, process 0's sidecar commits, each restores only its devices' slices."""
+    sidecars = make_cluster(hosts=2, arena_size=16 * MiB, persist=True)
+    directory = str(tmp_path / "multi")
+    port = str(_free_port())
+    try:
+        trainers = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    MULTI_CONTROLLER,
+                    str(i),
+                    port,
+                    sidecars.hosts[i].address,
+                    sidecars.token_file,
+                    directory,
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for i in range(2)
+        ]
+        outputs = [t.communicate(timeout=240)[0] for t in trainers]
+        for t, out in zip(trainers, outputs, strict=True):
+            assert t.returncode == 0 and "OK" in out, out[-3000:]
+        step = os.path.join(directory, layout.step_dir(3))
+        assert sorted(os.listdir(os.path.join(step, layout.DONE_DIR))) == ["host_0.json", "host_1.json"]
+        assert json.load(open(os.path.join(step, layout.MANIFEST)))["hosts"] == [0, 1]
+        for out in outputs:  # each process read about half of `w` (its devices' slices)
+            read = json.loads(out.split("OK", 1)[1].strip().splitlines()[0])
+            assert 0 < sum(read.values()) < 64 * 16 * 4 + 64 * 1024
+        reader = CheckpointManager(directory, cluster.make_current())
+        mesh = Mesh(np.array(jax.devices()).reshape(8), ("d",))
+        whole = reader.restore(
+            target={"w": jax.ShapeDtypeStruct((64, 16), jnp.float32, sharding=NamedSharding(mesh, P("d")))}
+        )
+        assert np.array_equal(np.asarray(whole["w"]), np.arange(64 * 16, dtype=np.float32).reshape(64, 16))
+    finally:
+        cluster.make_current()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def test_preemption_signal_is_recorded(cluster, tmp_path):

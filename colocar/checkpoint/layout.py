@@ -29,6 +29,7 @@ ARRAYS_DIR = "arrays"
 
 MAX_INNER_CHUNK_BYTES = 16 << 20
 MAX_OUTER_CHUNK_BYTES = 256 << 20
+MULTI_PROCESS_CHUNK_BYTES = 64 << 20  # the default with several JAX processes (arena >= 4x this)
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
 

@@ -108,6 +108,15 @@ class CheckpointManager:
             storage_timeout=storage_timeout,
         )
         self._id = uuid.uuid4().hex
+        self._pools: dict[int, int] = {}  # host -> bytes of the pool saves allocate from
+        # Multi-controller JAX: every process saves its own shards through its own sidecar and
+        # stores them as host `process_index`; process 0's sidecar commits.
+        self._process, self._processes = jax.process_index(), jax.process_count()
+        if self._processes > 1 and len(self.cluster.hosts) != 1:
+            raise CheckpointError(
+                "with several JAX processes, each one connects to its own host's sidecar only "
+                f"(colocar.connect() with one address); this cluster has {len(self.cluster.hosts)} hosts"
+            )
         self._senders = ThreadPoolExecutor(len(self.cluster.hosts), thread_name_prefix="colocar-ckpt-send")
         self._inflight: deque[_Save] = deque()
         self._last = SaveStats()
@@ -167,7 +176,8 @@ class CheckpointManager:
                 f"{layout.step_dir(step)}/{layout.COMMITTED}"
             ):
                 raise CheckpointError(f"step {step} already exists in {self.storage.url}; delete it first")
-            self._acquire_lease()
+            if self._process == 0:  # one lease per job: process 0 writes for all
+                self._acquire_lease()
             record = self._start(step, state, metadata or {}, started)
             self._inflight.append(record)
             self._last = record.stats
@@ -175,8 +185,10 @@ class CheckpointManager:
 
     def _start(self, step: int, state: Any, metadata: dict[str, Any], started: float) -> _Save:
         named, skeleton = tree.flatten(state)
-        plan = save.plan(named, self.cluster, self._chunk_bytes())
-        hosts = sorted(plan.pieces)
+        plan = save.plan(named, self.cluster, self._chunk_bytes(), host_data=self._process == 0)
+        pieces = {self._storage_id(h): p for h, p in plan.pieces.items()}  # the hosts of this process
+        hosts = list(range(self._processes)) if self._processes > 1 else sorted(pieces)
+        primary = self._primary()
         manifest = {
             "format": layout.FORMAT,
             "step": step,
@@ -188,14 +200,16 @@ class CheckpointManager:
             "jax_version": jax.__version__,
         }
         body = json.dumps(manifest).encode()
-        primary = self.cluster.hosts[0].index
+        self._check_pieces_fit(pieces)
         stats = SaveStats(step=step)
         record = _Save(step, hosts, started, stats)
         try:
-            writers = record.writers = self._new_writers(step, hosts)
+            writers = record.writers = self._new_writers(step, list(pieces))
             record.begun = time.monotonic()
-            writers[primary].begin(step, body, hosts, True)  # the plan is recorded before anything else
-            for future in [writers[h].begin.submit(step, body, hosts, False) for h in hosts if h != primary]:
+            if primary in writers:
+                writers[primary].begin(step, body, hosts, True)  # the plan is recorded before anything else
+            others = [writers[h].begin.submit(step, body, hosts, False) for h in writers if h != primary]
+            for future in others:
                 future.result()
             # One thread per host: the copies into the arenas run in parallel (numpy drops the GIL).
             sends = {
@@ -204,11 +218,11 @@ class CheckpointManager:
                     self._host(h),
                     writers[h],
                     step,
-                    plan.pieces[h],
+                    pieces[h],
                     self.pool,
                     lambda: self._check(record),
                 )
-                for h in hosts
+                for h in writers
             }
             for h, send in sends.items():
                 futures, sent = send.result()
@@ -260,9 +274,11 @@ class CheckpointManager:
 
     def _poll(self, record: _Save, wait: float) -> bool:
         """True once `record` is committed (and forgets it); raises CheckpointError if it failed."""
-        primary = self.cluster.hosts[0].index
+        primary = self._primary()
         try:
             status = self._check(record)
+            if primary not in status:
+                return self._poll_commit(record, status, wait)
             if status[primary]["state"] != "committed" and wait:
                 status[primary] = record.writers[primary].status(record.step, wait)
         except CheckpointError:
@@ -276,14 +292,34 @@ class CheckpointManager:
             return True
         return False
 
+    def _poll_commit(self, record: _Save, status: dict[int, dict[str, Any]], wait: float) -> bool:
+        """Multi-controller, not process 0: once this process's part is durable, the commit
+        marker (or another host's failure marker) in storage tells how the save ended."""
+        name = layout.step_dir(record.step)
+        if all(s["state"] == "done" for s in status.values()):
+            if self.storage.exists(f"{name}/{layout.COMMITTED}"):
+                record.stats.durable_seconds = time.monotonic() - record.started
+                record.stats.hosts = status
+                self._forget(record)
+                return True
+            failed = self.storage.children(f"{name}/{layout.FAILED_DIR}")
+            if failed:
+                body = json.loads(self.storage.read(f"{name}/{layout.FAILED_DIR}/{failed[0]}") or b"{}")
+                raise CheckpointError(f"save of step {record.step} failed: {body.get('error', failed[0])}")
+            time.sleep(min(wait, 0.2))
+        elif wait:
+            next(iter(record.writers.values())).status(record.step, wait)
+        return False
+
     def _check(self, record: _Save) -> dict[int, dict[str, Any]]:
-        """Every host's status of the save; raises (and aborts the step) when one failed."""
+        """This process's hosts' status of the save; raises (and aborts it) when one failed."""
         status: dict[int, dict[str, Any]] = {}
-        for h in record.hosts:
+        for h, writer in list(record.writers.items()):
             try:
-                status[h] = record.writers[h].status(record.step, 0.0)
+                status[h] = writer.status(record.step, 0.0)
             except (HostLostError, ColocarError) as e:
                 self._abort(record, f"host {h} was lost: {e}")
+                self._mark_failed(record.step, h, f"host {h} was lost mid-save: {e}")
                 raise CheckpointError(
                     f"save of step {record.step} failed: host {h} ({self._host(h).name}) was lost mid-save "
                     f"({e}); the step will not be committed, earlier steps are intact"
@@ -370,26 +406,64 @@ class CheckpointManager:
         return manifest
 
     # --- writers, lease, preemption -----------------------------------------------------------
-    def _host(self, index: int) -> Any:
-        return next(h for h in self.cluster.hosts if h.index == index)
+    def _host(self, storage_id: int) -> Any:
+        if self._processes > 1:
+            return self.cluster.hosts[0]
+        return next(h for h in self.cluster.hosts if h.index == storage_id)
+
+    def _pool_bytes(self, storage_id: int) -> int:
+        """The size of the arena pool saves use on a host (0 when shared memory is unreachable)."""
+        if storage_id not in self._pools:
+            host = self._host(storage_id)
+            pools = host.stats()["pools"] if host.shm else {}
+            self._pools[storage_id] = pools.get(self.pool or "default", {}).get("reserved", 0)
+        return self._pools[storage_id]
+
+    def _check_pieces_fit(self, pieces: dict[int, list[save.Piece]]) -> None:
+        for h, items in pieces.items():
+            largest = max((p.nbytes for p in items), default=0)
+            size = self._pool_bytes(h)
+            if size and largest > size:
+                raise CheckpointError(
+                    f"a {largest}-byte chunk cannot fit arena pool {self.pool or 'default'!r} of host {h} "
+                    f"({size} bytes): pass a smaller max_chunk_bytes or give the sidecar a larger arena"
+                )
 
     def _chunk_bytes(self) -> int:
         if self.max_chunk_bytes:  # given, or computed once (arena sizes do not change)
             return self.max_chunk_bytes
-        pool = self.pool or "default"
-        sizes = [h.stats()["pools"].get(pool, {}).get("reserved", 0) for h in self.cluster.hosts if h.shm]
+        if self._processes > 1:  # every process must cut the same chunks: no local arena size here
+            self.max_chunk_bytes = layout.MULTI_PROCESS_CHUNK_BYTES
+            return self.max_chunk_bytes
+        sizes = [self._pool_bytes(h.index) for h in self.cluster.hosts]
         smallest = min([s for s in sizes if s] or [layout.MAX_OUTER_CHUNK_BYTES * 4])
         self.max_chunk_bytes = max(1 << 20, min(layout.MAX_OUTER_CHUNK_BYTES, smallest // 4))
         return self.max_chunk_bytes
 
-    def _new_writers(self, step: int, hosts: list[int]) -> dict[int, Any]:
-        """A detached writer per host for this save: it outlives this process long enough to
-        commit (commit_timeout), and is deleted once the save ended."""
+    def _new_writers(self, step: int, own: list[int]) -> dict[int, Any]:
+        """A detached writer per host of this process for this save: it outlives this process
+        long enough to commit (commit_timeout), and is deleted once the save ended."""
         ttl = self.options.commit_timeout + 600
         name = f"colocar.checkpoint/{self._id}/{step}"
         return {
-            h: _Writer.on(self._host(h), name=name, ttl=ttl)(self.storage.url, h, self.options) for h in hosts
+            h: _Writer.on(self._host(h), name=name, ttl=ttl)(self.storage.url, h, self.options) for h in own
         }
+
+    def _mark_failed(self, step: int, host: int, error: str) -> None:
+        """Tells the committing sidecar at once that a host's part is lost (best effort)."""
+        body = json.dumps({"host": host, "error": error, "time": time.time()}).encode()
+        try:
+            self.storage.write(f"{layout.step_dir(step)}/{layout.failed_marker(host)}", body)
+        except Exception:
+            pass
+
+    def _storage_id(self, cluster_index: int) -> int:
+        """How a host is named in storage: its JAX process index in multi-controller JAX."""
+        return self._process if self._processes > 1 else cluster_index
+
+    def _primary(self) -> int:
+        """The host whose sidecar commits: process 0's, or the cluster's first."""
+        return 0 if self._processes > 1 else self.cluster.hosts[0].index
 
     def _lease_body(self) -> bytes:
         return json.dumps(

@@ -117,6 +117,8 @@ def restore_leaves(
             index_map = leaf.sharding.devices_indices_map(leaf.shape)
             placements = []
             for device, index in index_map.items():
+                if device.process_index != jax.process_index():
+                    continue  # multi-controller: another process reads the slices of its devices
                 host = cluster.host_of(device)
                 if host is None:
                     raise CheckpointError(f"{leaf.key}: device {device} of the target belongs to no host")

@@ -71,8 +71,10 @@ def _chunk_grid(bounds: list[list[int]], chunk: tuple[int, ...]) -> Iterator[lis
         yield [list(r) for r in combo]
 
 
-def plan(named: list[tuple[str, Any]], cluster: Any, max_chunk_bytes: int) -> Plan:
-    """Manifest entries for every leaf and the pieces each host writes."""
+def plan(named: list[tuple[str, Any]], cluster: Any, max_chunk_bytes: int, host_data: bool = True) -> Plan:
+    """Manifest entries for every leaf and the pieces each host of `cluster` writes: the
+    addressable replica-0 shards of JAX arrays, and numpy leaves when `host_data` (only one
+    process of a multi-controller job writes those)."""
     result = Plan()
     primary = cluster.hosts[0].index
     for index, (key, leaf) in enumerate(named):
@@ -113,7 +115,7 @@ def plan(named: list[tuple[str, Any]], cluster: Any, max_chunk_bytes: int) -> Pl
         else:
             entry["sharding"] = None
             shard_shape = shape
-            shards = [(data, [[0, n] for n in shape], cluster.hosts[0], None)]
+            shards = [(data, [[0, n] for n in shape], cluster.hosts[0], None)] if host_data else []
         outer, inner = layout.chunk_shapes(shard_shape, dtype.itemsize, max_chunk_bytes)
         entry.update(chunks=list(outer), inner_chunks=list(inner))
         for source, bounds, host, device in shards:
