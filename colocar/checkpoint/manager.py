@@ -306,6 +306,11 @@ class CheckpointManager:
             if failed:
                 body = json.loads(self.storage.read(f"{name}/{layout.FAILED_DIR}/{failed[0]}") or b"{}")
                 raise CheckpointError(f"save of step {record.step} failed: {body.get('error', failed[0])}")
+            if time.monotonic() - record.started > self.options.commit_timeout:
+                raise CheckpointError(
+                    f"step {record.step} was not committed within commit_timeout "
+                    f"({self.options.commit_timeout:.0f} s) of this process's part: is process 0 alive?"
+                )
             time.sleep(min(wait, 0.2))
         elif wait:
             next(iter(record.writers.values())).status(record.step, wait)
