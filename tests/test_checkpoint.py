@@ -289,6 +289,9 @@ def test_failed_background_write_raises_on_next_save(cluster, mngr):
     os.makedirs(blocker)
     open(os.path.join(blocker, "arrays"), "w").close()  # a file where the arrays' directory goes
     mngr.save(2, state)  # the failure happens in the sidecars, after save returned
+    failed = os.path.join(blocker, layout.FAILED_DIR)
+    wait_for(lambda: os.path.isdir(failed) and os.listdir(failed), "the failure marker")
+    mngr.stats()  # sees the failure; it is still raised by the next save
     with pytest.raises(CheckpointError, match=r"step 2 failed: host \d: .*\['params'\]\[.*Not a directory"):
         mngr.save(3, state)
     mngr.save(3, state)  # reported once; later saves work

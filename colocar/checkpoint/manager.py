@@ -119,6 +119,7 @@ class CheckpointManager:
             )
         self._senders = ThreadPoolExecutor(len(self.cluster.hosts), thread_name_prefix="colocar-ckpt-send")
         self._inflight: deque[_Save] = deque()
+        self._unreported: list[CheckpointError] = []  # failures seen by stats(), raised by save/wait
         self._last = SaveStats()
         self._restore_stats = RestoreStats()
         self._lock = threading.RLock()
@@ -169,7 +170,7 @@ class CheckpointManager:
         with self._lock:
             if self._lease_error:
                 raise CheckpointError(self._lease_error)
-            self._reap(block=False)
+            self._reap()
             while len(self._inflight) > (1 if self.queue else 0):
                 self._wait_one(self._inflight[0], timeout=None)
             if any(s.step == step for s in self._inflight) or self.storage.exists(
@@ -245,13 +246,14 @@ class CheckpointManager:
     def wait(self, timeout: float | None = None) -> None:
         """Blocks until every save so far is committed (durable); raises if one failed."""
         with self._lock:
+            self._reap()
             while self._inflight:
                 self._wait_one(self._inflight[0], timeout)
 
     def stats(self) -> dict[str, Any]:
         """The last save's and restore's figures (see `SaveStats`)."""
         with self._lock:
-            self._reap(block=False, raise_errors=False)
+            self._reap(raise_errors=False)
             return {"save": asdict(self._last), "restore": asdict(self._restore_stats)}
 
     def _wait_one(self, record: _Save, timeout: float | None) -> None:
@@ -262,15 +264,16 @@ class CheckpointManager:
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"step {record.step} is not committed after {timeout} s")
 
-    def _reap(self, block: bool, raise_errors: bool = True) -> None:
-        """Drops saves that ended; raises the first failure (once)."""
+    def _reap(self, raise_errors: bool = True) -> None:
+        """Drops saves that ended; raises the first failure not reported yet (once)."""
         while self._inflight:
             try:
                 if not self._poll(self._inflight[0], wait=0.0):
-                    return
-            except CheckpointError:
-                if raise_errors:
-                    raise
+                    break
+            except CheckpointError as e:
+                self._unreported.append(e)
+        if raise_errors and self._unreported:
+            raise self._unreported.pop(0)
 
     def _poll(self, record: _Save, wait: float) -> bool:
         """True once `record` is committed (and forgets it); raises CheckpointError if it failed."""
