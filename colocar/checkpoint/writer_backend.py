@@ -80,7 +80,7 @@ class _Job:
 
 
 class CheckpointWriter:
-    """One per sidecar and manager; created detached (it outlives the trainer's session)."""
+    """One per host and save, created detached: it outlives the trainer's session."""
 
     def __init__(self, url: str, host: int, options: WriterOptions):
         self.url = url
