@@ -29,6 +29,7 @@ from colocar.errors import CheckpointError, ColocarError, HostLostError
 
 from . import layout, save, tree
 from .restore import RestoreStats, restore_leaves
+from .save import Piece
 from .storage import open_storage
 from .writer_backend import CheckpointWriter, WriterOptions
 
@@ -427,7 +428,7 @@ class CheckpointManager:
             self._pools[storage_id] = pools.get(self.pool or "default", {}).get("reserved", 0)
         return self._pools[storage_id]
 
-    def _check_pieces_fit(self, pieces: dict[int, list[save.Piece]]) -> None:
+    def _check_pieces_fit(self, pieces: dict[int, list[Piece]]) -> None:
         for h, items in pieces.items():
             largest = max((p.nbytes for p in items), default=0)
             size = self._pool_bytes(h)
