@@ -153,6 +153,26 @@ def test_a_held_batch_is_never_overwritten(two_hosts):
         np.testing.assert_array_equal(np.asarray(held["x"]), before)
 
 
+def test_a_batch_held_across_close_stays_valid_then_frees_its_slots(two_hosts):
+    import gc
+
+    c = two_hosts.make_current()
+    used = lambda: [h.stats()["pools"]["default"]["used"] for h in c.hosts]  # noqa: E731
+    gc.collect()  # earlier tests' dropped batches give their slots back (JAX releases at GC)
+    wait_for(lambda: used() == [0, 0], "the slots of earlier tests' batches to be freed")
+    baseline = used()
+    it = loaders.load(config(prefetch=3, num_epochs=None), c)
+    held = next(it)
+    before = np.asarray(held["x"]).copy()
+    take(it, 4, labels)  # the slots of dropped batches go back while `held` keeps its own
+    it.close()
+    np.testing.assert_array_equal(np.asarray(held["x"]), before)
+    assert used() != baseline  # the held batch's slots are still leased
+    del held
+    gc.collect()
+    wait_for(lambda: used() == baseline, "the held batch's slots to be freed")
+
+
 def test_a_ring_starved_by_held_batches_raises(two_hosts):
     c = two_hosts.make_current()
     with loaders.load(config(prefetch=2, num_epochs=None), c, starve_timeout=2) as it:

@@ -289,6 +289,7 @@ def _every_rpc(stub: pb_grpc.SidecarStub, session_id: str) -> dict[str, Callable
             stub.Download(pb.BlockRef(session_id=sid, block_id=1), metadata=md, timeout=t)
         ),
         "Logs": lambda md: next(stub.Logs(pb.SessionRef(session_id=sid), metadata=md, timeout=t)),
+        "PollLogs": lambda md: stub.PollLogs(pb.LogPoll(session_id=sid), metadata=md, timeout=t),
         "Stats": lambda md: stub.Stats(pb.Empty(), metadata=md, timeout=t),
     }
 

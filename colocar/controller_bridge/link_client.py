@@ -54,6 +54,8 @@ class LinkClient:
         sock = getattr(self._local, "sock", None)
         if sock is not None:
             return sock
+        if self._closed:
+            raise LinkError(grpc.StatusCode.UNAVAILABLE, "the local link is closed")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(timeout)
         try:
@@ -67,9 +69,12 @@ class LinkClient:
             sock.close()
             raise LinkError(_CODES.get(status, grpc.StatusCode.UNKNOWN), body.decode(errors="replace"))
         sock.settimeout(self._poll)
-        self._local.sock = sock
         with self._lock:
+            if self._closed:  # closed while we connected: close() did not see this socket
+                sock.close()
+                raise LinkError(grpc.StatusCode.UNAVAILABLE, "the local link is closed")
             self._sockets.append(sock)
+        self._local.sock = sock
         return sock
 
     def _drop(self) -> None:
@@ -135,10 +140,14 @@ class LinkClient:
         return bytes(buffer)
 
     def close(self) -> None:
-        self._closed = True
         with self._lock:
+            self._closed = True
             sockets, self._sockets = self._sockets, []
         for sock in sockets:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # wakes a thread waiting in recv (a log poll)
+            except OSError:
+                pass
             try:
                 sock.close()
             except OSError:

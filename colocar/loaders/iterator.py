@@ -14,6 +14,7 @@ import collections
 import gc
 import pickle
 import socket
+import sys
 import threading
 import time
 import weakref
@@ -46,19 +47,27 @@ RemoteLoaderHost = colocated_class(LoaderHost)
 class _Feed:
     """The controller's end of a host's batch feed (see `host_backend`): batches in, releases out.
 
-    Each batch's slot becomes a view of the arena whose release (the batch's arrays are gone)
-    queues the slot number; queued numbers are sent right away when the socket is free, else
-    at the next batch. The socket stays open while any slot is still held, also after `close()`,
-    so the sidecar keeps every slot a live batch reads.
+    Each slot's per-device views (one per field and device, in `placed` order) are made once
+    and reused at every turn of the ring. A slot handed to the program is held while any of its
+    views is referenced by more than our cache, i.e. while a batch's arrays (which alias the
+    views on CPU) or anything derived from them live: `poll()` (each step, after JAX's deferred
+    releases ran) sends back the numbers of the slots that are free again. This costs a
+    reference count per view instead of a fresh view, holder and finalizer per batch.
+
+    At `close()` the slots still held switch to finalizers on their views (and our cache lets
+    go of them); the socket stays open until the last one is released, so the sidecar keeps
+    every slot a live batch reads.
     """
 
-    def __init__(self, host: Host, info: dict[str, Any]):
+    def __init__(self, host: Host, info: dict[str, Any], layout: SlotLayout, placed: list[tuple[Any, int]]):
         conn = host.connection
         self.host = host
         self._conn = conn
         assert conn.arena is not None
         self._arena = conn.arena
         self._slots = info["slots"]
+        self._layout = layout
+        self._segments = [segment for _, segment in placed]
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(10.0)
@@ -75,6 +84,44 @@ class _Feed:
         self._outstanding = 0  # slots handed to the program and not yet released
         self._closed = False
         self._ended = False
+        # slot -> ({field: views in `placed` order}, all its views, their free reference count)
+        self._cache: dict[int, tuple[dict[str, list[np.ndarray]], list[np.ndarray], int]] = {}
+        self._held: list[int] = []  # slots handed out and not released, oldest first
+
+    def _views(self, slot: int) -> tuple[dict[str, list[np.ndarray]], list[np.ndarray], int]:
+        from colocar.shm import ndarray_view
+
+        offset, nbytes = self._slots[slot]
+        whole = ndarray_view(self._arena, offset, (nbytes,), np.uint8)  # pins the arena's mapping
+        layout = self._layout
+        by_field = {
+            name: [layout.segment_view(whole, name, segment) for segment in self._segments]
+            for name in layout.fields
+        }
+        views = [v for vs in by_field.values() for v in vs]
+        del whole
+        entry = (by_field, views, _max_refs(views))
+        self._cache[slot] = entry
+        return entry
+
+    def poll(self) -> None:
+        """Releases the held slots that nothing references any more."""
+        held = self._held
+        if held:
+            cache = self._cache
+            free = [slot for slot in held if _max_refs(cache[slot][1]) <= cache[slot][2]]
+            if free:
+                for slot in free:
+                    held.remove(slot)
+                self._release_many(free)
+
+    def busy(self) -> bool:
+        """True while a slot handed out is still referenced (after a poll)."""
+        return bool(self._held)
+
+    def _release_many(self, slots: list[int]) -> None:
+        self._pending.extend(slots)
+        self.flush()
 
     def _release(self, slot: int) -> None:
         """A GC finalizer (any thread, must not block): queue, and send if nobody is sending."""
@@ -98,6 +145,22 @@ class _Feed:
                 self._send_lock.release()
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self.poll()
+        for slot in self._held:  # still held by the program: released when its views die
+            views = self._cache[slot][1]
+            left = [len(views)]
+
+            def dropped(slot: int = slot, left: list[int] = left) -> None:
+                left[0] -= 1
+                if left[0] == 0:
+                    self._release(slot)
+
+            for view in views:
+                weakref.finalize(view, dropped).atexit = False
+        self._held = []
+        self._cache.clear()  # the held slots' views now live only as long as the program's arrays
         self._closed = True
         with self._send_lock:
             if self._outstanding == 0:
@@ -115,10 +178,10 @@ class _Feed:
         del self._buffer[: FRAME.size + n]
         return message
 
-    def next_batch(self, k: int) -> dict[str, Any] | None:
-        """Batch k as `LoaderHost.next_batch` gives it; None at the end of the data."""
+    def next_batch(self, k: int) -> tuple[dict[str, list[np.ndarray]], int] | None:
+        """Batch k: its per-device views by field (`placed` order) and its count of bad
+        records; None at the end of the data."""
         from colocar.errors import HostLostError
-        from colocar.shm import ndarray_view
 
         self.flush()
         if self._ended:
@@ -151,14 +214,29 @@ class _Feed:
         _, got, slot, bad = message
         if got != k:
             raise RuntimeError(f"{self.host.name} fed batch {got}, expected {k}")
-        offset, nbytes = self._slots[slot]
+        entry = self._cache.get(slot) or self._views(slot)
         with self._send_lock:
             self._outstanding += 1
-        view = ndarray_view(self._arena, offset, (nbytes,), np.uint8, on_release=lambda: self._release(slot))
-        return {"k": k, "slot": view, "bad_records": bad}
+        self._held.append(slot)
+        return entry[0], bad
 
 
-def _open_feed(obj: Any, host: Host) -> _Feed | None:
+def _max_refs(views: list[np.ndarray]) -> int:
+    return max(map(sys.getrefcount, views), default=0)
+
+
+def _jax_collect_garbage() -> Any:
+    """JAX's release of the Python objects its freed buffers held (numpy arrays a CPU buffer
+    aliased), which it defers to garbage-collection callbacks; None if this JAX has none."""
+    try:
+        from jax._src.lib import _jax
+
+        return _jax.collect_garbage
+    except (ImportError, AttributeError):
+        return None
+
+
+def _open_feed(obj: Any, host: Host, layout: SlotLayout, placed: list[tuple[Any, int]]) -> _Feed | None:
     """A feed to the host's pipeline when this process maps its arena, else None (calls)."""
     conn = host.connection
     if conn.arena is None:
@@ -167,7 +245,7 @@ def _open_feed(obj: Any, host: Host) -> _Feed | None:
     if info is None or info["nonce"] != conn.arena.nonce:
         return None
     try:
-        return _Feed(host, info)
+        return _Feed(host, info, layout, placed)
     except OSError:
         return None  # another network namespace: the sidecar gives up on it after a while
 
@@ -238,10 +316,13 @@ class DataIterator:
                     "build the mesh with cluster.mesh(...) (host-major device order)"
                 )
             self._plan.append((host, layout, placed))
+        self._targets = [device for _, _, placed in self._plan for device, _ in placed]
         self._put_order = self._batched_put_order()
+        self._puts = self._batched_puts()
+        self._collect_garbage = _jax_collect_garbage()
         self.wait_seconds = 0.0
         self.batches = 0
-        self._recent: list[tuple[list[weakref.ref], list[weakref.ref]]] = []
+        self._recent: list[tuple[list[weakref.ref], list[weakref.ref]]] = []  # without collect_garbage
         self._open(start)
 
     def _open(self, start: int) -> None:
@@ -250,8 +331,10 @@ class DataIterator:
             RemoteLoaderHost.on(host)(self.config, layout, start, host.name, self.starve_timeout)
             for host, layout, _ in self._plan
         ]
-        hosts = [host for host, _, _ in self._plan]
-        self._feeds = [_open_feed(obj, host) for obj, host in zip(self._remote, hosts, strict=True)]
+        self._feeds = [
+            _open_feed(obj, host, layout, placed)
+            for obj, (host, layout, placed) in zip(self._remote, self._plan, strict=True)
+        ]
 
     def _batched_put_order(self) -> tuple[dict[str, list[int]], Any] | None:
         """How `__next__` can put a field's per-device views in one call, or None (device_put).
@@ -266,7 +349,7 @@ class DataIterator:
             _ = jax.core.ShapedArray
         except (ImportError, AttributeError):
             return None
-        devices = [device for _, _, placed in self._plan for device, _ in placed]
+        devices = self._targets
         position = {d: i for i, d in enumerate(devices)}
         orders: dict[str, list[int]] = {}
         for name, (_, dtype) in self.fields.items():
@@ -278,17 +361,41 @@ class DataIterator:
             orders[name] = [position[d] for d in wanted]
         return orders, batched_device_put
 
+    def _batched_puts(self) -> list[tuple[str, Any, Any, list[int] | None, list[Any]]]:
+        """Per field, for the batched put: (name, aval, sharding, order of the views or None
+        when it is the placed order, devices in that order)."""
+        if self._put_order is None:
+            return []
+        orders, _ = self._put_order
+        B = self.config.global_batch_size
+        puts = []
+        for name, (shape, dtype) in self.fields.items():
+            order = orders[name]
+            aval = jax.core.ShapedArray((B, *shape), np.dtype(dtype))
+            as_placed = order == list(range(len(order)))
+            devices = [self._targets[i] for i in order]
+            puts.append((name, aval, self.shardings[name], None if as_placed else order, devices))
+        return puts
+
     def __iter__(self) -> DataIterator:
         return self
 
     def _free_dropped_slots(self) -> None:
-        """Collects the young cycles that keep slots of batches the program already dropped.
+        """Gives back the slots of batches the program dropped.
 
-        JAX on CPU aliases a slot's memory in `device_put`, and keeps the numpy view alive
-        through a reference cycle that only the garbage collector breaks. A slot pinned that way
-        would stall the host's ring until some later collection; a young-generation collection,
-        run only when a dropped batch still pins its slot, frees it now.
+        JAX on CPU aliases a slot's memory in `device_put` and holds the numpy views until the
+        buffers go; it drops those references only in its garbage-collection callback
+        (`collect_garbage`, which runs at every collection). Calling it directly (~0.1 us when
+        there is nothing to do) frees the views of dropped batches now; then each feed sends
+        back the slots nothing references. Without it, a young-generation collection, run only
+        when a dropped batch still pins a slot, does the same.
         """
+        feeds = [feed for feed in self._feeds if feed is not None]
+        if self._collect_garbage is not None:
+            self._collect_garbage()
+            for feed in feeds:
+                feed.poll()
+            return
         pinned = False
         alive = []
         for arrays, slots in self._recent:
@@ -297,43 +404,56 @@ class DataIterator:
             alive.append((arrays, slots))
             pinned = pinned or all(a() is None for a in arrays)
         self._recent = alive
-        if pinned:
+        for feed in feeds:
+            feed.poll()
+        if pinned or any(feed.busy() for feed in feeds):
             gc.collect(1)
+            for feed in feeds:
+                feed.poll()
 
     def __next__(self) -> dict[str, jax.Array]:
         self._free_dropped_slots()
         started = time.perf_counter()
         k = self.position
-        got = [
-            obj.next_batch() if feed is None else feed.next_batch(k)
-            for obj, feed in zip(self._remote, self._feeds, strict=True)
-        ]
-        items: list[dict[str, Any]] = [item for item in got if item is not None]
-        if len(items) != len(got):
+        # Per field, every device's view, hosts in plan order, each host's devices as placed.
+        pieces: dict[str, list[np.ndarray]] = {name: [] for name in self.fields}
+        ended = False
+        slots = []
+        for obj, feed, (_, layout, placed) in zip(self._remote, self._feeds, self._plan, strict=True):
+            if feed is not None:
+                got = feed.next_batch(k)
+                if got is None:
+                    ended = True
+                    continue
+                for name, views in got[0].items():
+                    pieces[name] += views
+                continue
+            item = obj.next_batch()
+            if item is None:
+                ended = True
+                continue
+            if item["k"] != k:
+                raise RuntimeError(f"{obj} returned batch {item['k']}, expected {k}")
+            for name in self.fields:
+                pieces[name] += [layout.segment_view(item["slot"], name, segment) for _, segment in placed]
+            slots.append(item["slot"])
+        if ended:
             raise StopIteration
         self.wait_seconds += time.perf_counter() - started
-        if {item["k"] for item in items} != {self.position}:
-            raise RuntimeError(f"hosts returned batches {[i['k'] for i in items]}, expected {self.position}")
-        pieces: dict[str, list[np.ndarray]] = {name: [] for name in self.fields}
-        targets = []
-        for (_, layout, placed), item in zip(self._plan, items, strict=True):
-            for device, segment in placed:
-                targets.append(device)
-                for name in self.fields:
-                    pieces[name].append(layout.segment_view(item["slot"], name, segment))
-        B = self.config.global_batch_size
         batch: dict[str, jax.Array] = {}
         if self._put_order is not None:
             # One batched put per field builds the global array from its per-device views
             # (aliased on CPU, as with device_put): ~10x less CPU than device_put of each view
             # and make_array_from_single_device_arrays.
-            orders, put = self._put_order
-            for name, (shape, dtype) in self.fields.items():
-                order = orders[name]
-                aval = jax.core.ShapedArray((B, *shape), np.dtype(dtype))
-                views = [pieces[name][i] for i in order]
-                batch[name] = put(aval, self.shardings[name], views, [targets[i] for i in order])
+            put = self._put_order[1]
+            for name, aval, sharding, order, devices in self._puts:
+                views = pieces[name]
+                if order is not None:
+                    views = [views[i] for i in order]
+                batch[name] = put(aval, sharding, views, devices)
         else:
+            B = self.config.global_batch_size
+            targets = self._targets
             names = list(self.fields)
             arrays = jax.device_put([v for name in names for v in pieces[name]], targets * len(names))
             n = len(targets)
@@ -345,9 +465,10 @@ class DataIterator:
         self.batches += 1
         if self._progress is not None:
             self._progress.advance(self.position, self.wait_seconds)
-        self._recent.append(
-            ([weakref.ref(a) for a in batch.values()], [weakref.ref(_slot_holder(i["slot"])) for i in items])
-        )
+        if slots and self._collect_garbage is None:
+            self._recent.append(
+                ([weakref.ref(a) for a in batch.values()], [weakref.ref(_slot_holder(s)) for s in slots])
+            )
         return batch
 
     def get_state(self) -> dict[str, Any]:
@@ -383,6 +504,9 @@ class DataIterator:
         }
 
     def _close_remote(self) -> None:
+        collect = getattr(self, "_collect_garbage", None)
+        if collect is not None:
+            collect()  # so that each feed's close() sees which slots are still held
         for feed in getattr(self, "_feeds", ()):
             if feed is not None:
                 feed.close()

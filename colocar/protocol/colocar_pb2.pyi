@@ -217,6 +217,20 @@ class LogLine(_message.Message):
     text: str
     def __init__(self, text: _Optional[str] = ...) -> None: ...
 
+class LogPoll(_message.Message):
+    __slots__ = ("session_id", "wait_seconds")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    wait_seconds: float
+    def __init__(self, session_id: _Optional[str] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+
+class LogLines(_message.Message):
+    __slots__ = ("lines",)
+    LINES_FIELD_NUMBER: _ClassVar[int]
+    lines: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, lines: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class PoolStats(_message.Message):
     __slots__ = ("name", "reserved", "used", "peak", "blocks", "largest_free")
     NAME_FIELD_NUMBER: _ClassVar[int]

@@ -94,6 +94,11 @@ class SidecarStub:
                 request_serializer=colocar__pb2.SessionRef.SerializeToString,
                 response_deserializer=colocar__pb2.LogLine.FromString,
                 _registered_method=True)
+        self.PollLogs = channel.unary_unary(
+                '/colocar.v1.Sidecar/PollLogs',
+                request_serializer=colocar__pb2.LogPoll.SerializeToString,
+                response_deserializer=colocar__pb2.LogLines.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/colocar.v1.Sidecar/Stats',
                 request_serializer=colocar__pb2.Empty.SerializeToString,
@@ -185,6 +190,14 @@ class SidecarServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PollLogs(self, request, context):
+        """The same lines, long-polled (served on the local link too): returns as soon as the session
+        has lines, or with none after wait_seconds, or at once when the session ends.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Stats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -253,6 +266,11 @@ def add_SidecarServicer_to_server(servicer, server):
                     servicer.Logs,
                     request_deserializer=colocar__pb2.SessionRef.FromString,
                     response_serializer=colocar__pb2.LogLine.SerializeToString,
+            ),
+            'PollLogs': grpc.unary_unary_rpc_method_handler(
+                    servicer.PollLogs,
+                    request_deserializer=colocar__pb2.LogPoll.FromString,
+                    response_serializer=colocar__pb2.LogLines.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -584,6 +602,33 @@ class Sidecar:
             '/colocar.v1.Sidecar/Logs',
             colocar__pb2.SessionRef.SerializeToString,
             colocar__pb2.LogLine.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PollLogs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/colocar.v1.Sidecar/PollLogs',
+            colocar__pb2.LogPoll.SerializeToString,
+            colocar__pb2.LogLines.FromString,
             options,
             channel_credentials,
             insecure,

@@ -4,9 +4,11 @@ A synchronous gRPC call in Python costs about 600 us on these machines, ten time
 round trip. A controller on the sidecar's host (the case shared memory already needs) sends
 its synchronous unary calls here instead: the same protobuf messages and the same servicer
 methods, framed on a Unix socket in the sidecar's shm directory (mode 0600). The first frame
-carries the token; a wrong one closes the connection. Streams, uploads and keepalives stay on
-gRPC. Keepalives go over the link too: only an answer from the sidecar's own process tells
-that calls waiting on the link may still complete (a draining sidecar refuses new gRPC calls).
+carries the token; a wrong one closes the connection. Streams and uploads stay on gRPC.
+Keepalives go over the link too: only an answer from the sidecar's own process tells that calls
+waiting on the link may still complete (a draining sidecar refuses new gRPC calls). Log lines
+are long-polled here (`PollLogs`) instead of read from a gRPC stream, whose blocking iterator
+wakes the controller ten times a second.
 
 Frames: request `u32 length | u8 method length | method | message`;
 reply `u32 length | u8 status (grpc.StatusCode value, 0 = OK) | message or error details`.
@@ -23,7 +25,17 @@ from . import colocar_pb2 as pb
 MAX_FRAME = 64 << 20
 HELLO = "hello"
 # The unary Sidecar methods served on the link; their message types come from the proto.
-_SERVED = ("Call", "Allocate", "Release", "DeleteObject", "FindObject", "Stats", "Disconnect", "Keepalive")
+_SERVED = (
+    "Call",
+    "Allocate",
+    "Release",
+    "DeleteObject",
+    "FindObject",
+    "Stats",
+    "Disconnect",
+    "Keepalive",
+    "PollLogs",
+)
 _SERVICE = pb.DESCRIPTOR.services_by_name["Sidecar"]
 METHODS: dict[str, tuple[Any, Any]] = {
     name: (

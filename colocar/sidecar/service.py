@@ -39,6 +39,7 @@ from .workers import WorkerDiedError, WorkerPool
 
 CHUNK_BYTES = 1 << 20
 UNKNOWN_SESSION = "unknown session"
+LOG_POLL_LINES = 1000  # lines per PollLogs reply at most
 
 
 @dataclass
@@ -423,6 +424,34 @@ class SidecarService(pb_grpc.SidecarServicer):
                 dropped, reported = session.dropped_log_lines - reported, session.dropped_log_lines
                 yield pb.LogLine(text=f"({dropped} log lines dropped: the controller read too slowly)")
             yield pb.LogLine(text=text)
+
+    def PollLogs(self, request: pb.LogPoll, context: Any) -> pb.LogLines:
+        """The session's pending log lines; waits up to `wait_seconds` (at most a minute) for
+        the first one. Returns within half a second of the session closing or a drain."""
+        session = self._session(request.session_id, context)
+        deadline = time.monotonic() + min(max(request.wait_seconds, 0.0), 60.0)
+        lines: list[str] = []
+        while not session.closed and not self.draining:
+            try:
+                text = session.logs.get(timeout=max(0.0, min(0.5, deadline - time.monotonic())))
+            except queue.Empty:
+                if time.monotonic() >= deadline:
+                    break
+                continue
+            if session.closed:  # the wake-up of a closing session (an empty line)
+                break
+            lines.append(text)
+            while len(lines) < LOG_POLL_LINES:
+                try:
+                    lines.append(session.logs.get_nowait())
+                except queue.Empty:
+                    break
+            break
+        dropped = session.dropped_log_lines - session.reported_dropped_lines
+        if dropped > 0 and lines:
+            session.reported_dropped_lines += dropped
+            lines.insert(0, f"({dropped} log lines dropped: the controller read too slowly)")
+        return pb.LogLines(lines=lines)
 
     def Stats(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.StatsReply:
         self._auth(context)

@@ -24,6 +24,7 @@ class Session:
     expires_at: float
     logs: queue.Queue = field(default_factory=lambda: queue.Queue(LOG_QUEUE_LINES))
     dropped_log_lines: int = 0
+    reported_dropped_lines: int = 0  # of dropped_log_lines, those PollLogs already reported
     closed: bool = False
 
     def renew(self) -> None:
