@@ -80,6 +80,7 @@ class CheckpointManager:
         queue: bool = False,
         pool: str = "",
         concurrent_writes: int = 2,
+        writer_nice: int = 10,
         max_chunk_bytes: int | None = None,
         heartbeat_seconds: float = 5.0,
         stale_seconds: float = 60.0,
@@ -101,6 +102,7 @@ class CheckpointManager:
         self.lease_seconds = lease_seconds
         self.options = WriterOptions(
             concurrent_writes=concurrent_writes,
+            nice=writer_nice,
             heartbeat_seconds=heartbeat_seconds,
             stale_seconds=stale_seconds,
             commit_timeout=commit_timeout,

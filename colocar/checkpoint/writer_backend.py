@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import re
 import socket
 import threading
@@ -28,6 +29,15 @@ from .storage import Storage, open_storage
 
 TERMINAL = ("committed", "done", "failed")
 _TS_SPEC = re.compile(r" \[tensorstore_spec='.*'\]", re.S)
+
+
+def _lower_priority(nice: int) -> None:
+    """Writer threads (and the tensorstore threads they start) yield the CPU to the trainer:
+    a save is background work, and on a busy host it must not slow the training step."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except (AttributeError, OSError):
+        pass
 
 
 def _trim_heap() -> None:
@@ -54,6 +64,7 @@ class WriterOptions:
     max_to_keep: int | None = None
     keep_period: int | None = None
     storage_timeout: float = 30.0
+    nice: int = 10  # scheduling priority of the writer threads (0: as the sidecar)
 
 
 @dataclass
@@ -89,7 +100,12 @@ class CheckpointWriter:
         self.storage: Storage = open_storage(url, options.storage_timeout)
         self._jobs: dict[int, _Job] = {}
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(options.concurrent_writes, thread_name_prefix="colocar-ckpt-write")
+        self._pool = ThreadPoolExecutor(
+            options.concurrent_writes,
+            thread_name_prefix="colocar-ckpt-write",
+            initializer=_lower_priority,
+            initargs=(options.nice,),
+        )
         self._context: Any = None
 
     # --- called by the controller -----------------------------------------------------------
@@ -255,6 +271,7 @@ class CheckpointWriter:
 
     # --- the primary: plan, heartbeat, commit, retention -----------------------------------
     def _primary(self, job: _Job) -> None:
+        _lower_priority(self.options.nice)
         step = layout.step_dir(job.step)
         stop = threading.Event()
         try:
