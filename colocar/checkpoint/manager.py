@@ -80,7 +80,7 @@ class CheckpointManager:
         queue: bool = False,
         pool: str = "",
         concurrent_writes: int = 2,
-        writer_nice: int = 10,
+        writer_nice: int = 5,
         max_chunk_bytes: int | None = None,
         heartbeat_seconds: float = 5.0,
         stale_seconds: float = 60.0,

@@ -64,7 +64,7 @@ class WriterOptions:
     max_to_keep: int | None = None
     keep_period: int | None = None
     storage_timeout: float = 30.0
-    nice: int = 10  # scheduling priority of the writer threads (0: as the sidecar)
+    nice: int = 5  # scheduling priority of the writer threads (0: as the sidecar)
 
 
 @dataclass
@@ -220,10 +220,7 @@ class CheckpointWriter:
             del data  # frees the arena block once nothing else holds it
             with job.lock:
                 job.pending -= 1
-                idle = job.pending == 0
                 self._check_done(job)
-            if idle:
-                _trim_heap()
 
     def _check_done(self, job: _Job) -> None:
         """Under job.lock: writes the done marker once every sent piece is durable."""
@@ -235,6 +232,7 @@ class CheckpointWriter:
         threading.Thread(target=self._mark_done, args=(job,), daemon=True).start()
 
     def _mark_done(self, job: _Job) -> None:
+        _trim_heap()  # once per save: trimming between writes would make every buffer fault anew
         body = json.dumps(
             {
                 "host": self.host,
