@@ -1,0 +1,218 @@
+"""The controller's end of a host's batch feed (runs in the controller / device owner).
+
+When the controller maps a host's arena, each finished batch arrives as `(batch, slot)` over a
+socket of the pipeline's own, and the slot's number goes back once nothing reads it any more
+(see `host_backend` for the sidecar's end); otherwise the iterator falls back to calls.
+"""
+
+from __future__ import annotations
+
+import collections
+import pickle
+import socket
+import sys
+import threading
+import weakref
+from typing import Any
+
+import numpy as np
+
+from colocar.controller_bridge.cluster import Host
+
+from .host_backend import FRAME, SLOT, PipelineError
+from .layout import SlotLayout
+
+
+class _Feed:
+    """The controller's end of a host's batch feed (see `host_backend`): batches in, releases out.
+
+    Each slot's per-device views (one per field and device, in `placed` order) are made once
+    and reused at every turn of the ring. A slot handed to the program is held while any of its
+    views is referenced by more than our cache, i.e. while a batch's arrays (which alias the
+    views on CPU) or anything derived from them live: `poll()` (each step, after JAX's deferred
+    releases ran) sends back the numbers of the slots that are free again. This costs a
+    reference count per view instead of a fresh view, holder and finalizer per batch.
+
+    At `close()` the slots still held switch to finalizers on their views (and our cache lets
+    go of them); the socket stays open until the last one is released, so the sidecar keeps
+    every slot a live batch reads.
+    """
+
+    def __init__(self, host: Host, info: dict[str, Any], layout: SlotLayout, placed: list[tuple[Any, int]]):
+        conn = host.connection
+        self.host = host
+        self._conn = conn
+        assert conn.arena is not None
+        self._arena = conn.arena
+        self._slots = info["slots"]
+        self._layout = layout
+        self._segments = [segment for _, segment in placed]
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(10.0)
+            sock.connect(info["address"])
+            sock.sendall(info["token"])
+            sock.settimeout(max(0.05, conn.heartbeat_seconds))
+        except BaseException:
+            sock.close()
+            raise
+        self._sock = sock
+        self._buffer = bytearray()
+        self._pending: collections.deque[int] = collections.deque()
+        self._send_lock = threading.Lock()
+        self._outstanding = 0  # slots handed to the program and not yet released
+        self._closed = False
+        self._ended = False
+        # slot -> ({field: views in `placed` order}, all its views, their free reference count)
+        self._cache: dict[int, tuple[dict[str, list[np.ndarray]], list[np.ndarray], int]] = {}
+        self._held: list[int] = []  # slots handed out and not released, oldest first
+
+    def _views(self, slot: int) -> tuple[dict[str, list[np.ndarray]], list[np.ndarray], int]:
+        from colocar.shm import ndarray_view
+
+        offset, nbytes = self._slots[slot]
+        whole = ndarray_view(self._arena, offset, (nbytes,), np.uint8)  # pins the arena's mapping
+        layout = self._layout
+        by_field = {
+            name: [layout.segment_view(whole, name, segment) for segment in self._segments]
+            for name in layout.fields
+        }
+        views = [v for vs in by_field.values() for v in vs]
+        del whole
+        entry = (by_field, views, _max_refs(views))
+        self._cache[slot] = entry
+        return entry
+
+    def poll(self) -> None:
+        """Releases the held slots that nothing references any more."""
+        held = self._held
+        if held:
+            cache = self._cache
+            free = [slot for slot in held if _max_refs(cache[slot][1]) <= cache[slot][2]]
+            if free:
+                for slot in free:
+                    held.remove(slot)
+                self._release_many(free)
+
+    def busy(self) -> bool:
+        """True while a slot handed out is still referenced (after a poll)."""
+        return bool(self._held)
+
+    def _release_many(self, slots: list[int]) -> None:
+        self._pending.extend(slots)
+        self.flush()
+
+    def _release(self, slot: int) -> None:
+        """A GC finalizer (any thread, must not block): queue, and send if nobody is sending."""
+        self._pending.append(slot)
+        self.flush()
+
+    def flush(self) -> None:
+        while self._pending and self._send_lock.acquire(blocking=False):
+            try:
+                data = b""
+                while self._pending:
+                    data += SLOT.pack(self._pending.popleft())
+                    self._outstanding -= 1
+                try:
+                    self._sock.sendall(data)
+                except OSError:
+                    pass  # the sidecar is gone: its slots went with it
+                if self._closed and self._outstanding == 0:
+                    self._sock.close()
+            finally:
+                self._send_lock.release()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self.poll()
+        for slot in self._held:  # still held by the program: released when its views die
+            views = self._cache[slot][1]
+            left = [len(views)]
+
+            def dropped(slot: int = slot, left: list[int] = left) -> None:
+                left[0] -= 1
+                if left[0] == 0:
+                    self._release(slot)
+
+            for view in views:
+                weakref.finalize(view, dropped).atexit = False
+        self._held = []
+        self._cache.clear()  # the held slots' views now live only as long as the program's arrays
+        self._closed = True
+        with self._send_lock:
+            if self._outstanding == 0:
+                self._sock.close()
+        self.flush()
+
+    def _frame(self) -> tuple | None:
+        """The next message, or None while none is complete."""
+        if len(self._buffer) < FRAME.size:
+            return None
+        (n,) = FRAME.unpack_from(self._buffer)
+        if len(self._buffer) < FRAME.size + n:
+            return None
+        message = pickle.loads(self._buffer[FRAME.size : FRAME.size + n])
+        del self._buffer[: FRAME.size + n]
+        return message
+
+    def next_batch(self, k: int) -> tuple[dict[str, list[np.ndarray]], int] | None:
+        """Batch k: its per-device views by field (`placed` order) and its count of bad
+        records; None at the end of the data."""
+        from colocar.errors import HostLostError
+
+        self.flush()
+        if self._ended:
+            return None
+        conn = self._conn
+        while (message := self._frame()) is None:
+            try:
+                chunk = self._sock.recv(1 << 16)
+            except TimeoutError:
+                if conn.lost is not None:
+                    raise HostLostError(str(conn.lost)) from None
+                continue
+            except OSError as e:
+                chunk = b""
+                if self._closed:
+                    raise PipelineError(f"the batch feed of {self.host.name} is closed") from e
+            if not chunk:
+                conn.heartbeat()  # a dead sidecar: find out now, not at the next heartbeat
+                if conn.lost is not None:
+                    raise HostLostError(str(conn.lost))
+                raise PipelineError(f"the pipeline on {self.host.name} closed its batch feed")
+            self._buffer += chunk
+        kind = message[0]
+        if kind == "end":
+            self._ended = True
+            return None
+        if kind == "error":
+            self._ended = True
+            raise PipelineError(message[2])
+        _, got, slot, bad = message
+        if got != k:
+            raise RuntimeError(f"{self.host.name} fed batch {got}, expected {k}")
+        entry = self._cache.get(slot) or self._views(slot)
+        with self._send_lock:
+            self._outstanding += 1
+        self._held.append(slot)
+        return entry[0], bad
+
+
+def _max_refs(views: list[np.ndarray]) -> int:
+    return max(map(sys.getrefcount, views), default=0)
+
+
+def open_feed(obj: Any, host: Host, layout: SlotLayout, placed: list[tuple[Any, int]]) -> _Feed | None:
+    """A feed to the host's pipeline when this process maps its arena, else None (calls)."""
+    conn = host.connection
+    if conn.arena is None:
+        return None
+    info = obj.open_feed()
+    if info is None or info["nonce"] != conn.arena.nonce:
+        return None
+    try:
+        return _Feed(host, info, layout, placed)
+    except OSError:
+        return None  # another network namespace: the sidecar gives up on it after a while
