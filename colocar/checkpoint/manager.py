@@ -10,9 +10,7 @@ writes a directory at a time (a lease object it refreshes); any number may read 
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
 import threading
 import time
 import uuid
@@ -28,6 +26,7 @@ from colocar.controller_bridge.obj import colocated_class
 from colocar.errors import CheckpointError, ColocarError, HostLostError
 
 from . import layout, save, tree
+from .lease import WriterLease
 from .restore import RestoreStats, restore_leaves
 from .save import Piece
 from .storage import open_storage
@@ -99,7 +98,6 @@ class CheckpointManager:
         self.pool = pool
         self.max_chunk_bytes = max_chunk_bytes
         self.storage_timeout = storage_timeout
-        self.lease_seconds = lease_seconds
         self.options = WriterOptions(
             concurrent_writes=concurrent_writes,
             nice=writer_nice,
@@ -126,9 +124,7 @@ class CheckpointManager:
         self._last = SaveStats()
         self._restore_stats = RestoreStats()
         self._lock = threading.RLock()
-        self._lease_stop = threading.Event()
-        self._lease_thread: threading.Thread | None = None
-        self._lease_error: str = ""
+        self._lease = WriterLease(self.storage, self._id, lease_seconds)
         self._preempted = False
         self._previous_handler: Any = None
         self._closed = False
@@ -171,8 +167,8 @@ class CheckpointManager:
             return False
         started = time.monotonic()
         with self._lock:
-            if self._lease_error:
-                raise CheckpointError(self._lease_error)
+            if self._lease.lost:
+                raise CheckpointError(self._lease.lost)
             self._reap()
             while len(self._inflight) > (1 if self.queue else 0):
                 self._wait_one(self._inflight[0], timeout=None)
@@ -181,7 +177,7 @@ class CheckpointManager:
             ):
                 raise CheckpointError(f"step {step} already exists in {self.storage.url}; delete it first")
             if self._process == 0:  # one lease per job: process 0 writes for all
-                self._acquire_lease()
+                self._lease.acquire()
             record = self._start(step, state, metadata or {}, started)
             self._inflight.append(record)
             self._last = record.stats
@@ -476,44 +472,6 @@ class CheckpointManager:
         """The host whose sidecar commits: process 0's, or the cluster's first."""
         return 0 if self._processes > 1 else self.cluster.hosts[0].index
 
-    def _lease_body(self) -> bytes:
-        return json.dumps(
-            {"owner": self._id, "hostname": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
-        ).encode()
-
-    def _acquire_lease(self) -> None:
-        if self._lease_thread is not None:
-            return
-        if not self.storage.write(layout.WRITER_LEASE, self._lease_body(), create_only=True):
-            holder = json.loads(self.storage.read(layout.WRITER_LEASE) or b"{}")
-            age = self.storage.age(layout.WRITER_LEASE)
-            if holder.get("owner") != self._id and age is not None and age < self.lease_seconds:
-                raise CheckpointError(
-                    f"{self.storage.url} is being written by another CheckpointManager (pid "
-                    f"{holder.get('pid')} on {holder.get('hostname')}, seen {age:.0f} s ago); two writers "
-                    f"would destroy each other's steps. Stop it, write elsewhere, or wait until its "
-                    f"lease is {self.lease_seconds:.0f} s old"
-                )
-            self.storage.write(layout.WRITER_LEASE, self._lease_body())  # a stale lease: take it over
-        self._lease_thread = threading.Thread(
-            target=self._refresh_lease, name="colocar-ckpt-lease", daemon=True
-        )
-        self._lease_thread.start()
-
-    def _refresh_lease(self) -> None:
-        while not self._lease_stop.wait(self.lease_seconds / 4):
-            try:
-                holder = json.loads(self.storage.read(layout.WRITER_LEASE) or b"{}")
-                if holder.get("owner") not in (None, self._id):
-                    self._lease_error = (
-                        f"another CheckpointManager (pid {holder.get('pid')} on {holder.get('hostname')}) "
-                        f"took over {self.storage.url} after this one's lease went stale; not saving"
-                    )
-                    return
-                self.storage.write(layout.WRITER_LEASE, self._lease_body())
-            except Exception:
-                pass  # storage trouble: the saves report it; the lease just ages
-
     def _install_preemption_handler(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             raise CheckpointError("save_on_preemption needs the manager to be created in the main thread")
@@ -535,15 +493,7 @@ class CheckpointManager:
             self.wait()
         finally:
             self._closed = True
-            self._lease_stop.set()
-            if self._lease_thread is not None:
-                self._lease_thread.join(timeout=5)
-                try:
-                    holder = json.loads(self.storage.read(layout.WRITER_LEASE) or b"{}")
-                    if holder.get("owner") == self._id:
-                        self.storage.delete(layout.WRITER_LEASE)
-                except Exception:
-                    pass
+            self._lease.release()
             for record in list(self._inflight):
                 self._forget(record)
             self._senders.shutdown(wait=False)
