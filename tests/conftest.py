@@ -38,12 +38,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-def sidecar_children() -> list[psutil.Process]:
-    """Sidecar processes started by this test process (directly or not) that still run."""
+def server_children() -> list[psutil.Process]:
+    """Sidecar (and fake GCS server) processes started by this test process that still run."""
     found = []
     for child in psutil.Process().children(recursive=True):
         try:
-            if "colocar.sidecar" in " ".join(child.cmdline()) and child.status() != psutil.STATUS_ZOMBIE:
+            command = " ".join(child.cmdline())
+            server = "colocar.sidecar" in command or "fake-gcs-server" in command
+            if server and child.status() != psutil.STATUS_ZOMBIE:
                 found.append(child)
         except psutil.Error:
             pass
@@ -129,14 +131,14 @@ def gcs_server(tmp_path_factory):
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """The suite fails if it leaves a sidecar process or an arena file behind."""
-    left = sidecar_children()
+    left = server_children()
     for process in left:
         process.kill()
     files = os.listdir(SHM_DIR) if os.path.isdir(SHM_DIR) else []
     shutil.rmtree(SHM_DIR, ignore_errors=True)
     problems = []
     if left:
-        problems.append(f"sidecar processes left running: {[p.pid for p in left]}")
+        problems.append(f"sidecar or server processes left running: {[p.pid for p in left]}")
     if files:
         problems.append(f"arena files left in the shm dir: {files}")
     if problems:
