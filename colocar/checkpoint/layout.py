@@ -88,11 +88,6 @@ def chunk_shapes(shard_shape: tuple[int, ...], itemsize: int, max_outer: int) ->
     return outer, inner
 
 
-def zarr_dtype(dtype_name: str) -> str:
-    """numpy / ml_dtypes names are zarr3's names for the types tensorstore supports."""
-    return "bool" if dtype_name == "bool" else dtype_name
-
-
 def array_spec(
     kvstore: dict[str, Any], shape: tuple[int, ...], dtype_name: str, outer: tuple, inner: tuple
 ) -> dict[str, Any]:
@@ -104,7 +99,7 @@ def array_spec(
         "store_data_equal_to_fill_value": True,  # every chunk is stored, so a missing one is an error
         "metadata": {
             "shape": list(shape),
-            "data_type": zarr_dtype(dtype_name),
+            "data_type": dtype_name,  # numpy / ml_dtypes names are zarr3's
             "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(outer)}},
             "codecs": [
                 {

@@ -21,8 +21,8 @@ from colocar.errors import CheckpointError
 
 from . import tree
 from .reader_backend import read_slices
-from .save import _bounds
-from .writer_backend import describe
+from .save import shard_bounds
+from .storage import describe
 
 _read = colocated(read_slices)
 
@@ -122,7 +122,7 @@ def restore_leaves(
                 host = cluster.host_of(device)
                 if host is None:
                     raise CheckpointError(f"{leaf.key}: device {device} of the target belongs to no host")
-                placements.append((host, device, _bounds(index, stored_shape)))
+                placements.append((host, device, shard_bounds(index, stored_shape)))
         for host, device, bounds in placements:
             token = (leaf.key, host.index, repr(bounds))
             if token not in where:

@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from colocar.controller_bridge.arrays import index_bounds
 from colocar.errors import CheckpointError
 from colocar.shm import ArenaFullError
 
@@ -48,17 +49,11 @@ class Piece:
 class Plan:
     leaves: dict[str, dict[str, Any]] = field(default_factory=dict)  # manifest entries by key
     pieces: dict[int, list[Piece]] = field(default_factory=dict)  # host index -> pieces
-    bytes: int = 0
 
 
-def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> list[list[int]]:
-    out = []
-    for s, n in zip(index, shape, strict=False):
-        start, stop, step = s.indices(n)
-        if step != 1:
-            raise CheckpointError("strided shardings cannot be saved")
-        out.append([start, stop])
-    return out + [[0, n] for n in shape[len(out) :]]
+def shard_bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> list[list[int]]:
+    """[[start, stop], ...] of a shard (or a device's slice) of an array of `shape`, as stored."""
+    return [list(b) for b in index_bounds(index, shape)]
 
 
 def _chunk_grid(bounds: list[list[int]], chunk: tuple[int, ...]) -> Iterator[list[list[int]]]:
@@ -108,7 +103,7 @@ def plan(named: list[tuple[str, Any]], cluster: Any, max_chunk_bytes: int, host_
             entry["sharding"] = tree.sharding_to_json(leaf.sharding)
             shard_shape = tuple(data.sharding.shard_shape(shape))
             shards = [
-                (s.data, _bounds(s.index, shape), cluster.host_of(s.device), s.device)
+                (s.data, shard_bounds(s.index, shape), cluster.host_of(s.device), s.device)
                 for s in data.addressable_shards
                 if s.replica_id == 0
             ]
@@ -126,7 +121,6 @@ def plan(named: list[tuple[str, Any]], cluster: Any, max_chunk_bytes: int, host_
                 result.pieces.setdefault(host.index, []).append(
                     Piece(index, piece, source, local, tuple(b - a for a, b in piece), dtype)
                 )
-                result.bytes += math.prod(b - a for a, b in piece) * dtype.itemsize
         result.leaves[key] = entry
     result.pieces.setdefault(primary, [])
     return result

@@ -11,6 +11,7 @@ Every storage call is bounded: GCS calls retry transient errors with backoff for
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -20,6 +21,14 @@ from urllib.parse import urlparse
 from colocar.errors import ColocarError
 
 DEFAULT_TIMEOUT = 30.0
+
+
+_TS_SPEC = re.compile(r" \[tensorstore_spec='.*'\]", re.S)
+
+
+def describe(error: BaseException) -> str:
+    """An exception as one line, without the full spec tensorstore appends to its messages."""
+    return f"{type(error).__name__}: {_TS_SPEC.sub('', str(error))}"
 
 
 class StorageError(ColocarError):

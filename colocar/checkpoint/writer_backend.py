@@ -14,7 +14,6 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import re
 import socket
 import threading
 import time
@@ -25,10 +24,9 @@ from typing import Any
 import numpy as np
 
 from . import layout
-from .storage import Storage, open_storage
+from .storage import Storage, describe, open_storage
 
 TERMINAL = ("committed", "done", "failed")
-_TS_SPEC = re.compile(r" \[tensorstore_spec='.*'\]", re.S)
 
 
 def _lower_priority(nice: int) -> None:
@@ -46,11 +44,6 @@ def _trim_heap() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
-
-
-def describe(error: BaseException) -> str:
-    """An exception as one line, without the full spec tensorstore appends to its messages."""
-    return f"{type(error).__name__}: {_TS_SPEC.sub('', str(error))}"
 
 
 @dataclass

@@ -19,14 +19,16 @@ import numpy as np
 from colocar.errors import ArrayLayoutError
 
 
-def _normalize(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+def index_bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """A shard's index as ((start, stop), ...) over every dimension of `shape` (dimensions the
+    index leaves out are whole); strided indices are refused."""
     bounds = []
     for s, n in zip(index, shape, strict=False):
         start, stop, step = s.indices(n)
         if step != 1:
             raise ArrayLayoutError("strided shardings are not supported")
         bounds.append((start, stop))
-    return tuple(bounds)
+    return tuple(bounds) + tuple((0, n) for n in shape[len(bounds) :])
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,7 @@ def host_layout(
     blocks: dict[tuple[tuple[int, int], ...], list[Any]] = {}
     for device in devices:
         if device in index_map:
-            blocks.setdefault(_normalize(index_map[device], shape), []).append(device)
+            blocks.setdefault(index_bounds(index_map[device], shape), []).append(device)
     if not blocks:
         return None
     ndim = len(shape)
@@ -112,7 +114,7 @@ def assemble(
             )
         for device in devices:
             if device in index_map:
-                pieces.append(block[layout.local(_normalize(index_map[device], shape))])
+                pieces.append(block[layout.local(index_bounds(index_map[device], shape))])
                 targets.append(device)
     arrays = jax.device_put(pieces, targets)
     return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays)
