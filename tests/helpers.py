@@ -10,6 +10,8 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import colocar
+
 DEADLINE = 30.0
 
 
@@ -105,3 +107,14 @@ class FakeGcs:
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait()
+
+
+# --- shipped functions shared by test modules -----------------------------------------------------
+@colocar.colocated
+def sidecar_pid():
+    return os.getpid()
+
+
+@colocar.colocated(processes=True)
+def worker_pid():
+    return os.getpid()

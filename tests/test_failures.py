@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import psutil
 import pytest
-from helpers import wait_for
+from helpers import sidecar_pid, wait_for, worker_pid
 
 import colocar
 from colocar.controller_bridge.cluster import Host
@@ -112,16 +112,6 @@ def echo(*args, **kwargs):
 @colocar.colocated
 def make_lock():
     return threading.Lock()
-
-
-@colocar.colocated
-def sidecar_pid():
-    return os.getpid()
-
-
-@colocar.colocated(processes=True)
-def worker_pid():
-    return os.getpid()
 
 
 @colocar.colocated

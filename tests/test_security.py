@@ -215,6 +215,10 @@ def stub(channel: grpc.Channel) -> pb_grpc.SidecarStub:
 @pytest.fixture
 def session(sidecar: Sidecar, stub: pb_grpc.SidecarStub) -> Iterator[str]:
     """A session opened with the right token over raw gRPC; its blocks are freed at the end."""
+    yield from _raw_session(sidecar, stub)
+
+
+def _raw_session(sidecar: Sidecar, stub: pb_grpc.SidecarStub) -> Iterator[str]:
     session_id = uuid.uuid4().hex
     stub.Connect(_connect_request(session_id), metadata=_md(sidecar.token), timeout=RPC_TIMEOUT)
     yield session_id
@@ -442,10 +446,7 @@ def test_invalid_protobuf_in_client_streams_is_refused(sidecar, client, channel)
 
 @pytest.fixture
 def other_session(sidecar: Sidecar, stub: pb_grpc.SidecarStub) -> Iterator[str]:
-    session_id = uuid.uuid4().hex
-    stub.Connect(_connect_request(session_id), metadata=_md(sidecar.token), timeout=RPC_TIMEOUT)
-    yield session_id
-    stub.Disconnect(pb.SessionRef(session_id=session_id), metadata=_md(sidecar.token), timeout=RPC_TIMEOUT)
+    yield from _raw_session(sidecar, stub)
 
 
 def _allocate(stub: pb_grpc.SidecarStub, token: str | None, session_id: str, nbytes: int) -> pb.BlockDesc:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import psutil
 import pytest
-from helpers import wait_for
+from helpers import sidecar_pid, wait_for, worker_pid
 
 import colocar
 from colocar.shm import block_of
@@ -58,16 +58,6 @@ def host(wcluster):
 # --- shipped code -------------------------------------------------------------------------------
 class WorkerError(Exception):
     pass
-
-
-@colocar.colocated
-def sidecar_pid():
-    return os.getpid()
-
-
-@colocar.colocated(processes=True)
-def worker_pid():
-    return os.getpid()
 
 
 @colocar.colocated(processes=True)
