@@ -249,6 +249,19 @@ def test_second_writer_is_refused(cluster, tmp_path):
     assert second.all_steps() == [1, 2]
 
 
+def test_stale_lease_of_a_dead_writer_is_taken_over(cluster, tmp_path):
+    directory = tmp_path / "stale"
+    directory.mkdir()
+    lease = directory / layout.WRITER_LEASE
+    lease.write_text(json.dumps({"owner": "dead", "hostname": "gone", "pid": 1}))
+    os.utime(lease, (time.time() - 120, time.time() - 120))  # older than lease_seconds
+    m = CheckpointManager(str(directory), cluster, lease_seconds=60)
+    m.save(1, make_state(16))
+    assert json.loads(lease.read_text())["owner"] != "dead"
+    m.close()
+    assert m.all_steps() == [1] and not lease.exists()  # released at close
+
+
 def test_arena_smaller_than_the_checkpoint_applies_backpressure(make_cluster, tmp_path, cluster):
     small = make_cluster(hosts=2, arena_size=8 * MiB, processes=1)
     mesh = small.mesh(("data",), (8,))
