@@ -284,6 +284,38 @@ def test_arena_smaller_than_the_checkpoint_applies_backpressure(make_cluster, tm
     assert np.asarray(reader.restore(target=target)["big"]).tobytes() == np.asarray(big).tobytes()
 
 
+def test_save_without_shared_memory_uploads_the_shards(grpc_cluster, tmp_path, cluster):
+    """A host the controller cannot share memory with gets its shards through the write calls."""
+    state = make_state(4, rows=256)
+    m = CheckpointManager(str(tmp_path / "grpc"), grpc_cluster)
+    m.save(4, state)
+    m.wait()
+    assert m.stats()["save"]["bytes"] == state["params"]["w"].nbytes + state["params"]["b"].nbytes
+    m.close()
+    reader = CheckpointManager(str(tmp_path / "grpc"), cluster.make_current())
+    assert_same(reader.restore(4, target=abstract(state)), state)
+    reader.close()
+
+
+def test_copies_split_over_the_copy_threads_are_exact():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from colocar.checkpoint.save import copy_into
+
+    rng = np.random.default_rng(5)
+    sources = [
+        rng.standard_normal((1000, 37)).astype(np.float32),  # rows not divisible by the parts
+        rng.integers(0, 255, (7, 300, 3), dtype=np.uint8),
+        rng.standard_normal((64, 64))[::2, 3:40],  # a strided view, as a shard's slice is
+        np.array(3.5),  # 0-d
+    ]
+    blocks = [np.zeros(s.shape, s.dtype) for s in sources]
+    with ThreadPoolExecutor(3) as copiers:
+        copy_into(list(zip(blocks, sources, strict=True)), copiers, part_bytes=4096)
+    for block, source in zip(blocks, sources, strict=True):
+        assert block.tobytes() == np.ascontiguousarray(source).tobytes()
+
+
 def test_chunk_larger_than_the_arena_is_refused(make_cluster, tmp_path, cluster):
     small = make_cluster(hosts=1, devices=jax.devices()[:1], arena_size=4 * MiB)
     x = jax.device_put(np.zeros((2048, 1024), np.float32), jax.devices()[0])  # 8 MiB, one chunk
@@ -415,6 +447,64 @@ def test_trainer_killed_after_save_still_commits(make_cluster, tmp_path, cluster
         assert np.array_equal(np.asarray(restored["w"]).ravel(), np.arange(8 * 1024 * 64, dtype=np.float32))
         m.close()
     finally:
+        cluster.make_current()
+
+
+PAUSED_WRITER = """
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax, numpy as np
+import colocar
+from colocar.checkpoint import CheckpointError, CheckpointManager
+address, token_file, directory = sys.argv[1:4]
+cluster = colocar.connect([address], token_file=token_file)
+m = CheckpointManager(directory, cluster, lease_seconds=2)
+m.save(1, {"x": np.arange(4)})
+m.wait()
+print("ready", flush=True)
+sys.stdin.readline()  # the test paused this process, let another writer take over, resumed it
+try:
+    m.save(2, {"x": np.arange(4)})
+    m.wait()
+    print("saved", flush=True)
+except CheckpointError as e:
+    print("refused:", e, flush=True)
+"""
+
+
+def test_lease_taken_over_from_a_paused_writer_stops_it(make_cluster, tmp_path, cluster):
+    """A writer paused past its lease (SIGSTOP: a frozen VM, a long GC) loses the directory to the
+    next writer and, once resumed, refuses to save instead of writing over the new one's steps."""
+    sidecars = make_cluster(hosts=1, persist=True)
+    directory = str(tmp_path / "paused")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", PAUSED_WRITER, sidecars.hosts[0].address, sidecars.token_file, directory],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "ready", holder.stderr.read()[-3000:]
+        holder.send_signal(signal.SIGSTOP)
+        lease = os.path.join(directory, layout.WRITER_LEASE)
+        wait_for(lambda: time.time() - os.path.getmtime(lease) > 2.5, "the paused writer's lease to go stale")
+        sidecars.make_current()
+        successor = CheckpointManager(directory, sidecars, lease_seconds=2)
+        successor.save(5, {"x": np.arange(5)})
+        successor.wait()
+        holder.send_signal(signal.SIGCONT)
+        out, err = holder.communicate("go\n", timeout=60)
+        assert out.startswith("refused:") and "took over" in out, out + err[-3000:]
+        assert successor.all_steps() == [1, 5]
+        assert np.array_equal(successor.restore(5)["x"], np.arange(5))
+        successor.close()
+    finally:
+        if holder.poll() is None:
+            holder.send_signal(signal.SIGCONT)
+            holder.kill()
+            holder.wait()
         cluster.make_current()
 
 

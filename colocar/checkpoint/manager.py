@@ -10,6 +10,7 @@ writes a directory at a time (a lease object it refreshes); any number may read 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 import time
@@ -33,6 +34,11 @@ from .storage import open_storage
 from .writer_backend import CheckpointWriter, WriterOptions
 
 _Writer = colocated_class(CheckpointWriter)
+
+
+def _default_copy_threads() -> int:
+    """Threads copying shards into the arenas: memory bandwidth stops scaling at a few."""
+    return max(1, min(8, len(os.sched_getaffinity(0))))
 
 
 @dataclass
@@ -80,6 +86,7 @@ class CheckpointManager:
         pool: str = "",
         concurrent_writes: int = 2,
         writer_nice: int = 5,
+        copy_threads: int | None = None,
         max_chunk_bytes: int | None = None,
         heartbeat_seconds: float = 5.0,
         stale_seconds: float = 60.0,
@@ -119,6 +126,9 @@ class CheckpointManager:
                 f"(colocar.connect() with one address); this cluster has {len(self.cluster.hosts)} hosts"
             )
         self._senders = ThreadPoolExecutor(len(self.cluster.hosts), thread_name_prefix="colocar-ckpt-send")
+        self._copiers = ThreadPoolExecutor(
+            copy_threads or _default_copy_threads(), thread_name_prefix="colocar-ckpt-copy"
+        )
         self._inflight: deque[_Save] = deque()
         self._unreported: list[CheckpointError] = []  # failures seen by stats(), raised by save/wait
         self._last = SaveStats()
@@ -211,7 +221,7 @@ class CheckpointManager:
             others = [writers[h].begin.submit(step, body, hosts, False) for h in writers if h != primary]
             for future in others:
                 future.result()
-            # One thread per host: the copies into the arenas run in parallel (numpy drops the GIL).
+            # A thread per host; their copies into the arenas share the copy threads.
             sends = {
                 h: self._senders.submit(
                     save.send,
@@ -221,6 +231,7 @@ class CheckpointManager:
                     pieces[h],
                     self.pool,
                     lambda: self._check(record),
+                    self._copiers,
                 )
                 for h in writers
             }
@@ -497,6 +508,7 @@ class CheckpointManager:
             for record in list(self._inflight):
                 self._forget(record)
             self._senders.shutdown(wait=False)
+            self._copiers.shutdown(wait=False)
             if self._previous_handler is not None:
                 signal.signal(signal.SIGTERM, self._previous_handler)
 

@@ -15,6 +15,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +29,8 @@ from colocar.shm import ArenaFullError
 from . import layout, tree
 
 PREFETCH_BYTES = 256 << 20  # device-to-host copies started ahead of the one being placed
-BATCH_BYTES = 16 << 20  # pieces allocated together and handed to a writer per call
+BATCH_BYTES = 16 << 20  # pieces allocated and handed to a writer together when the arena is short
+COPY_PART_BYTES = 8 << 20  # a larger copy is split by rows over the copy threads
 
 
 @dataclass
@@ -157,12 +159,12 @@ class SendStats:
     arena_wait_seconds: float = 0.0
 
 
-def _groups(pieces: Iterator[Piece]) -> Iterator[list[Piece]]:
-    """Consecutive pieces of at most BATCH_BYTES (one Allocate and one writer call each)."""
+def _groups(pieces: Iterator[Piece], limit: int = BATCH_BYTES) -> Iterator[list[Piece]]:
+    """Consecutive pieces of at most `limit` bytes (or one larger piece)."""
     group: list[Piece] = []
     size = 0
     for piece in pieces:
-        if group and size + piece.nbytes > BATCH_BYTES:
+        if group and size + piece.nbytes > limit:
             yield group
             group, size = [], 0
         group.append(piece)
@@ -171,54 +173,102 @@ def _groups(pieces: Iterator[Piece]) -> Iterator[list[Piece]]:
         yield group
 
 
+def copy_into(
+    pairs: list[tuple[np.ndarray, Any]], copiers: Executor | None, part_bytes: int = COPY_PART_BYTES
+) -> None:
+    """`np.copyto(block, source)` for each pair, split by rows into `part_bytes` parts run on
+    `copiers` (numpy drops the GIL while it copies, so one host's copy uses several cores)."""
+    parts: list[tuple[np.ndarray, Any]] = []
+    for block, source in pairs:
+        n = min(block.shape[0], block.nbytes // part_bytes) if block.ndim and copiers else 1
+        if n <= 1:
+            parts.append((block, source))
+            continue
+        cuts = [block.shape[0] * i // n for i in range(n + 1)]
+        parts += [(block[a:b], source[a:b]) for a, b in itertools.pairwise(cuts)]
+    if copiers is None or len(parts) == 1:
+        for block, source in parts:
+            np.copyto(block, source)
+        return
+    for future in [copiers.submit(np.copyto, block, source) for block, source in parts]:
+        future.result()
+
+
 def send(
-    host: Any, writer: Any, step: int, pieces: list[Piece], pool: str, check: Any
+    host: Any,
+    writer: Any,
+    step: int,
+    pieces: list[Piece],
+    pool: str,
+    check: Any,
+    copiers: Executor | None = None,
 ) -> tuple[list, SendStats]:
     """Copies `pieces` into `host`'s arena and hands them to its writer; returns the call
-    futures (each completes once the writer queued its blocks) and the stats. `check()` raises
-    when the save failed meanwhile (so a full arena never waits on a dead save)."""
+    futures (each completes once the writer queued its blocks) and the stats.
+
+    When the arena has room for all of them, the writer gets them in one call after the last
+    copy: the copies (on `copiers`) then have the cores to themselves. Otherwise they go in
+    BATCH_BYTES groups as blocks free up; `check()` raises when the save failed meanwhile (so a
+    full arena never waits on a dead save). A host without shared memory gets the pieces
+    uploaded by the write calls, a group per call."""
     conn = host.connection
     stats = SendStats()
+    if not conn.shm:
+        groups = _groups(_prefetched(pieces))
+        return [writer.write.submit(step, _items(g, None, copiers, stats)) for g in groups], stats
+    try:
+        blocks = conn.empty([(p.shape, p.dtype) for p in pieces], pool=pool, timeout=0.0) if pieces else []
+    except ArenaFullError:
+        return _send_as_room_frees(conn, writer, step, pieces, pool, check, copiers, stats), stats
+    blocks.reverse()
+    items = []
+    for group in _groups(_prefetched(pieces), PREFETCH_BYTES):
+        items += _items(group, [blocks.pop() for _ in group], copiers, stats)
+    return [writer.write.submit(step, items)] if items else [], stats
+
+
+def _items(
+    group: list[Piece], blocks: list[np.ndarray] | None, copiers: Executor | None, stats: SendStats
+) -> list:
+    """(leaf, bounds, data) for the writer: arena blocks filled from the pieces, or (without
+    blocks) contiguous host copies that the call uploads."""
+    sources = [np.asarray(piece.source)[piece.local] for piece in group]
+    if blocks is None:
+        data = [np.ascontiguousarray(source) for source in sources]
+    else:
+        copy_into(list(zip(blocks, sources, strict=True)), copiers)
+        data = blocks
+    stats.bytes += sum(piece.nbytes for piece in group)
+    stats.pieces += len(group)
+    return [(piece.leaf, piece.bounds, d) for piece, d in zip(group, data, strict=True)]
+
+
+def _send_as_room_frees(
+    conn: Any,
+    writer: Any,
+    step: int,
+    pieces: list[Piece],
+    pool: str,
+    check: Any,
+    copiers: Executor | None,
+    stats: SendStats,
+) -> list:
+    """The arena cannot hold the whole save: a group at a time, each handed over at once so the
+    writer frees its blocks; a group that finds the arena full goes piece by piece, waiting."""
     futures = []
-
-    def hand_over(group: list[Piece], blocks: list[np.ndarray] | None) -> None:
-        items = []
-        for i, piece in enumerate(group):
-            source = np.asarray(piece.source)[piece.local]
-            if blocks is None:
-                block = np.ascontiguousarray(source)  # uploaded in chunks over gRPC by the call
-            else:
-                block = blocks[i]
-                np.copyto(block, source)
-            items.append((piece.leaf, piece.bounds, block))
-            stats.bytes += piece.nbytes
-            stats.pieces += 1
-        futures.append(writer.write.submit(step, items))
-
-    ready: list[np.ndarray] = []  # blocks for every piece when the arena has room for all
-    if conn.shm and pieces:
-        try:
-            ready = conn.empty([(p.shape, p.dtype) for p in pieces], pool=pool, timeout=0.0)
-        except ArenaFullError:
-            pass
-    ready.reverse()
     for group in _groups(_prefetched(pieces)):
-        if not conn.shm:
-            hand_over(group, None)
-            continue
         try:
-            if ready:
-                blocks = [ready.pop() for _ in group]
-            else:
-                blocks = conn.empty([(p.shape, p.dtype) for p in group], pool=pool, timeout=0.0)
+            blocks = conn.empty([(p.shape, p.dtype) for p in group], pool=pool, timeout=0.0)
         except ArenaFullError:
             stats.arena_waits += 1
-            for piece in group:  # one piece at a time, each waiting for the writers to free room
-                hand_over([piece], [_wait_for_block(conn, piece, pool, stats, check)])
+            for piece in group:
+                block = _wait_for_block(conn, piece, pool, stats, check)
+                futures.append(writer.write.submit(step, _items([piece], [block], copiers, stats)))
+                del block
             continue
-        hand_over(group, blocks)
+        futures.append(writer.write.submit(step, _items(group, blocks, copiers, stats)))
         del blocks
-    return futures, stats
+    return futures
 
 
 def _wait_for_block(conn: Any, piece: Piece, pool: str, stats: SendStats, check: Any) -> np.ndarray:
