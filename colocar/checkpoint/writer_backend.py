@@ -27,6 +27,7 @@ from . import layout
 from .storage import Storage, describe, open_storage
 
 TERMINAL = ("committed", "done", "failed")
+AWAIT_HOSTS_POLL_SECONDS = 0.1  # the primary lists the done markers this often (the commit's latency)
 
 
 def _lower_priority(nice: int) -> None:
@@ -312,7 +313,7 @@ class CheckpointWriter:
     def _await_hosts(self, job: _Job) -> None:
         step = layout.step_dir(job.step)
         deadline = time.monotonic() + self.options.commit_timeout
-        delay = 0.05
+        delay = 0.01
         while True:
             with job.lock:
                 if job.state == "failed":
@@ -330,8 +331,9 @@ class CheckpointWriter:
                     f"hosts {missing} did not report their part of step {job.step} done within "
                     f"{self.options.commit_timeout:.0f} s"
                 )
-            time.sleep(delay)
-            delay = min(delay * 2, 0.5)
+            with job.lock:  # this host's own progress wakes it at once; others' is polled
+                job.changed.wait(delay)
+            delay = min(delay * 2, AWAIT_HOSTS_POLL_SECONDS)
 
     def _retain(self, latest: int) -> None:
         """Deletes committed steps beyond the policy and uncommitted debris of crashed saves."""
