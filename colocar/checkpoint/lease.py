@@ -25,6 +25,7 @@ class WriterLease:
         self.owner = owner
         self.seconds = seconds
         self.lost = ""  # why the lease was lost to another writer, if it was
+        self._refreshed = 0.0  # monotonic time of the last write of the lease
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -41,8 +42,12 @@ class WriterLease:
         return json.loads(self.storage.read(layout.WRITER_LEASE) or b"{}")
 
     def acquire(self) -> None:
-        """Takes the lease (once), or raises CheckpointError naming the live holder."""
+        """Takes the lease (once), or raises CheckpointError naming the live holder. Held already
+        but not refreshed lately (the process was paused, or storage was slow), it first checks
+        that no other writer took it over meanwhile."""
         if self._thread is not None:
+            if time.monotonic() - self._refreshed > self.seconds / 2:
+                self._confirm()
             return
         if not self.storage.write(layout.WRITER_LEASE, self._body(), create_only=True):
             holder = self._holder()
@@ -55,20 +60,28 @@ class WriterLease:
                     f"lease is {self.seconds:.0f} s old"
                 )
             self.storage.write(layout.WRITER_LEASE, self._body())  # a stale lease: take it over
+        self._refreshed = time.monotonic()
         self._thread = threading.Thread(target=self._refresh, name="colocar-ckpt-lease", daemon=True)
         self._thread.start()
+
+    def _confirm(self) -> None:
+        """Refreshes the lease if it is still ours; raises CheckpointError if it is not."""
+        holder = self._holder()
+        if holder.get("owner") not in (None, self.owner):
+            self.lost = (
+                f"another CheckpointManager (pid {holder.get('pid')} on {holder.get('hostname')}) "
+                f"took over {self.storage.url} after this one's lease went stale; not saving"
+            )
+            raise CheckpointError(self.lost)
+        self.storage.write(layout.WRITER_LEASE, self._body())
+        self._refreshed = time.monotonic()
 
     def _refresh(self) -> None:
         while not self._stop.wait(self.seconds / 4):
             try:
-                holder = self._holder()
-                if holder.get("owner") not in (None, self.owner):
-                    self.lost = (
-                        f"another CheckpointManager (pid {holder.get('pid')} on {holder.get('hostname')}) "
-                        f"took over {self.storage.url} after this one's lease went stale; not saving"
-                    )
-                    return
-                self.storage.write(layout.WRITER_LEASE, self._body())
+                self._confirm()
+            except CheckpointError:
+                return
             except Exception:
                 pass  # storage trouble: the saves report it; the lease just ages
 
