@@ -21,6 +21,8 @@ from colocar.protocol import link
 from colocar.protocol.tokens import TOKEN_METADATA_KEY
 
 MAX_CONNECTIONS = 1024
+
+
 class _Abort(Exception):
     def __init__(self, code: grpc.StatusCode, details: str):
         super().__init__(details)
