@@ -438,3 +438,33 @@ def test_shm_does_not_import_jax():
         """
     )
     assert out.strip() == "[]"
+
+
+def test_slot_ring_waits_for_its_consumer_and_reuses_slots(shm_dir):
+    """A full ring's `acquire` returns the slot a consumer lets go (woken by the release, no
+    polling), sees an abandoned slot, and says it starved when nothing comes back."""
+    from colocar.shm.ring import RingStarvedError
+    from colocar.sidecar.blocks import SidecarArena
+
+    arena = SidecarArena(shm_dir, MiB, label="ringtest")
+    ring = arena.ring(2, 4096)
+    try:
+        first, second = ring.acquire(timeout=0), ring.acquire(timeout=0)
+        held = ring.publish(first)
+        held[:] = 7
+        with pytest.raises(RingStarvedError, match="no free slot among 2"):
+            ring.acquire(timeout=0.2)
+        got: list[int] = []
+        waiter = threading.Thread(target=lambda: got.append(ring.acquire(timeout=60)))
+        waiter.start()
+        del held  # the consumer drops the batch: its lease goes, the waiter gets the slot
+        waiter.join(60)
+        assert got == [first]
+        waiter = threading.Thread(target=lambda: got.append(ring.acquire(timeout=60)))
+        waiter.start()
+        ring.abandon(second)  # a slot given back without being published
+        waiter.join(60)
+        assert got == [first, second]
+    finally:
+        ring.close()
+        arena.close()

@@ -138,6 +138,8 @@ class Allocator:
             )
         self._pools[DEFAULT_POOL] = _Pool(DEFAULT_POOL, cursor, remainder, self._lock)
         self._next_id = 1
+        self._releases = 0  # counts lease releases, so a waiter cannot miss one (`wait_for_release`)
+        self._released = threading.Condition(self._lock)
         self._blocks: dict[int, tuple[Block, int]] = {}  # id -> (block, bytes taken)
         self._leases: dict[int, Counter[str]] = {}
         self._owned: dict[str, set[int]] = {}
@@ -207,6 +209,7 @@ class Allocator:
             leases[owner] -= 1
             if leases[owner] <= 0:
                 self._forget(block_id, owner)
+            self._note_release()
             return self._free_if_unleased(block_id)
 
     def check(self, block_id: int, owner: str) -> Block:
@@ -228,7 +231,24 @@ class Allocator:
                 self._forget(block_id, owner)
                 freed += self._free_if_unleased(block_id)
             self._owned.pop(owner, None)
+            self._note_release()
             return freed
+
+    def releases(self) -> int:
+        """How many times a lease was dropped so far (pass it to `wait_for_release`)."""
+        return self._releases
+
+    def wait_for_release(self, since: int, timeout: float) -> None:
+        """Waits up to `timeout` s until a lease is dropped after `releases()` returned `since`
+        (at once if one was already): how a slot ring waits for its consumer without polling."""
+        with self._lock:
+            if self._releases == since:
+                self._released.wait(timeout)
+
+    def _note_release(self) -> None:
+        """Lock held: a lease was dropped."""
+        self._releases += 1
+        self._released.notify_all()
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per pool: reserved, used, peak, blocks, largest_free (bytes, alignment included)."""

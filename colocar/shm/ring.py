@@ -19,6 +19,7 @@ import numpy as np
 from .allocator import Allocator, Block
 
 _ids = iter(range(1, 1 << 62))
+ABANDON_LATENCY = 0.1  # an abandoned slot (no lease dropped, nothing wakes a waiter) is seen this late
 
 
 class RingStarvedError(TimeoutError):
@@ -60,10 +61,13 @@ class SlotRing:
             if self._state[i] == self.PUBLISHED and self._allocator.leases(block.id) == 1:
                 self._state[i] = self.FREE
 
-    def acquire(self, timeout: float, poll: float = 0.002) -> int:
-        """A free slot's index, now WRITING; waits up to `timeout` seconds for one to come back."""
+    def acquire(self, timeout: float) -> int:
+        """A free slot's index, now WRITING; waits up to `timeout` seconds for one to come back
+        (woken by the allocator when a consumer drops a lease; `abandon` is seen within
+        ABANDON_LATENCY s)."""
         deadline = time.monotonic() + timeout
         while True:
+            seen = self._allocator.releases()
             with self._lock:
                 if self._closed:
                     raise RuntimeError("the ring is closed")
@@ -77,7 +81,8 @@ class SlotRing:
                     f"no free slot among {len(self)} for {timeout:.0f} s: the consumer still holds "
                     "every batch of the ring (keep fewer batches alive, or raise prefetch)"
                 )
-            time.sleep(poll)
+            wait = min(ABANDON_LATENCY, max(0.0, deadline - time.monotonic()))
+            self._allocator.wait_for_release(seen, wait)
 
     def publish(self, i: int) -> np.ndarray:
         """An exact uint8 view of slot i for the consumer; the slot stays leased while it lives."""
