@@ -28,7 +28,7 @@ PARQUET_SIZES = ((70, 16), (53, 10))  # per file: (rows, row group size) -> 5 + 
 # User code the pipelines name by "module:function"; written to a file so another process can import it.
 USER_MODULE = "colocar_test_user_fns"
 USER_CODE = textwrap.dedent(
-    '''
+    """
     import numpy as np
 
     def make_source():
@@ -56,7 +56,7 @@ USER_CODE = textwrap.dedent(
             @staticmethod
             def make():
                 return list(range(5))
-    '''
+    """
 )
 
 
@@ -104,10 +104,18 @@ def pq_files(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     paths, start = [], 0
     for f, (rows, group) in enumerate(PARQUET_SIZES):
         recs = [_pq_row(i) for i in range(start, start + rows)]
-        table = pa.Table.from_pylist(recs, schema=pa.schema([
-            ("id", pa.int64()), ("score", pa.float32()), ("name", pa.string()),
-            ("vec", pa.list_(pa.int32())), ("flag", pa.bool_()),
-        ]))
+        table = pa.Table.from_pylist(
+            recs,
+            schema=pa.schema(
+                [
+                    ("id", pa.int64()),
+                    ("score", pa.float32()),
+                    ("name", pa.string()),
+                    ("vec", pa.list_(pa.int32())),
+                    ("flag", pa.bool_()),
+                ]
+            ),
+        )
         path = str(d / f"part-{f}.parquet")
         pq.write_table(table, path, row_group_size=group)
         paths.append(path)
@@ -302,9 +310,14 @@ def test_random_map_determinism_in_process(user_dir: Path) -> None:
     assert build(seed=8)[5]["k"] != forward[5]["k"]
 
     # Two random_maps in one pipeline draw independent streams (per-op seeds derived from the seed).
-    two = RecordPipeline(open_source("range", n=4),
-                         [("random_map", lambda r, g: {**r, "a": g.random()}),
-                          ("random_map", lambda r, g: {**r, "b": g.random()})], seed=7)
+    two = RecordPipeline(
+        open_source("range", n=4),
+        [
+            ("random_map", lambda r, g: {**r, "a": g.random()}),
+            ("random_map", lambda r, g: {**r, "b": g.random()}),
+        ],
+        seed=7,
+    )
     assert two[2]["a"] != two[2]["b"]
     assert transform_seed(7, 0) != transform_seed(7, 1)
 

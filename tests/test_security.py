@@ -484,9 +484,11 @@ def test_malformed_payloads_are_invalid_argument(sidecar, client, stub, session,
     md = _md(sidecar.token)
     e = _rpc_error(lambda: stub.Call(request, metadata=md, timeout=RPC_TIMEOUT))
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, e.details()
-    e = _rpc_error(lambda: list(
-        stub.Stream(iter([pb.StreamRequest(call=request, credits=1)]), metadata=md, timeout=RPC_TIMEOUT)
-    ))
+    e = _rpc_error(
+        lambda: list(
+            stub.Stream(iter([pb.StreamRequest(call=request, credits=1)]), metadata=md, timeout=RPC_TIMEOUT)
+        )
+    )
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, e.details()
     _assert_serving(sidecar, client)
     # Refused requests leave no lease behind: once the session lets go of its block, it is free.
@@ -521,9 +523,13 @@ def test_blocks_of_another_session_are_out_of_reach(sidecar, client, stub, sessi
     )
     e = _rpc_error(lambda: stub.Call(request, metadata=md, timeout=RPC_TIMEOUT))
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "not leased by this session" in e.details()
-    e = _rpc_error(lambda: list(
-        stub.Download(pb.BlockRef(session_id=session, block_id=theirs.id), metadata=md, timeout=RPC_TIMEOUT)
-    ))
+    e = _rpc_error(
+        lambda: list(
+            stub.Download(
+                pb.BlockRef(session_id=session, block_id=theirs.id), metadata=md, timeout=RPC_TIMEOUT
+            )
+        )
+    )
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
     # Our Release of their block id, and our consume_blocks naming it, change nothing for them.
     release = pb.ReleaseRequest(session_id=session, block_ids=[theirs.id])
@@ -592,15 +598,21 @@ def test_malformed_streams_and_uploads(sidecar, client, stub, session):
     for name, attempt in too_big.items():
         e = _rpc_error(attempt)
         assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (name, e.code(), e.details())
-    e = _rpc_error(lambda: stub.Call(
-        pb.CallRequest(session_id=session, kind=pb.CallRequest.METHOD, object_id=12345, method="m"),
-        metadata=md,
-        timeout=RPC_TIMEOUT,
-    ))
+    e = _rpc_error(
+        lambda: stub.Call(
+            pb.CallRequest(session_id=session, kind=pb.CallRequest.METHOD, object_id=12345, method="m"),
+            metadata=md,
+            timeout=RPC_TIMEOUT,
+        )
+    )
     assert e.code() == grpc.StatusCode.NOT_FOUND
-    e = _rpc_error(lambda: stub.Call(
-        pb.CallRequest(session_id=session, name="f", code_hash=b"\x00" * 32), metadata=md, timeout=RPC_TIMEOUT
-    ))
+    e = _rpc_error(
+        lambda: stub.Call(
+            pb.CallRequest(session_id=session, name="f", code_hash=b"\x00" * 32),
+            metadata=md,
+            timeout=RPC_TIMEOUT,
+        )
+    )
     assert e.code() == grpc.StatusCode.NOT_FOUND and e.details().startswith("code:")
     # Every refused upload and allocation gave its blocks back.
     assert _pool_usage(stub, sidecar.token) == used_before
@@ -653,9 +665,11 @@ def test_empty_token_file_is_refused(tmp_path):
 )
 def test_version_skew_is_refused_at_connect(sidecar, stub, field, value, named):
     session_id = uuid.uuid4().hex
-    e = _rpc_error(lambda: stub.Connect(
-        _connect_request(session_id, **{field: value}), metadata=_md(sidecar.token), timeout=RPC_TIMEOUT
-    ))
+    e = _rpc_error(
+        lambda: stub.Connect(
+            _connect_request(session_id, **{field: value}), metadata=_md(sidecar.token), timeout=RPC_TIMEOUT
+        )
+    )
     assert e.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert f"{named} {value} on the controller" in e.details()
     # No session was opened for it.
@@ -722,8 +736,16 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
         )
         path.chmod(0o600)
 
-    def issue(subject: str, key: Any, issuer: Any, issuer_key: Any, *, ca: bool, usage: Any = None,
-              sans: list[x509.GeneralName] | None = None) -> x509.Certificate:
+    def issue(
+        subject: str,
+        key: Any,
+        issuer: Any,
+        issuer_key: Any,
+        *,
+        ca: bool,
+        usage: Any = None,
+        sans: list[x509.GeneralName] | None = None,
+    ) -> x509.Certificate:
         builder = (
             x509.CertificateBuilder()
             .subject_name(name(subject))
@@ -752,8 +774,12 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
         cas[ca_name] = (cert, key)
         files[ca_name] = pem(cert, root / f"{ca_name}.pem")
     leaves = [
-        ("server", "ca", ExtendedKeyUsageOID.SERVER_AUTH,
-         [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]),
+        (
+            "server",
+            "ca",
+            ExtendedKeyUsageOID.SERVER_AUTH,
+            [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")],
+        ),
         ("client", "ca", ExtendedKeyUsageOID.CLIENT_AUTH, None),
         ("rogue", "rogue-ca", ExtendedKeyUsageOID.CLIENT_AUTH, None),
     ]
@@ -765,8 +791,13 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
         files[f"{leaf}-key"] = root / f"{leaf}.key"
         write_key(key, files[f"{leaf}-key"])
     return Pki(
-        files["ca"], files["server"], files["server-key"], files["client"], files["client-key"],
-        files["rogue"], files["rogue-key"],
+        files["ca"],
+        files["server"],
+        files["server-key"],
+        files["client"],
+        files["client-key"],
+        files["rogue"],
+        files["rogue-key"],
     )
 
 
