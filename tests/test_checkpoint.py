@@ -21,7 +21,6 @@ from helpers import FakeGcs, wait_for
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import colocar
 from colocar.checkpoint import CheckpointError, CheckpointManager, layout
 
 MiB = 1 << 20
@@ -343,6 +342,20 @@ def test_failed_background_write_raises_on_next_save(cluster, mngr):
     mngr.wait()
     assert mngr.all_steps() == [1, 3]
     assert_same(state, mngr.restore(1, target=abstract(state)))
+    # Once the cause is gone, saving the failed step again works: what the failed save left
+    # (its failure markers, heartbeat) is removed first, so the retry neither fails on it nor
+    # mixes with it.
+    assert os.listdir(failed)
+    os.remove(os.path.join(blocker, "arrays"))
+    retry = make_state(11)
+    mngr.save(2, retry)
+    mngr.wait()
+    assert mngr.all_steps() == [1, 2, 3]
+    assert_same(retry, mngr.restore(2, target=abstract(retry)))
+    markers = os.listdir(os.path.join(blocker, layout.DONE_DIR))
+    attempt = json.load(open(os.path.join(blocker, layout.MANIFEST)))["attempt"]
+    for name in markers:  # every marker names the save it belongs to
+        assert json.load(open(os.path.join(blocker, layout.DONE_DIR, name)))["attempt"] == attempt
 
 
 def _kill_during_save(make_cluster, directory: str, seed: int) -> None:
@@ -357,7 +370,7 @@ def _kill_during_save(make_cluster, directory: str, seed: int) -> None:
     killer = threading.Timer(rnd.uniform(0.2, 1.5), victim.kill)
     killer.start()
     try:
-        with pytest.raises((CheckpointError, colocar.HostLostError)):
+        with pytest.raises(CheckpointError):
             for step in range(1, 100):
                 state = make_state(step, rows=512)
                 m.save(step, state)
@@ -582,6 +595,72 @@ def test_multi_controller_save_and_restore(make_cluster, tmp_path, cluster):
         )
         assert np.array_equal(np.asarray(whole["w"]), np.arange(64 * 16, dtype=np.float32).reshape(64, 16))
     finally:
+        cluster.make_current()
+
+
+MULTI_CONTROLLER_LOST = """
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax, numpy as np
+process, port = int(sys.argv[1]), sys.argv[2]
+address, token_file, directory = sys.argv[3:6]
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process)
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import colocar
+from colocar.checkpoint import CheckpointManager
+cluster = colocar.connect([address], token_file=token_file)
+full = np.arange(64 * 16, dtype=np.float32).reshape(64, 16)
+mesh = Mesh(np.array(jax.devices()).reshape(8), ("d",))
+w = jax.make_array_from_callback(full.shape, NamedSharding(mesh, P("d")), lambda index: full[index])
+m = CheckpointManager(directory, cluster, max_chunk_bytes=1 << 20, commit_timeout=5)
+print("ready", flush=True)
+sys.stdin.readline()  # meanwhile the test killed process 0's sidecar
+try:
+    m.save(3, {"w": w})
+    m.wait()
+    print("committed", flush=True)
+except Exception as e:
+    print("failed:", type(e).__name__, e, flush=True)
+"""
+
+
+def test_multi_controller_save_with_process_0s_sidecar_lost_fails_everywhere(make_cluster, tmp_path, cluster):
+    """Process 0's sidecar (the one that commits) is gone: process 0's save fails at once, and
+    process 1's `wait` fails too (a failure marker, or at the latest `commit_timeout` after its
+    own part is durable) instead of waiting forever for a commit that cannot come."""
+    sidecars = make_cluster(hosts=2, arena_size=16 * MiB, persist=True)
+    directory = str(tmp_path / "multi-lost")
+    port = str(_free_port())
+    trainers = [
+        subprocess.Popen(
+            [sys.executable, "-c", MULTI_CONTROLLER_LOST, str(i), port]
+            + [sidecars.hosts[i].address, sidecars.token_file, directory],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        for t in trainers:
+            assert t.stdout.readline().strip() == "ready", t.stdout.read()[-3000:]
+        sidecars.processes[0].kill()
+        for t in trainers:  # both at once: each one's exit waits for the other (jax.distributed)
+            t.stdin.write("go\n")
+            t.stdin.flush()
+        outputs = [t.communicate(timeout=120)[0] for t in trainers]
+        for out in outputs:
+            assert "failed: CheckpointError" in out, out[-3000:]
+        assert "host0" in outputs[0]  # the lost sidecar, named
+        assert "host0" in outputs[1] or "commit" in outputs[1], outputs[1][-3000:]
+        assert not os.path.exists(os.path.join(directory, layout.step_dir(3), layout.COMMITTED))
+    finally:
+        for t in trainers:
+            if t.poll() is None:
+                t.kill()
+                t.wait()
         cluster.make_current()
 
 

@@ -10,12 +10,18 @@ JAX. One directory per step:
     ROOT/step_<N>/done/host_<h>.json  host h's part is durable
     ROOT/step_<N>/failed/host_<h>.json   host h's part failed (the step never commits)
     ROOT/step_<N>/COMMITTED           written last, create-only: the step is restorable
+
+The manifest, the markers and COMMITTED name the save's `attempt` (an id shared by every
+process of the save), so markers that a crashed earlier save of the same step left are never
+taken for this save's.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
+import time
 from typing import Any
 
 FORMAT = "colocar-checkpoint/1"
@@ -49,6 +55,21 @@ def done_marker(host: int) -> str:
 
 def failed_marker(host: int) -> str:
     return f"{FAILED_DIR}/host_{host}.json"
+
+
+def failure_body(host: int, attempt: str, error: str) -> bytes:
+    """A failure marker's content."""
+    return json.dumps({"host": host, "attempt": attempt, "error": error, "time": time.time()}).encode()
+
+
+def marker_of(storage: Any, name: str, attempt: str) -> dict[str, Any] | None:
+    """The marker object `name` as a dict if it belongs to save `attempt`, else None (absent,
+    unreadable, or left by another attempt of the same step)."""
+    try:
+        body = json.loads(storage.read(name) or b"null")
+    except ValueError:
+        return None
+    return body if isinstance(body, dict) and body.get("attempt") == attempt else None
 
 
 def array_dir(leaf_index: int) -> str:

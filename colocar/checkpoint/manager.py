@@ -9,13 +9,14 @@ writes a directory at a time (a lease object it refreshes); any number may read 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
 import threading
 import time
 import uuid
-from collections import deque
+from collections import defaultdict, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -34,6 +35,9 @@ from .storage import open_storage
 from .writer_backend import CheckpointWriter, WriterOptions
 
 _Writer = colocated_class(CheckpointWriter)
+
+
+_ORDINALS: dict[str, Any] = defaultdict(itertools.count)
 
 
 def _default_copy_threads() -> int:
@@ -61,6 +65,7 @@ class _Save:
     hosts: list[int]
     started: float
     stats: SaveStats
+    attempt: str
     begun: float = 0.0
     writers: dict[int, Any] = field(default_factory=dict)  # host index -> its writer of this step
 
@@ -116,6 +121,8 @@ class CheckpointManager:
             storage_timeout=storage_timeout,
         )
         self._id = uuid.uuid4().hex
+        self._saves = 0  # save() calls that started a save: with _ordinal, names it across processes
+        self._ordinal = next(_ORDINALS[directory])  # managers of this directory made before, here
         self._pools: dict[int, int] = {}  # host -> bytes of the pool saves allocate from
         # Multi-controller JAX: every process saves its own shards through its own sidecar and
         # stores them as host `process_index`; process 0's sidecar commits.
@@ -188,12 +195,51 @@ class CheckpointManager:
                 raise CheckpointError(f"step {step} already exists in {self.storage.url}; delete it first")
             if self._process == 0:  # one lease per job: process 0 writes for all
                 self._lease.acquire()
-            record = self._start(step, state, metadata or {}, started)
+            attempt = self._attempt(step)
+            record = self._start(step, state, metadata or {}, started, attempt)
             self._inflight.append(record)
             self._last = record.stats
         return True
 
-    def _start(self, step: int, state: Any, metadata: dict[str, Any], started: float) -> _Save:
+    def _attempt(self, step: int) -> str:
+        """A new id for this save of `step`, the same in every JAX process. Process 0 (holding
+        the lease) first removes what an earlier, failed save of the step left (the objects a
+        save writes; nothing else); the others get the id from it through JAX's distributed
+        key-value store, so they write nothing before that removal."""
+        self._saves += 1
+        attempt = uuid.uuid4().hex
+        if self._process == 0:
+            name = layout.step_dir(step)
+            try:
+                if self.storage.children(name):  # uncommitted (checked): a failed save's; ours only
+                    for entry in (layout.HEARTBEAT, layout.MANIFEST):
+                        self.storage.delete(f"{name}/{entry}")
+                    for directory in (layout.DONE_DIR, layout.FAILED_DIR, layout.ARRAYS_DIR):
+                        self.storage.delete_tree(f"{name}/{directory}")
+            except Exception as e:
+                raise CheckpointError(f"removing what a failed save of step {step} left failed: {e}") from e
+        if self._processes == 1:
+            return attempt
+        from jax._src import distributed  # what Orbax uses too; no public API has a key-value store
+
+        client = distributed.global_state.client
+        if client is None:
+            raise CheckpointError(
+                "several JAX processes but no jax.distributed client: call jax.distributed.initialize()"
+            )
+        key = f"colocar/checkpoint/{self.storage.url}/{self._ordinal}/{self._saves}"
+        if self._process == 0:
+            client.key_value_set(key, attempt)
+            return attempt
+        try:
+            return str(client.blocking_key_value_get(key, int(self.options.commit_timeout * 1000)))
+        except Exception as e:
+            raise CheckpointError(
+                f"process 0 did not start its save of step {step} within commit_timeout "
+                f"({self.options.commit_timeout:.0f} s): {e}"
+            ) from e
+
+    def _start(self, step: int, state: Any, metadata: dict[str, Any], started: float, attempt: str) -> _Save:
         named, skeleton = tree.flatten(state)
         plan = save.plan(named, self.cluster, self._chunk_bytes(), host_data=self._process == 0)
         pieces = {self._storage_id(h): p for h, p in plan.pieces.items()}  # the hosts of this process
@@ -202,6 +248,7 @@ class CheckpointManager:
         manifest = {
             "format": layout.FORMAT,
             "step": step,
+            "attempt": attempt,
             "time": time.time(),
             "hosts": hosts,
             "tree": skeleton,
@@ -210,10 +257,10 @@ class CheckpointManager:
             "jax_version": jax.__version__,
         }
         body = json.dumps(manifest).encode()
-        self._check_pieces_fit(pieces)
         stats = SaveStats(step=step)
-        record = _Save(step, hosts, started, stats)
+        record = _Save(step, hosts, started, stats, attempt)
         try:
+            self._check_pieces_fit(pieces)
             writers = record.writers = self._new_writers(step, list(pieces))
             record.begun = time.monotonic()
             if primary in writers:
@@ -245,11 +292,15 @@ class CheckpointManager:
                 stats.arena_waits += sent.arena_waits
                 stats.arena_wait_seconds += sent.arena_wait_seconds
         except Exception as e:
-            self._abort(record, str(e))
+            error = e if isinstance(e, CheckpointError) else None
+            error = error or CheckpointError(f"save of step {step} failed: {type(e).__name__}: {e}")
+            self._abort(record, str(error))
+            for h in pieces:  # the committing sidecar and the other processes stop waiting at once
+                self._mark_failed(record, h, str(error))
             self._forget(record)
-            if isinstance(e, CheckpointError):
+            if error is e:
                 raise
-            raise CheckpointError(f"save of step {step} failed: {type(e).__name__}: {e}") from e
+            raise error from e
         stats.blocked_seconds = time.monotonic() - started
         return record
 
@@ -293,7 +344,7 @@ class CheckpointManager:
             if primary not in status:
                 return self._poll_commit(record, status, wait)
             if status[primary]["state"] != "committed" and wait:
-                status[primary] = record.writers[primary].status(record.step, wait)
+                status[primary] = self._status(record, primary, wait)
         except CheckpointError:
             self._forget(record)
             raise
@@ -310,15 +361,15 @@ class CheckpointManager:
         marker (or another host's failure marker) in storage tells how the save ended."""
         name = layout.step_dir(record.step)
         if all(s["state"] == "done" for s in status.values()):
-            if self.storage.exists(f"{name}/{layout.COMMITTED}"):
+            if layout.marker_of(self.storage, f"{name}/{layout.COMMITTED}", record.attempt) is not None:
                 record.stats.durable_seconds = time.monotonic() - record.started
                 record.stats.hosts = status
                 self._forget(record)
                 return True
-            failed = self.storage.children(f"{name}/{layout.FAILED_DIR}")
-            if failed:
-                body = json.loads(self.storage.read(f"{name}/{layout.FAILED_DIR}/{failed[0]}") or b"{}")
-                raise CheckpointError(f"save of step {record.step} failed: {body.get('error', failed[0])}")
+            for failed in self.storage.children(f"{name}/{layout.FAILED_DIR}"):
+                body = layout.marker_of(self.storage, f"{name}/{layout.FAILED_DIR}/{failed}", record.attempt)
+                if body is not None:
+                    raise CheckpointError(f"save of step {record.step} failed: {body.get('error', failed)}")
             if time.monotonic() - record.started > self.options.commit_timeout:
                 raise CheckpointError(
                     f"step {record.step} was not committed within commit_timeout "
@@ -326,22 +377,28 @@ class CheckpointManager:
                 )
             time.sleep(min(wait, 0.2))
         elif wait:
-            next(iter(record.writers.values())).status(record.step, wait)
+            self._status(record, next(iter(record.writers)), wait)
         return False
+
+    def _status(self, record: _Save, h: int, wait: float) -> dict[str, Any]:
+        """Host h's writer's status of the save (waiting up to `wait` s for it to end); a lost
+        host fails the save (aborted, marked, raised as CheckpointError)."""
+        try:
+            status: dict[str, Any] = record.writers[h].status(record.step, wait)
+            return status
+        except (HostLostError, ColocarError) as e:
+            self._abort(record, f"host {h} was lost: {e}")
+            self._mark_failed(record, h, f"host {h} was lost mid-save: {e}")
+            raise CheckpointError(
+                f"save of step {record.step} failed: host {h} ({self._host(h).name}) was lost mid-save "
+                f"({e}); the step will not be committed, earlier steps are intact"
+            ) from e
 
     def _check(self, record: _Save) -> dict[int, dict[str, Any]]:
         """This process's hosts' status of the save; raises (and aborts it) when one failed."""
         status: dict[int, dict[str, Any]] = {}
-        for h, writer in list(record.writers.items()):
-            try:
-                status[h] = writer.status(record.step, 0.0)
-            except (HostLostError, ColocarError) as e:
-                self._abort(record, f"host {h} was lost: {e}")
-                self._mark_failed(record.step, h, f"host {h} was lost mid-save: {e}")
-                raise CheckpointError(
-                    f"save of step {record.step} failed: host {h} ({self._host(h).name}) was lost mid-save "
-                    f"({e}); the step will not be committed, earlier steps are intact"
-                ) from e
+        for h in list(record.writers):
+            status[h] = self._status(record, h, 0.0)
             if status[h]["state"] == "failed":
                 self._abort(record, status[h]["error"])
                 raise CheckpointError(f"save of step {record.step} failed: {status[h]['error']}")
@@ -467,11 +524,12 @@ class CheckpointManager:
             h: _Writer.on(self._host(h), name=name, ttl=ttl)(self.storage.url, h, self.options) for h in own
         }
 
-    def _mark_failed(self, step: int, host: int, error: str) -> None:
-        """Tells the committing sidecar at once that a host's part is lost (best effort)."""
-        body = json.dumps({"host": host, "error": error, "time": time.time()}).encode()
+    def _mark_failed(self, record: _Save, host: int, error: str) -> None:
+        """Tells the committing sidecar (and other processes) at once that a host's part is
+        lost (best effort)."""
+        body = layout.failure_body(host, record.attempt, error)
         try:
-            self.storage.write(f"{layout.step_dir(step)}/{layout.failed_marker(host)}", body)
+            self.storage.write(f"{layout.step_dir(record.step)}/{layout.failed_marker(host)}", body)
         except Exception:
             pass
 

@@ -68,6 +68,7 @@ class _Job:
     hosts: list[int]
     leaves: dict[int, dict[str, Any]]  # leaf index -> manifest entry (arrays only)
     manifest: bytes = b""
+    attempt: str = ""  # this save of the step; markers of other attempts are ignored
     state: str = "writing"  # writing -> done (this host's part durable) -> committed | failed
     error: str = ""
     pieces_sent: int | None = None  # set by finish()
@@ -105,9 +106,9 @@ class CheckpointWriter:
     # --- called by the controller -----------------------------------------------------------
     def begin(self, step: int, manifest: bytes, hosts: list[int], primary: bool) -> None:
         """Registers the step's plan (which hosts write it); the primary also owns its commit."""
-        entries = json.loads(manifest)["leaves"]
-        leaves = {int(e["index"]): e for e in entries.values() if e["kind"] != "value"}
-        job = _Job(step, primary, sorted(hosts), leaves, manifest)
+        parsed = json.loads(manifest)
+        leaves = {int(e["index"]): e for e in parsed["leaves"].values() if e["kind"] != "value"}
+        job = _Job(step, primary, sorted(hosts), leaves, manifest, parsed.get("attempt", ""))
         with self._lock:
             old = self._jobs.get(step)
             if old is not None and old.state not in TERMINAL:
@@ -230,6 +231,7 @@ class CheckpointWriter:
         body = json.dumps(
             {
                 "host": self.host,
+                "attempt": job.attempt,
                 "hostname": socket.gethostname(),
                 "time": time.time(),
                 "pieces": job.pieces_written,
@@ -256,7 +258,7 @@ class CheckpointWriter:
             job.changed.notify_all()
         if marker:
             try:
-                body = json.dumps({"host": self.host, "error": error, "time": time.time()}).encode()
+                body = layout.failure_body(self.host, job.attempt, error)
                 self.storage.write(f"{layout.step_dir(job.step)}/{layout.failed_marker(self.host)}", body)
             except Exception:
                 pass  # storage itself may be what failed; the error still reaches the controller
@@ -272,7 +274,9 @@ class CheckpointWriter:
             self._create_arrays(job)
             self.storage.write(f"{step}/{layout.MANIFEST}", job.manifest)
             self._await_hosts(job)
-            committed = json.dumps({"step": job.step, "time": time.time(), "hosts": job.hosts}).encode()
+            committed = json.dumps(
+                {"step": job.step, "attempt": job.attempt, "time": time.time(), "hosts": job.hosts}
+            ).encode()
             if not self.storage.write(f"{step}/{layout.COMMITTED}", committed, create_only=True):
                 raise RuntimeError(f"step {job.step} was committed by another writer meanwhile")
             job.finished = time.monotonic()  # durable from here on
@@ -311,18 +315,24 @@ class CheckpointWriter:
                 raise RuntimeError(f"creating the array of {key} failed: {describe(error)}") from None
 
     def _await_hosts(self, job: _Job) -> None:
+        """Until every host's done marker of this attempt exists; raises on a failure marker of
+        this attempt (markers a crashed earlier save of the step left late are not ours)."""
         step = layout.step_dir(job.step)
         deadline = time.monotonic() + self.options.commit_timeout
         delay = 0.01
+        done: set[str] = set()
         while True:
             with job.lock:
                 if job.state == "failed":
                     raise RuntimeError(job.error)
-            failed = self.storage.children(f"{step}/{layout.FAILED_DIR}")
-            if failed:
-                body = self.storage.read(f"{step}/{layout.FAILED_DIR}/{failed[0]}") or b"{}"
-                raise RuntimeError(json.loads(body).get("error", f"a host failed ({failed[0]})"))
-            done = set(self.storage.children(f"{step}/{layout.DONE_DIR}"))
+            for name in self.storage.children(f"{step}/{layout.FAILED_DIR}"):
+                failure = layout.marker_of(self.storage, f"{step}/{layout.FAILED_DIR}/{name}", job.attempt)
+                if failure is not None:
+                    raise RuntimeError(failure.get("error", f"a host failed ({name})"))
+            for name in set(self.storage.children(f"{step}/{layout.DONE_DIR}")) - done:
+                marker = layout.marker_of(self.storage, f"{step}/{layout.DONE_DIR}/{name}", job.attempt)
+                if marker is not None:
+                    done.add(name)
             missing = [h for h in job.hosts if f"host_{h}.json" not in done]
             if not missing:
                 return
