@@ -34,7 +34,10 @@ Each round runs both systems, order alternating; figures are medians over rounds
   unaffected; 0.5: steps took 1.5x as long). `train_slowdown_ratio` = colocar / Orbax, each
   floored at `SLOWDOWN_FLOOR` (below which this machine cannot tell a slowdown from noise), so
   that a tiny or negative figure cannot blow the ratio up or make it meaningless; the raw
-  figures are reported too.
+  figures are reported too. `train_lost_s` is the training time the save cost in all (loop
+  time minus the same number of steps at the baseline time): a save that is over sooner costs
+  fewer steps at the same slowdown. `train_lost_ratio` = colocar / Orbax (informative; the
+  goal is on the slowdown).
 * `peak_host_mem`: extra host memory = the peak, from the `save(...)` call until durable, of
   [summed PSS of the training process and all its descendants + bytes of shared-memory files of
   this process tree that no process maps] minus a baseline taken just before the system's phase
@@ -81,6 +84,7 @@ BASELINE_SECONDS = 1.0  # --quick: half
 SAMPLE_SECONDS = 0.02
 SLOWDOWN_FLOOR = 0.02
 SYSTEMS = ("colocar", "orbax")
+PER_ROUND = ("blocked_s", "durable_s", "restore_s", "train_slowdown", "durable_training_s", "train_lost_s")
 
 
 # --- memory: a sampler process ---------------------------------------------------------------
@@ -342,6 +346,7 @@ def _measure(
         "syncfs_s": sync_s,
         "restore_s": restore_s,
         "train_slowdown": (loop_s / n) / step_s - 1 if n else 0.0,
+        "train_lost_s": loop_s - n * step_s,
         "durable_training_s": durable_training,
         "train_steps": n,
         "step_ms": step_s * 1e3,
@@ -558,6 +563,7 @@ def run(quick: bool, repeats: int) -> dict:
         ("restore_s", 1, 3),
         ("train_slowdown", 1, 3),
         ("durable_training_s", 1, 3),
+        ("train_lost_s", 1, 3),
         ("syncfs_s", 1, 4),
         ("step_ms", 1, 3),
         ("peak_host_mem", MiB, 1),
@@ -573,10 +579,12 @@ def run(quick: bool, repeats: int) -> dict:
     out["restore_ratio"] = round(med("colocar", "restore_s") / med("orbax", "restore_s"), 3)
     slow = {s: max(med(s, "train_slowdown"), SLOWDOWN_FLOOR) for s in SYSTEMS}
     out["train_slowdown_ratio"] = round(slow["colocar"] / slow["orbax"], 3)
+    lost = {s: max(med(s, "train_lost_s"), SLOWDOWN_FLOOR * med(s, "durable_training_s")) for s in SYSTEMS}
+    out["train_lost_ratio"] = round(lost["colocar"] / lost["orbax"], 3)
     out["peak_host_mem_ratio"] = round(med("colocar", "peak_host_mem") / nbytes, 3)
     out["orbax_peak_host_mem_ratio"] = round(med("orbax", "peak_host_mem") / nbytes, 3)
     for system in SYSTEMS:
-        for key in ("blocked_s", "durable_s", "restore_s", "train_slowdown", "durable_training_s"):
+        for key in PER_ROUND:
             out[f"{system}_{key}_per_round"] = [round(m[key], 3) for m in results[system]]
         mem = [round(m["peak_host_mem"] / MiB, 1) for m in results[system]]
         out[f"{system}_peak_host_mem_mib_per_round"] = mem

@@ -3,6 +3,8 @@
 The lease is a small object (`writer.json`: owner id, hostname, pid) created create-only and
 refreshed every `seconds / 4` by a thread while the manager lives. Another manager finding a
 lease younger than `seconds` is refused; an older one is stale (its holder died) and taken over.
+A holder that could not refresh for a while (its process was paused) checks that the lease is
+still its own before it saves again.
 """
 
 from __future__ import annotations
