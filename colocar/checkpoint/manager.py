@@ -38,6 +38,7 @@ _Writer = colocated_class(CheckpointWriter)
 
 
 _ORDINALS: dict[str, Any] = defaultdict(itertools.count)
+_NOT_STARTED = "not started: "  # what process 0 publishes instead of an attempt id when it failed
 
 
 def _default_copy_threads() -> int:
@@ -184,18 +185,26 @@ class CheckpointManager:
             return False
         started = time.monotonic()
         with self._lock:
-            if self._lease.lost:
-                raise CheckpointError(self._lease.lost)
-            self._reap()
-            while len(self._inflight) > (1 if self.queue else 0):
-                self._wait_one(self._inflight[0], timeout=None)
-            if any(s.step == step for s in self._inflight) or self.storage.exists(
-                f"{layout.step_dir(step)}/{layout.COMMITTED}"
-            ):
-                raise CheckpointError(f"step {step} already exists in {self.storage.url}; delete it first")
-            if self._process == 0:  # one lease per job: process 0 writes for all
-                self._lease.acquire()
-            attempt = self._attempt(step)
+            self._saves += 1  # every process counts the same saves (SPMD): this names the save in all
+            try:
+                if self._lease.lost:
+                    raise CheckpointError(self._lease.lost)
+                self._reap()
+                while len(self._inflight) > (1 if self.queue else 0):
+                    self._wait_one(self._inflight[0], timeout=None)
+                if any(s.step == step for s in self._inflight) or self.storage.exists(
+                    f"{layout.step_dir(step)}/{layout.COMMITTED}"
+                ):
+                    raise CheckpointError(
+                        f"step {step} already exists in {self.storage.url}; delete it first"
+                    )
+                if self._process == 0:  # one lease per job: process 0 writes for all
+                    self._lease.acquire()
+                attempt = self._attempt(step)
+            except BaseException as e:
+                if self._process == 0 and self._processes > 1:  # the others stop waiting for it
+                    self._publish_attempt(f"{_NOT_STARTED}{type(e).__name__}: {e}")
+                raise
             record = self._start(step, state, metadata or {}, started, attempt)
             self._inflight.append(record)
             self._last = record.stats
@@ -204,10 +213,8 @@ class CheckpointManager:
     def _attempt(self, step: int) -> str:
         """A new id for this save of `step`, the same in every JAX process. Process 0 (holding
         the lease) first removes what an earlier, failed save of the step left (the objects a
-        save writes; nothing else); the others get the id from it through JAX's distributed
-        key-value store, so they write nothing before that removal."""
-        self._saves += 1
-        attempt = uuid.uuid4().hex
+        save writes; nothing else), then publishes the id through JAX's distributed key-value
+        store; the others wait for it, so they write nothing before that removal."""
         if self._process == 0:
             name = layout.step_dir(step)
             try:
@@ -218,26 +225,47 @@ class CheckpointManager:
                         self.storage.delete_tree(f"{name}/{directory}")
             except Exception as e:
                 raise CheckpointError(f"removing what a failed save of step {step} left failed: {e}") from e
-        if self._processes == 1:
+            attempt = uuid.uuid4().hex
+            if self._processes > 1:
+                self._publish_attempt(attempt)
             return attempt
-        from jax._src import distributed  # what Orbax uses too; no public API has a key-value store
+        try:
+            attempt = str(
+                self._kv().blocking_key_value_get(
+                    self._attempt_key(), int(self.options.commit_timeout * 1000)
+                )
+            )
+        except Exception as e:
+            raise CheckpointError(
+                f"process 0 did not start its save of step {step} within commit_timeout "
+                f"({self.options.commit_timeout:.0f} s): {e}"
+            ) from e
+        if attempt.startswith(_NOT_STARTED):
+            raise CheckpointError(
+                f"process 0 could not start the save of step {step}: {attempt.removeprefix(_NOT_STARTED)}"
+            )
+        return attempt
+
+    def _attempt_key(self) -> str:
+        return f"colocar/checkpoint/{self.storage.url}/{self._ordinal}/{self._saves}"
+
+    def _publish_attempt(self, value: str) -> None:
+        try:
+            self._kv().key_value_set(self._attempt_key(), value)
+        except Exception:
+            pass  # published already (a failure after the id went out): the markers tell the rest
+
+    @staticmethod
+    def _kv() -> Any:
+        """JAX's distributed key-value store (Orbax uses it too; no public API offers one)."""
+        from jax._src import distributed
 
         client = distributed.global_state.client
         if client is None:
             raise CheckpointError(
                 "several JAX processes but no jax.distributed client: call jax.distributed.initialize()"
             )
-        key = f"colocar/checkpoint/{self.storage.url}/{self._ordinal}/{self._saves}"
-        if self._process == 0:
-            client.key_value_set(key, attempt)
-            return attempt
-        try:
-            return str(client.blocking_key_value_get(key, int(self.options.commit_timeout * 1000)))
-        except Exception as e:
-            raise CheckpointError(
-                f"process 0 did not start its save of step {step} within commit_timeout "
-                f"({self.options.commit_timeout:.0f} s): {e}"
-            ) from e
+        return client
 
     def _start(self, step: int, state: Any, metadata: dict[str, Any], started: float, attempt: str) -> _Save:
         named, skeleton = tree.flatten(state)
@@ -369,7 +397,8 @@ class CheckpointManager:
             for failed in self.storage.children(f"{name}/{layout.FAILED_DIR}"):
                 body = layout.marker_of(self.storage, f"{name}/{layout.FAILED_DIR}/{failed}", record.attempt)
                 if body is not None:
-                    raise CheckpointError(f"save of step {record.step} failed: {body.get('error', failed)}")
+                    error, prefix = str(body.get("error", failed)), f"save of step {record.step} failed: "
+                    raise CheckpointError(error if error.startswith(prefix) else prefix + error)
             if time.monotonic() - record.started > self.options.commit_timeout:
                 raise CheckpointError(
                     f"step {record.step} was not committed within commit_timeout "
