@@ -1,6 +1,7 @@
-"""The on-storage format of a checkpoint: object names, chunk shapes, tensorstore specs.
+"""The on-storage format of a checkpoint: object names, marker contents, chunk shapes,
+tensorstore specs.
 
-Pure data, imported by the controller, the sidecar writer and the `colocar ckpt` command; no
+Imported by the controller, the sidecar writer and the `colocar ckpt` command; no
 JAX. One directory per step:
 
     ROOT/writer.json                  lease of the manager that writes ROOT (refreshed)

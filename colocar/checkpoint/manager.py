@@ -122,7 +122,7 @@ class CheckpointManager:
             storage_timeout=storage_timeout,
         )
         self._id = uuid.uuid4().hex
-        self._saves = 0  # save() calls that started a save: with _ordinal, names it across processes
+        self._saves = 0  # save() calls past the interval check; names a save in every process
         self._ordinal = next(_ORDINALS[directory])  # managers of this directory made before, here
         self._pools: dict[int, int] = {}  # host -> bytes of the pool saves allocate from
         # Multi-controller JAX: every process saves its own shards through its own sidecar and
@@ -320,8 +320,11 @@ class CheckpointManager:
                 stats.arena_waits += sent.arena_waits
                 stats.arena_wait_seconds += sent.arena_wait_seconds
         except Exception as e:
-            error = e if isinstance(e, CheckpointError) else None
-            error = error or CheckpointError(f"save of step {step} failed: {type(e).__name__}: {e}")
+            error = (
+                e
+                if isinstance(e, CheckpointError)
+                else CheckpointError(f"save of step {step} failed: {type(e).__name__}: {e}")
+            )
             self._abort(record, str(error))
             for h in pieces:  # the committing sidecar and the other processes stop waiting at once
                 self._mark_failed(record, h, str(error))
