@@ -43,7 +43,8 @@ _NOT_STARTED = "not started: "  # what process 0 publishes instead of an attempt
 
 def _default_copy_threads() -> int:
     """Threads copying shards into the arenas: memory bandwidth stops scaling at a few."""
-    return max(1, min(8, len(os.sched_getaffinity(0))))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(8, cores))
 
 
 @dataclass
