@@ -598,7 +598,7 @@ def test_multi_controller_save_and_restore(make_cluster, tmp_path, cluster):
         cluster.make_current()
 
 
-MULTI_CONTROLLER_LOST = """
+MULTI_CONTROLLER_SAVES = """
 import os, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 os.environ["JAX_PLATFORMS"] = "cpu"
@@ -615,7 +615,7 @@ mesh = Mesh(np.array(jax.devices()).reshape(8), ("d",))
 w = jax.make_array_from_callback(full.shape, NamedSharding(mesh, P("d")), lambda index: full[index])
 m = CheckpointManager(directory, cluster, max_chunk_bytes=1 << 20, commit_timeout=5)
 print("ready", flush=True)
-sys.stdin.readline()  # meanwhile the test killed process 0's sidecar
+sys.stdin.readline()  # meanwhile the test breaks something (kills a sidecar, takes the lease)
 for step in (3, 4):  # the second save, after a failed one, must agree on what it is too
     try:
         m.save(step, {"w": w})
@@ -635,7 +635,7 @@ def test_multi_controller_save_with_process_0s_sidecar_lost_fails_everywhere(mak
     port = str(_free_port())
     trainers = [
         subprocess.Popen(
-            [sys.executable, "-c", MULTI_CONTROLLER_LOST, str(i), port]
+            [sys.executable, "-c", MULTI_CONTROLLER_SAVES, str(i), port]
             + [sidecars.hosts[i].address, sidecars.token_file, directory],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -664,6 +664,47 @@ def test_multi_controller_save_with_process_0s_sidecar_lost_fails_everywhere(mak
             if t.poll() is None:
                 t.kill()
                 t.wait()
+        cluster.make_current()
+
+
+def test_multi_controller_save_refused_to_process_0_fails_every_process(make_cluster, tmp_path, cluster):
+    """Another job holds the directory's lease: process 0 is refused before its save starts, and
+    process 1, waiting for process 0's attempt id, hears of it at once instead of timing out."""
+    sidecars = make_cluster(hosts=2, arena_size=16 * MiB, persist=True)
+    directory = str(tmp_path / "multi-refused")
+    other_job = CheckpointManager(directory, cluster)
+    other_job.save(1, make_state(1))
+    other_job.wait()
+    port = str(_free_port())
+    script = MULTI_CONTROLLER_SAVES.replace("for step in (3, 4):", "for step in (3,):")
+    trainers = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, str(i), port, sidecars.hosts[i].address, sidecars.token_file]
+            + [directory],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        for t in trainers:
+            assert t.stdout.readline().strip() == "ready", t.stdout.read()[-3000:]
+            t.stdin.write("go\n")
+            t.stdin.flush()
+        outputs = [t.communicate(timeout=120)[0] for t in trainers]
+        assert "failed: 3 CheckpointError" in outputs[0] and "another CheckpointManager" in outputs[0], (
+            outputs[0]
+        )
+        assert "process 0 could not start the save of step 3" in outputs[1], outputs[1][-3000:]
+        assert "another CheckpointManager" in outputs[1]
+    finally:
+        for t in trainers:
+            if t.poll() is None:
+                t.kill()
+                t.wait()
+        other_job.close()
         cluster.make_current()
 
 
