@@ -521,7 +521,9 @@ def test_lease_taken_over_from_a_paused_writer_stops_it(make_cluster, tmp_path, 
         cluster.make_current()
 
 
-MULTI_CONTROLLER = """
+# One of two jax.distributed CPU processes (argv: process index, coordinator port, its own
+# sidecar's address, the token file, the checkpoint directory), connected to its own sidecar.
+TWO_PROCESSES = """
 import json, os, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 os.environ["JAX_PLATFORMS"] = "cpu"
@@ -532,7 +534,12 @@ jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=proc
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import colocar
 from colocar.checkpoint import CheckpointManager
-cluster = colocar.connect([address], token_file=token_file)  # this process's own sidecar
+cluster = colocar.connect([address], token_file=token_file)
+"""
+
+MULTI_CONTROLLER = (
+    TWO_PROCESSES
+    + """
 full = np.arange(64 * 16, dtype=np.float32).reshape(64, 16)
 def make(sharding):
     return jax.make_array_from_callback(full.shape, sharding, lambda index: full[index])
@@ -552,6 +559,7 @@ read = m.stats()["restore"]["bytes_read"]
 m.close()
 print("OK", json.dumps(read), flush=True)
 """
+)
 
 
 def test_multi_controller_save_and_restore(make_cluster, tmp_path, cluster):
@@ -559,26 +567,8 @@ def test_multi_controller_save_and_restore(make_cluster, tmp_path, cluster):
     shards it holds, process 0's sidecar commits, each restores only its devices' slices."""
     sidecars = make_cluster(hosts=2, arena_size=16 * MiB, persist=True)
     directory = str(tmp_path / "multi")
-    port = str(_free_port())
+    trainers = _two_processes(MULTI_CONTROLLER, sidecars, directory)
     try:
-        trainers = [
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-c",
-                    MULTI_CONTROLLER,
-                    str(i),
-                    port,
-                    sidecars.hosts[i].address,
-                    sidecars.token_file,
-                    directory,
-                ],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-            for i in range(2)
-        ]
         outputs = [t.communicate(timeout=240)[0] for t in trainers]
         for t, out in zip(trainers, outputs, strict=True):
             assert t.returncode == 0 and "OK" in out, out[-3000:]
@@ -595,21 +585,13 @@ def test_multi_controller_save_and_restore(make_cluster, tmp_path, cluster):
         )
         assert np.array_equal(np.asarray(whole["w"]), np.arange(64 * 16, dtype=np.float32).reshape(64, 16))
     finally:
+        _stop(trainers)
         cluster.make_current()
 
 
-MULTI_CONTROLLER_SAVES = """
-import os, sys
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-os.environ["JAX_PLATFORMS"] = "cpu"
-import jax, numpy as np
-process, port = int(sys.argv[1]), sys.argv[2]
-address, token_file, directory = sys.argv[3:6]
-jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process)
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-import colocar
-from colocar.checkpoint import CheckpointManager
-cluster = colocar.connect([address], token_file=token_file)
+MULTI_CONTROLLER_SAVES = (
+    TWO_PROCESSES
+    + """
 full = np.arange(64 * 16, dtype=np.float32).reshape(64, 16)
 mesh = Mesh(np.array(jax.devices()).reshape(8), ("d",))
 w = jax.make_array_from_callback(full.shape, NamedSharding(mesh, P("d")), lambda index: full[index])
@@ -624,6 +606,7 @@ for step in (3, 4):  # the second save, after a failed one, must agree on what i
     except Exception as e:
         print("failed:", step, type(e).__name__, e, flush=True)
 """
+)
 
 
 def test_multi_controller_save_with_process_0s_sidecar_lost_fails_everywhere(make_cluster, tmp_path, cluster):
@@ -632,18 +615,7 @@ def test_multi_controller_save_with_process_0s_sidecar_lost_fails_everywhere(mak
     own part is durable) instead of waiting forever for a commit that cannot come."""
     sidecars = make_cluster(hosts=2, arena_size=16 * MiB, persist=True)
     directory = str(tmp_path / "multi-lost")
-    port = str(_free_port())
-    trainers = [
-        subprocess.Popen(
-            [sys.executable, "-c", MULTI_CONTROLLER_SAVES, str(i), port]
-            + [sidecars.hosts[i].address, sidecars.token_file, directory],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(2)
-    ]
+    trainers = _two_processes(MULTI_CONTROLLER_SAVES, sidecars, directory)
     try:
         for t in trainers:
             assert t.stdout.readline().strip() == "ready", t.stdout.read()[-3000:]
@@ -660,10 +632,7 @@ def test_multi_controller_save_with_process_0s_sidecar_lost_fails_everywhere(mak
         for step in (3, 4):
             assert not os.path.exists(os.path.join(directory, layout.step_dir(step), layout.COMMITTED))
     finally:
-        for t in trainers:
-            if t.poll() is None:
-                t.kill()
-                t.wait()
+        _stop(trainers)
         cluster.make_current()
 
 
@@ -675,19 +644,8 @@ def test_multi_controller_save_refused_to_process_0_fails_every_process(make_clu
     other_job = CheckpointManager(directory, cluster)
     other_job.save(1, make_state(1))
     other_job.wait()
-    port = str(_free_port())
     script = MULTI_CONTROLLER_SAVES.replace("for step in (3, 4):", "for step in (3,):")
-    trainers = [
-        subprocess.Popen(
-            [sys.executable, "-c", script, str(i), port, sidecars.hosts[i].address, sidecars.token_file]
-            + [directory],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(2)
-    ]
+    trainers = _two_processes(script, sidecars, directory)
     try:
         for t in trainers:
             assert t.stdout.readline().strip() == "ready", t.stdout.read()[-3000:]
@@ -700,20 +658,44 @@ def test_multi_controller_save_refused_to_process_0_fails_every_process(make_clu
         assert "process 0 could not start the save of step 3" in outputs[1], outputs[1][-3000:]
         assert "another CheckpointManager" in outputs[1]
     finally:
-        for t in trainers:
-            if t.poll() is None:
-                t.kill()
-                t.wait()
+        _stop(trainers)
         other_job.close()
         cluster.make_current()
 
 
-def _free_port() -> int:
+def _two_processes(script: str, sidecars, directory: str) -> list[subprocess.Popen]:
+    """Starts `script` (TWO_PROCESSES + a body) as processes 0 and 1, each on its own sidecar."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port = str(s.getsockname()[1])
+    return [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                script,
+                str(i),
+                port,
+                sidecars.hosts[i].address,
+                sidecars.token_file,
+                directory,
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+
+
+def _stop(processes: list[subprocess.Popen]) -> None:
+    for p in processes:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
 
 
 def test_preemption_signal_is_recorded(cluster, tmp_path):
