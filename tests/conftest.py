@@ -108,6 +108,7 @@ def make_cluster():
         for process in c.processes:
             if process.poll() is None and psutil.Process(process.pid).status() == psutil.STATUS_STOPPED:
                 process.kill()  # a stopped sidecar cannot drain
+                process.wait(timeout=30)
         c.close()
         for process in c.processes:  # persist=True sidecars outlive close(); SIGTERM removes the arena
             if process.poll() is None:

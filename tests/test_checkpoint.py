@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -347,6 +348,13 @@ def test_failed_background_write_raises_on_next_save(cluster, mngr):
     # mixes with it.
     assert os.listdir(failed)
     os.remove(os.path.join(blocker, "arrays"))
+    # A storage error while removing them fails the retry before anything is written.
+    manifest = os.path.join(blocker, layout.MANIFEST)
+    os.makedirs(os.path.join(manifest, "x"))  # cannot be deleted as a file
+    with pytest.raises(CheckpointError, match="removing what a failed save of step 2 left failed: cannot"):
+        mngr.save(2, make_state(11))
+    assert mngr.all_steps() == [1, 3] and os.listdir(failed)
+    shutil.rmtree(manifest)
     retry = make_state(11)
     mngr.save(2, retry)
     mngr.wait()
@@ -660,6 +668,82 @@ def test_multi_controller_save_refused_to_process_0_fails_every_process(make_clu
     finally:
         _stop(trainers)
         other_job.close()
+        cluster.make_current()
+
+
+def test_multi_controller_process_0_never_saving_times_out_in_the_others(make_cluster, tmp_path, cluster):
+    """Process 0 skips a save the others make (a bug in the training loop): they wait for its
+    attempt id at most `commit_timeout`, then raise saying so, instead of hanging."""
+    sidecars = make_cluster(hosts=2, arena_size=16 * MiB, persist=True)
+    directory = str(tmp_path / "multi-skipped")
+    only_1 = "for step in (3,) if process == 1 else ():"
+    script = MULTI_CONTROLLER_SAVES.replace("for step in (3, 4):", only_1)
+    trainers = _two_processes(script, sidecars, directory)
+    try:
+        for t in trainers:
+            assert t.stdout.readline().strip() == "ready", t.stdout.read()[-3000:]
+            t.stdin.write("go\n")
+            t.stdin.flush()
+        outputs = [t.communicate(timeout=120)[0] for t in trainers]
+        assert "failed: 3 CheckpointError" in outputs[1], outputs[1][-3000:]
+        assert "process 0 did not start its save of step 3 within commit_timeout (5 s)" in outputs[1]
+        assert not os.path.exists(os.path.join(directory, layout.step_dir(3)))  # nothing was written
+    finally:
+        _stop(trainers)
+        cluster.make_current()
+
+
+MULTI_CONTROLLER_WEDGED = (
+    TWO_PROCESSES
+    + """
+full = np.arange(64 * 16, dtype=np.float32).reshape(64, 16)
+mesh = Mesh(np.array(jax.devices()).reshape(8), ("d",))
+w = jax.make_array_from_callback(full.shape, NamedSharding(mesh, P("d")), lambda index: full[index])
+m = CheckpointManager(directory, cluster, max_chunk_bytes=1 << 20, commit_timeout=5)
+if process == 0:
+    m.save(3, {"w": w})
+    print("saved", flush=True)
+sys.stdin.readline()  # process 1 saves once the test has stopped process 0's sidecar
+if process == 1:
+    try:
+        m.save(3, {"w": w})
+        m.wait()
+        print("committed", flush=True)
+    except Exception as e:
+        print("failed:", type(e).__name__, e, flush=True)
+"""
+)
+
+
+def test_multi_controller_commit_never_coming_times_out_in_the_others(make_cluster, tmp_path, cluster):
+    """Process 0's sidecar, which commits, hangs (SIGSTOP) after process 0's save returned:
+    process 1's `wait` raises `commit_timeout` after its own part is durable instead of
+    waiting forever for a commit marker that nobody writes."""
+    sidecars = make_cluster(hosts=2, arena_size=16 * MiB, persist=True)
+    directory = str(tmp_path / "multi-wedged")
+    trainers = _two_processes(MULTI_CONTROLLER_WEDGED, sidecars, directory)
+    wedged = sidecars.processes[0]
+    try:
+        saved = trainers[0].stdout.readline().strip()
+        if saved != "saved":
+            trainers[1].kill()
+            pytest.fail(f"process 0 did not save: {saved}{trainers[0].communicate(timeout=60)[0][-3000:]}")
+        wedged.send_signal(signal.SIGSTOP)
+        for t in trainers:
+            t.stdin.write("go\n")
+            t.stdin.flush()
+        out = trainers[1].communicate(timeout=120)[0]
+        expected = "failed: CheckpointError step 3 was not committed within commit_timeout (5 s)"
+        assert expected in out, out[-3000:]
+        assert "is process 0 alive?" in out
+        step = os.path.join(directory, layout.step_dir(3))
+        assert os.listdir(os.path.join(step, layout.DONE_DIR)) == ["host_1.json"]  # its part is durable
+        assert not os.path.exists(os.path.join(step, layout.COMMITTED))
+        wedged.kill()  # a host that hung stays out: the step is never committed
+        assert trainers[0].wait(timeout=120) == 0
+    finally:
+        wedged.send_signal(signal.SIGCONT)
+        _stop(trainers)
         cluster.make_current()
 
 

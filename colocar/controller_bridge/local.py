@@ -74,8 +74,12 @@ class _Sidecar:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(timeout=10)
+        self.remove_files()
+
+    def remove_files(self) -> None:
+        """The arena and link socket of a sidecar killed before it could remove them."""
         arena = (self.info or {}).get("arena")
-        if arena:  # killed before it could clean up: its arena and its link socket
+        if arena:
             for path in (arena, arena.removesuffix(".arena") + ".sock"):
                 if os.path.exists(path):
                     os.unlink(path)
@@ -144,7 +148,10 @@ def local_cluster(
     sidecars = [_Sidecar(i, workdir, argv, child_env, persist) for i in range(hosts)]
 
     def shutdown() -> None:
-        if persist:
+        if persist:  # they outlive us, but those already killed leave files nobody else removes
+            for sidecar in sidecars:
+                if sidecar.status() is not None:
+                    sidecar.remove_files()
             return
         for sidecar in sidecars:
             sidecar.stop(grace=10)
