@@ -164,7 +164,13 @@ class LocalStorage(Storage):
         _fsync_dir(os.path.dirname(self._path(name)))
 
     def delete_tree(self, name: str) -> None:
-        shutil.rmtree(self._path(name), ignore_errors=True)
+        """Removes everything under `name/` (like a GCS prefix: a file named `name` stays)."""
+        try:
+            shutil.rmtree(self._path(name))
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+        except OSError as e:
+            raise StorageError(f"cannot delete {self._path(name)}: {e}") from e
 
 
 def _fsync_dir(directory: str) -> None:
