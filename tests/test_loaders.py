@@ -221,6 +221,22 @@ def test_killed_sidecar_raises_host_lost():
         it.close()
 
 
+def test_hung_sidecar_raises_host_lost():
+    """A sidecar that stops answering mid-epoch (SIGSTOP) is found by the keepalives, which
+    resume once its feed goes quiet: the iterator raises instead of waiting forever."""
+    with colocar.local_cluster(hosts=2, arena_size=16 << 20, processes=0, heartbeat_seconds=0.5) as c:
+        it = loaders.load(config(num_epochs=None), c)
+        next(it)
+        c.processes[1].send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(colocar.HostLostError, match="host1"):
+                for _ in range(100):
+                    next(it)
+        finally:
+            c.processes[1].kill()
+        it.close()
+
+
 def test_close_after_an_early_break_stops_workers_and_frees_slots(two_hosts):
     import psutil
 

@@ -16,6 +16,7 @@ import os
 import socket
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -144,18 +145,27 @@ class HostConnection:
         self._log_thread.start()
         self._process_status = process_status
         self._stop = threading.Event()
+        self.alive_at = 0.0  # monotonic time the sidecar last proved alive (a keepalive, a batch fed)
+        self._renewed_at = time.monotonic()  # the session's lease was last renewed
         self._heartbeat_thread = threading.Thread(
             target=self._heartbeat_loop, name=f"colocar-heartbeat-{name}", daemon=True
         )
         self._heartbeat_thread.start()
 
     def _heartbeat_loop(self) -> None:
+        """A keepalive every heartbeat period, except while other traffic (a batch feed) shows
+        the sidecar alive: then only often enough to renew the session's lease. A sidecar that
+        goes silent is still found within about two periods."""
         while not self._stop.wait(self.heartbeat_seconds):
             reason = self._process_status() if self._process_status else None
             if reason is not None:
                 self.unresponsive = True
                 self.mark_lost(reason)
                 return
+            now = time.monotonic()
+            proven = now - self.alive_at < self.heartbeat_seconds
+            if proven and now - self._renewed_at < self.lease_seconds / 3:
+                continue
             self.heartbeat()
 
     # --- session ---------------------------------------------------------------------------
@@ -237,6 +247,7 @@ class HostConnection:
             self.unresponsive = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             self.mark_lost(f"no answer to keepalive ({e.code().name}: {e.details()})")
             return
+        self.alive_at = self._renewed_at = time.monotonic()
         if not reply.known or self.lost is not None:
             try:
                 self.info = self._connect(timeout=max(2.0, 3 * self.heartbeat_seconds))

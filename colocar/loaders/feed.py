@@ -12,6 +12,7 @@ import pickle
 import socket
 import sys
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -183,6 +184,7 @@ class _Feed:
                     raise HostLostError(str(conn.lost))
                 raise PipelineError(f"the pipeline on {self.host.name} closed its batch feed")
             self._buffer += chunk
+        conn.alive_at = time.monotonic()  # spares a keepalive (see HostConnection)
         kind = message[0]
         if kind == "end":
             self._ended = True
