@@ -9,6 +9,7 @@ writes a directory at a time (a lease object it refreshes); any number may read 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -290,32 +291,27 @@ class CheckpointManager:
         record = _Save(step, hosts, started, stats, attempt)
         try:
             self._check_pieces_fit(pieces)
-            writers = record.writers = self._new_writers(step, list(pieces))
+            writers = self._new_writers(record, list(pieces))
             record.begun = time.monotonic()
             if primary in writers:
                 writers[primary].begin(step, body, hosts, True)  # the plan is recorded before anything else
             others = [writers[h].begin.submit(step, body, hosts, False) for h in writers if h != primary]
             for future in others:
                 future.result()
-            # A thread per host; their copies into the arenas share the copy threads.
-            sends = {
-                h: self._senders.submit(
-                    save.send,
-                    self._host(h),
-                    writers[h],
-                    step,
-                    pieces[h],
-                    self.pool,
-                    lambda: self._check(record),
-                    self._copiers,
+
+            def send(h: int) -> save.SendStats:
+                """Host h's part, on a thread of its own (the copies share the copy threads)."""
+                check = functools.partial(self._check, record)
+                futures, sent = save.send(
+                    self._host(h), writers[h], step, pieces[h], self.pool, check, self._copiers
                 )
-                for h in writers
-            }
-            for h, send in sends.items():
-                futures, sent = send.result()
                 for future in futures:
                     future.result()
                 writers[h].finish(step, sent.pieces)
+                return sent
+
+            for future in [self._senders.submit(send, h) for h in writers]:
+                sent = future.result()
                 stats.bytes += sent.bytes
                 stats.pieces += sent.pieces
                 stats.arena_waits += sent.arena_waits
@@ -548,14 +544,25 @@ class CheckpointManager:
         self.max_chunk_bytes = max(1 << 20, min(layout.MAX_OUTER_CHUNK_BYTES, smallest // 4))
         return self.max_chunk_bytes
 
-    def _new_writers(self, step: int, own: list[int]) -> dict[int, Any]:
-        """A detached writer per host of this process for this save: it outlives this process
-        long enough to commit (commit_timeout), and is deleted once the save ended."""
+    def _new_writers(self, record: _Save, own: list[int]) -> dict[int, Any]:
+        """A detached writer per host of this process for this save, made in parallel: it
+        outlives this process long enough to commit (commit_timeout), and is deleted once the
+        save ended (also when making another host's failed: they are in `record.writers`)."""
         ttl = self.options.commit_timeout + 600
-        name = f"colocar.checkpoint/{self._id}/{step}"
-        return {
-            h: _Writer.on(self._host(h), name=name, ttl=ttl)(self.storage.url, h, self.options) for h in own
-        }
+        name = f"colocar.checkpoint/{self._id}/{record.step}"
+        made = {}
+        for h in own:
+            new = _Writer.on(self._host(h), name=name, ttl=ttl)
+            made[h] = self._senders.submit(new, self.storage.url, h, self.options)
+        failures = []
+        for h, future in made.items():
+            try:
+                record.writers[h] = future.result()
+            except Exception as e:
+                failures.append(e)
+        if failures:
+            raise failures[0]
+        return record.writers
 
     def _mark_failed(self, record: _Save, host: int, error: str) -> None:
         """Tells the committing sidecar (and other processes) at once that a host's part is
