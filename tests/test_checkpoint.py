@@ -597,13 +597,20 @@ def test_multi_controller_save_and_restore(make_cluster, tmp_path, cluster):
         cluster.make_current()
 
 
-MULTI_CONTROLLER_SAVES = (
+# Both processes hold `w` sharded over their 8 devices and a manager with a 5 s commit_timeout.
+TWO_SAVERS = (
     TWO_PROCESSES
     + """
 full = np.arange(64 * 16, dtype=np.float32).reshape(64, 16)
 mesh = Mesh(np.array(jax.devices()).reshape(8), ("d",))
 w = jax.make_array_from_callback(full.shape, NamedSharding(mesh, P("d")), lambda index: full[index])
 m = CheckpointManager(directory, cluster, max_chunk_bytes=1 << 20, commit_timeout=5)
+"""
+)
+
+MULTI_CONTROLLER_SAVES = (
+    TWO_SAVERS
+    + """
 print("ready", flush=True)
 sys.stdin.readline()  # meanwhile the test breaks something (kills a sidecar, takes the lease)
 for step in (3, 4):  # the second save, after a failed one, must agree on what it is too
@@ -625,13 +632,7 @@ def test_multi_controller_save_with_process_0s_sidecar_lost_fails_everywhere(mak
     directory = str(tmp_path / "multi-lost")
     trainers = _two_processes(MULTI_CONTROLLER_SAVES, sidecars, directory)
     try:
-        for t in trainers:
-            assert t.stdout.readline().strip() == "ready", t.stdout.read()[-3000:]
-        sidecars.processes[0].kill()
-        for t in trainers:  # both at once: each one's exit waits for the other (jax.distributed)
-            t.stdin.write("go\n")
-            t.stdin.flush()
-        outputs = [t.communicate(timeout=120)[0] for t in trainers]
+        outputs = _run_after_ready(trainers, sidecars.processes[0].kill)
         for out in outputs:
             for step in (3, 4):
                 assert f"failed: {step} CheckpointError" in out, out[-3000:]
@@ -655,11 +656,7 @@ def test_multi_controller_save_refused_to_process_0_fails_every_process(make_clu
     script = MULTI_CONTROLLER_SAVES.replace("for step in (3, 4):", "for step in (3,):")
     trainers = _two_processes(script, sidecars, directory)
     try:
-        for t in trainers:
-            assert t.stdout.readline().strip() == "ready", t.stdout.read()[-3000:]
-            t.stdin.write("go\n")
-            t.stdin.flush()
-        outputs = [t.communicate(timeout=120)[0] for t in trainers]
+        outputs = _run_after_ready(trainers)
         assert "failed: 3 CheckpointError" in outputs[0] and "another CheckpointManager" in outputs[0], (
             outputs[0]
         )
@@ -680,11 +677,7 @@ def test_multi_controller_process_0_never_saving_times_out_in_the_others(make_cl
     script = MULTI_CONTROLLER_SAVES.replace("for step in (3, 4):", only_1)
     trainers = _two_processes(script, sidecars, directory)
     try:
-        for t in trainers:
-            assert t.stdout.readline().strip() == "ready", t.stdout.read()[-3000:]
-            t.stdin.write("go\n")
-            t.stdin.flush()
-        outputs = [t.communicate(timeout=120)[0] for t in trainers]
+        outputs = _run_after_ready(trainers)
         assert "failed: 3 CheckpointError" in outputs[1], outputs[1][-3000:]
         assert "process 0 did not start its save of step 3 within commit_timeout (5 s)" in outputs[1]
         assert not os.path.exists(os.path.join(directory, layout.step_dir(3)))  # nothing was written
@@ -694,12 +687,8 @@ def test_multi_controller_process_0_never_saving_times_out_in_the_others(make_cl
 
 
 MULTI_CONTROLLER_WEDGED = (
-    TWO_PROCESSES
+    TWO_SAVERS
     + """
-full = np.arange(64 * 16, dtype=np.float32).reshape(64, 16)
-mesh = Mesh(np.array(jax.devices()).reshape(8), ("d",))
-w = jax.make_array_from_callback(full.shape, NamedSharding(mesh, P("d")), lambda index: full[index])
-m = CheckpointManager(directory, cluster, max_chunk_bytes=1 << 20, commit_timeout=5)
 if process == 0:
     m.save(3, {"w": w})
     print("saved", flush=True)
@@ -773,6 +762,19 @@ def _two_processes(script: str, sidecars, directory: str) -> list[subprocess.Pop
         )
         for i in range(2)
     ]
+
+
+def _run_after_ready(trainers: list[subprocess.Popen], meanwhile=None) -> list[str]:
+    """Waits until every process printed "ready", runs `meanwhile`, lets them all go at once
+    (each one's exit waits for the other: jax.distributed) and returns their output."""
+    for t in trainers:
+        assert t.stdout.readline().strip() == "ready", t.stdout.read()[-3000:]
+    if meanwhile is not None:
+        meanwhile()
+    for t in trainers:
+        t.stdin.write("go\n")
+        t.stdin.flush()
+    return [t.communicate(timeout=120)[0] for t in trainers]
 
 
 def _stop(processes: list[subprocess.Popen]) -> None:
