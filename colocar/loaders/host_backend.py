@@ -42,7 +42,8 @@ class _Running:
     def __init__(self, ring: Any, workers: list, conns: list, num_batches: int | None):
         self.ring = ring
         self.workers = workers
-        self.conns = conns  # one pipe per worker: batch k goes to worker k % len
+        self.conns = conns  # one pipe per worker
+        self.assigned = [0] * len(conns)  # per worker: batches sent and not reported yet
         self.num_batches = num_batches
         self.done: dict[int, tuple] = {}
         self.cond = threading.Condition()
@@ -65,8 +66,11 @@ class _Running:
             if self.stopped:
                 self.ring.abandon(slot)
                 return
+            with self.cond:  # the least busy worker: a slow one does not hold the ring up
+                w = min(range(len(self.conns)), key=self.assigned.__getitem__)
+                self.assigned[w] += 1
             try:
-                self.conns[k % len(self.conns)].send((k, slot))
+                self.conns[w].send((k, slot))
             except (OSError, ValueError):  # that worker is gone; `wait` reports it
                 return
             k += 1
@@ -74,6 +78,7 @@ class _Running:
     def collect(self) -> None:
         from multiprocess.connection import wait
 
+        worker_of = {id(conn): w for w, conn in enumerate(self.conns)}
         open_conns = list(self.conns)
         while not self.stopped and open_conns:
             for conn in wait(open_conns, timeout=0.25):
@@ -83,6 +88,7 @@ class _Running:
                     open_conns.remove(conn)
                     continue
                 with self.cond:
+                    self.assigned[worker_of[id(conn)]] -= 1
                     self.done[message[1]] = message
                     self.cond.notify_all()
 
