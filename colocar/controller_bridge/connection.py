@@ -154,8 +154,8 @@ class HostConnection:
 
     def _heartbeat_loop(self) -> None:
         """A keepalive every heartbeat period, except while other traffic (a batch feed) shows
-        the sidecar alive: then only often enough to renew the session's lease. A sidecar that
-        goes silent is still found within about two periods."""
+        the sidecar alive: then only often enough to renew the session's lease. Once that
+        traffic stops, keepalives resume within two periods."""
         while not self._stop.wait(self.heartbeat_seconds):
             reason = self._process_status() if self._process_status else None
             if reason is not None:
