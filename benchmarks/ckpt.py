@@ -128,11 +128,12 @@ def _sampler_main() -> None:
                 for p in procs:
                     try:
                         with open(f"/proc/{p.pid}/maps") as f:
-                            for line in f:
-                                path = line.split(maxsplit=5)[5].strip() if line.count(" ") >= 5 else ""
+                            for line in f:  # an anonymous mapping has no 6th field (a path)
+                                fields = line.split(maxsplit=5)
+                                path = fields[5].strip() if len(fields) == 6 else ""
                                 if path.startswith(dirs):
                                     mapped.add(path.removesuffix(" (deleted)"))
-                    except (OSError, IndexError):
+                    except OSError:
                         pass
                 ours |= mapped
                 pids = {f"-{p.pid}-" for p in procs}
