@@ -27,6 +27,8 @@ import time
 import weakref
 from typing import Any
 
+from .worker import receive_message, send_message
+
 FRAME = struct.Struct("<I")  # sidecar -> controller: length-prefixed pickles
 SLOT = struct.Struct("<i")  # controller -> sidecar: slot numbers to release
 FEED_ACCEPT_TIMEOUT = 30.0
@@ -70,7 +72,7 @@ class _Running:
                 w = min(range(len(self.conns)), key=self.assigned.__getitem__)
                 self.assigned[w] += 1
             try:
-                self.conns[w].send((k, slot))
+                send_message(self.conns[w], (k, slot))
             except (OSError, ValueError):  # that worker is gone; `wait` reports it
                 return
             k += 1
@@ -83,7 +85,7 @@ class _Running:
         while not self.stopped and open_conns:
             for conn in wait(open_conns, timeout=0.25):
                 try:
-                    message = conn.recv()
+                    message = receive_message(conn)
                 except (EOFError, OSError):  # a dead worker; `wait` below names it
                     open_conns.remove(conn)
                     continue
@@ -194,7 +196,7 @@ class _Running:
             self.cond.notify_all()
         for conn in self.conns:
             try:
-                conn.send(None)
+                send_message(conn, None)
             except (OSError, ValueError):
                 pass
         for w in self.workers:
