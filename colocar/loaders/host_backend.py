@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import pickle
 import secrets
+import selectors
 import socket
 import struct
 import threading
@@ -78,21 +79,22 @@ class _Running:
             k += 1
 
     def collect(self) -> None:
-        from multiprocess.connection import wait
-
-        worker_of = {id(conn): w for w, conn in enumerate(self.conns)}
-        open_conns = list(self.conns)
-        while not self.stopped and open_conns:
-            for conn in wait(open_conns, timeout=0.25):
-                try:
-                    message = receive_message(conn)
-                except (EOFError, OSError):  # a dead worker; `wait` below names it
-                    open_conns.remove(conn)
-                    continue
-                with self.cond:
-                    self.assigned[worker_of[id(conn)]] -= 1
-                    self.done[message[1]] = message
-                    self.cond.notify_all()
+        """Gathers the workers' reports (one selector for the pipeline's life, not one per wait)."""
+        with selectors.DefaultSelector() as selector:
+            for w, conn in enumerate(self.conns):  # by descriptor: `stop` may close the pipes
+                selector.register(conn.fileno(), selectors.EVENT_READ, (w, conn))
+            while not self.stopped and selector.get_map():
+                for key, _ in selector.select(timeout=0.25):
+                    w, conn = key.data
+                    try:
+                        message = receive_message(conn)
+                    except (EOFError, OSError):  # a dead worker; `wait` below names it
+                        selector.unregister(key.fd)
+                        continue
+                    with self.cond:
+                        self.assigned[w] -= 1
+                        self.done[message[1]] = message
+                        self.cond.notify_all()
 
     def wait(self, k: int) -> tuple | None:
         """Batch k's report; None once the pipeline is stopped."""
