@@ -245,6 +245,12 @@ class Allocator:
             if self._releases == since:
                 self._released.wait(timeout)
 
+    def wake_waiters(self) -> None:
+        """Wakes `wait_for_release` callers without a lease dropped (a slot ring got back a
+        slot it never published)."""
+        with self._lock:
+            self._note_release()
+
     def _note_release(self) -> None:
         """Lock held: a lease was dropped."""
         self._releases += 1

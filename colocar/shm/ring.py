@@ -19,7 +19,6 @@ import numpy as np
 from .allocator import Allocator, Block
 
 _ids = iter(range(1, 1 << 62))
-ABANDON_LATENCY = 0.1  # an abandoned slot (no lease dropped, nothing wakes a waiter) is seen this late
 
 
 class RingStarvedError(TimeoutError):
@@ -63,8 +62,7 @@ class SlotRing:
 
     def acquire(self, timeout: float) -> int:
         """A free slot's index, now WRITING; waits up to `timeout` seconds for one to come back
-        (woken by the allocator when a consumer drops a lease; `abandon` is seen within
-        ABANDON_LATENCY s)."""
+        (woken by the allocator when a consumer drops a lease, or by `abandon`)."""
         deadline = time.monotonic() + timeout
         while True:
             seen = self._allocator.releases()
@@ -81,8 +79,7 @@ class SlotRing:
                     f"no free slot among {len(self)} for {timeout:.0f} s: the consumer still holds "
                     "every batch of the ring (keep fewer batches alive, or raise prefetch)"
                 )
-            wait = min(ABANDON_LATENCY, max(0.0, deadline - time.monotonic()))
-            self._allocator.wait_for_release(seen, wait)
+            self._allocator.wait_for_release(seen, max(0.0, deadline - time.monotonic()))
 
     def publish(self, i: int) -> np.ndarray:
         """An exact uint8 view of slot i for the consumer; the slot stays leased while it lives."""
@@ -96,6 +93,7 @@ class SlotRing:
         """Gives back a slot that was acquired but will not be published."""
         with self._lock:
             self._state[i] = self.FREE
+        self._allocator.wake_waiters()
 
     def in_use(self) -> int:
         """Slots being written or still held by a consumer."""
