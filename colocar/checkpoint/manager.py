@@ -42,6 +42,12 @@ _ORDINALS: dict[str, Any] = defaultdict(itertools.count)
 _NOT_STARTED = "not started: "  # what process 0 publishes instead of an attempt id when it failed
 
 
+def _save_failed(step: int, error: str) -> CheckpointError:
+    """The error a failed save of `step` raises (once prefixed, whoever wrote the cause)."""
+    prefix = f"save of step {step} failed: "
+    return CheckpointError(error if error.startswith(prefix) else prefix + error)
+
+
 def _default_copy_threads() -> int:
     """Threads copying shards into the arenas: memory bandwidth stops scaling at a few."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -317,11 +323,7 @@ class CheckpointManager:
                 stats.arena_waits += sent.arena_waits
                 stats.arena_wait_seconds += sent.arena_wait_seconds
         except Exception as e:
-            error = (
-                e
-                if isinstance(e, CheckpointError)
-                else CheckpointError(f"save of step {step} failed: {type(e).__name__}: {e}")
-            )
+            error = e if isinstance(e, CheckpointError) else _save_failed(step, f"{type(e).__name__}: {e}")
             self._abort(record, str(error))
             for h in pieces:  # the committing sidecar and the other processes stop waiting at once
                 self._mark_failed(record, h, str(error))
@@ -397,8 +399,7 @@ class CheckpointManager:
             for failed in self.storage.children(f"{name}/{layout.FAILED_DIR}"):
                 body = layout.marker_of(self.storage, f"{name}/{layout.FAILED_DIR}/{failed}", record.attempt)
                 if body is not None:
-                    error, prefix = str(body.get("error", failed)), f"save of step {record.step} failed: "
-                    raise CheckpointError(error if error.startswith(prefix) else prefix + error)
+                    raise _save_failed(record.step, str(body.get("error", failed)))
             if time.monotonic() - record.started > self.options.commit_timeout:
                 raise CheckpointError(
                     f"step {record.step} was not committed within commit_timeout "
@@ -418,9 +419,10 @@ class CheckpointManager:
         except (HostLostError, ColocarError) as e:
             self._abort(record, f"host {h} was lost: {e}")
             self._mark_failed(record, h, f"host {h} was lost mid-save: {e}")
-            raise CheckpointError(
-                f"save of step {record.step} failed: host {h} ({self._host(h).name}) was lost mid-save "
-                f"({e}); the step will not be committed, earlier steps are intact"
+            raise _save_failed(
+                record.step,
+                f"host {h} ({self._host(h).name}) was lost mid-save ({e}); the step will not be "
+                "committed, earlier steps are intact",
             ) from e
 
     def _check(self, record: _Save) -> dict[int, dict[str, Any]]:
@@ -430,7 +432,7 @@ class CheckpointManager:
             status[h] = self._status(record, h, 0.0)
             if status[h]["state"] == "failed":
                 self._abort(record, status[h]["error"])
-                raise CheckpointError(f"save of step {record.step} failed: {status[h]['error']}")
+                raise _save_failed(record.step, status[h]["error"])
         return status
 
     def _forget(self, record: _Save) -> None:
