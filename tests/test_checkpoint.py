@@ -399,6 +399,26 @@ def _kill_during_save(make_cluster, directory: str, seed: int) -> None:
     reader.close()
 
 
+def test_save_with_a_host_already_lost_leaves_no_writer_behind(make_cluster, tmp_path, cluster):
+    """Host 1's sidecar is gone before a save: the save fails at once naming it, and the writer
+    already made on host 0 (a detached object that would outlive the session) is deleted."""
+    c = make_cluster(hosts=2, arena_size=16 * MiB)
+    c.make_current()
+    try:
+        m = CheckpointManager(str(tmp_path / "lost"), c)
+        m.save(1, make_state(1))
+        m.wait()
+        c.processes[1].kill()
+        c.processes[1].wait()
+        with pytest.raises(CheckpointError, match="save of step 2 failed: .*host1"):
+            m.save(2, make_state(2))
+        with pytest.raises(Exception, match="colocar.checkpoint"):
+            c.hosts[0].object(f"colocar.checkpoint/{m._id}/2")
+        assert m.all_steps() == [1]
+    finally:
+        cluster.make_current()
+
+
 def test_sidecar_killed_mid_save_keeps_the_previous_step(make_cluster, tmp_path, cluster):
     try:
         _kill_during_save(make_cluster, str(tmp_path / "kill"), seed=1)
