@@ -16,6 +16,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import wait_for
 
 from colocar.shm import (
     HEADER_BYTES,
@@ -466,6 +467,48 @@ def test_slot_ring_waits_for_its_consumer_and_reuses_slots(shm_dir):
         ring.abandon(second)  # a slot given back without being published
         waiter.join(60)
         assert got == [first, second]
+    finally:
+        ring.close()
+        arena.close()
+
+
+def test_slot_ring_lends_slots_given_back_on_its_board(shm_dir):
+    """A borrower gives lent slots back by bumping the board: silently while the ring's user
+    has work queued (the next look finds the slot), with a signal once `acquire` waits (the
+    board's flag says so). Lent slots outlive `close` until given back; `return_lent` (the
+    borrower is gone) frees them all and refuses further lending."""
+    from colocar.shm import ndarray_view
+    from colocar.shm.ring import WAITING, board_words
+    from colocar.sidecar.blocks import SidecarArena
+
+    arena = SidecarArena(shm_dir, MiB, label="lendtest")
+    ring = arena.ring(2, 4096)
+    board = ndarray_view(arena.arena, ring.board_block.offset, (board_words(2),), np.int64)  # the borrower's
+    leases = lambda i: arena.allocator.leases(ring.blocks[i].id)  # noqa: E731
+    try:
+        first, second = ring.acquire(timeout=0), ring.acquire(timeout=0)
+        assert ring.lend(first) and ring.lend(second)
+        board[1 + first] += 1  # given back silently: a look finds it, no signal needed
+        assert ring.acquire(timeout=0, urgent=lambda: False) == first
+        assert board[WAITING] == 0
+
+        got: list[int] = []
+        waiter = threading.Thread(target=lambda: got.append(ring.acquire(timeout=60)))
+        waiter.start()
+        wait_for(lambda: board[WAITING] == 1, "the waiting acquire to raise the board's flag")
+        board[1 + second] += 1
+        ring.reclaim_lent()  # the borrower's signal
+        waiter.join(60)
+        assert got == [second] and board[WAITING] == 0
+
+        assert ring.lend(first)
+        ring.close()
+        assert (leases(first), leases(second)) == (1, 0)  # the lent slot stays, the other is freed
+        board[1 + first] += 1
+        ring.reclaim_lent()
+        assert leases(first) == 0
+        ring.return_lent()
+        assert not ring.lend(second)
     finally:
         ring.close()
         arena.close()

@@ -1,8 +1,8 @@
 """The controller's end of a host's batch feed (runs in the controller / device owner).
 
 When the controller maps a host's arena, each finished batch arrives as `(batch, slot)` over a
-socket of the pipeline's own, and the slot's number goes back once nothing reads it any more
-(see `host_backend` for the sidecar's end); otherwise the iterator falls back to calls.
+socket of the pipeline's own, and the slot goes back on the ring's board once nothing reads it
+any more (see `host_backend` for the sidecar's end); otherwise the iterator falls back to calls.
 """
 
 from __future__ import annotations
@@ -19,19 +19,21 @@ from typing import Any
 import numpy as np
 
 from colocar.controller_bridge.cluster import Host
+from colocar.shm import ndarray_view
+from colocar.shm.ring import FENCE, WAITING, board_words
 
-from .host_backend import FRAME, SLOT, PipelineError
+from .host_backend import MESSAGE, PipelineError
 from .layout import SlotLayout
 
 
 class _Feed:
-    """The controller's end of a host's batch feed (see `host_backend`): batches in, releases out.
+    """The controller's end of a host's batch feed (see `host_backend`): batches in, slots back.
 
     Each slot's per-device views (one per field and device, in `placed` order) are made once
     and reused at every turn of the ring. A slot handed to the program is held while any of its
     views is referenced by more than our cache, i.e. while a batch's arrays (which alias the
     views on CPU) or anything derived from them live: `poll()` (each step, after JAX's deferred
-    releases ran) sends back the numbers of the slots that are free again. This costs a
+    releases ran) gives back the slots that are free again. This costs a
     reference count per view instead of a fresh view, holder and finalizer per batch.
 
     At `close()` the slots still held switch to finalizers on their views (and our cache lets
@@ -46,6 +48,7 @@ class _Feed:
         assert conn.arena is not None
         self._arena = conn.arena
         self._slots = info["slots"]
+        self._board = ndarray_view(self._arena, info["board"], (board_words(len(self._slots)),), np.int64)
         self._layout = layout
         self._segments = [segment for _, segment in placed]
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -58,7 +61,8 @@ class _Feed:
             sock.close()
             raise
         self._sock = sock
-        self._buffer = bytearray()
+        self._inbox = bytearray(1 << 12)  # received bytes [_start, _end): no allocation per recv
+        self._start = self._end = 0
         self._pending: collections.deque[int] = collections.deque()
         self._send_lock = threading.Lock()
         self._outstanding = 0  # slots handed to the program and not yet released
@@ -69,8 +73,6 @@ class _Feed:
         self._held: list[int] = []  # slots handed out and not released, oldest first
 
     def _views(self, slot: int) -> tuple[dict[str, list[np.ndarray]], list[np.ndarray], int]:
-        from colocar.shm import ndarray_view
-
         offset, nbytes = self._slots[slot]
         whole = ndarray_view(self._arena, offset, (nbytes,), np.uint8)  # pins the arena's mapping
         layout = self._layout
@@ -109,16 +111,22 @@ class _Feed:
         self.flush()
 
     def flush(self) -> None:
+        """Gives the pending slots back on the ring's board; signals the sidecar only if its
+        ring waits for a slot, or once closed (its pipeline is stopped: nothing else looks)."""
         while self._pending and self._send_lock.acquire(blocking=False):
             try:
-                data = b""
+                board, n = self._board, 0
                 while self._pending:
-                    data += SLOT.pack(self._pending.popleft())
-                    self._outstanding -= 1
-                try:
-                    self._sock.sendall(data)
-                except OSError:
-                    pass  # the sidecar is gone: its slots went with it
+                    board[1 + self._pending.popleft()] += 1
+                    n += 1
+                self._outstanding -= n
+                with FENCE:  # the board's words are stored before the flag is read
+                    pass
+                if self._closed or board[WAITING]:
+                    try:
+                        self._sock.sendall(b"\x01")
+                    except OSError:
+                        pass  # the sidecar is gone: its slots went with it
                 if self._closed and self._outstanding == 0:
                     self._sock.close()
             finally:
@@ -147,16 +155,28 @@ class _Feed:
                 self._sock.close()
         self.flush()
 
-    def _frame(self) -> tuple | None:
-        """The next message, or None while none is complete."""
-        if len(self._buffer) < FRAME.size:
-            return None
-        (n,) = FRAME.unpack_from(self._buffer)
-        if len(self._buffer) < FRAME.size + n:
-            return None
-        message = pickle.loads(self._buffer[FRAME.size : FRAME.size + n])
-        del self._buffer[: FRAME.size + n]
-        return message
+    def _message(self) -> tuple[int, int, int, tuple | None] | None:
+        """The next message `(k, slot, bad, tail)` (see `host_backend.MESSAGE`), or None while
+        none is complete (then the inbox has room for the rest of it after `_end`)."""
+        inbox, start = self._inbox, self._start
+        have = self._end - start
+        need = MESSAGE.size
+        if have >= need:
+            n, k, slot, bad = MESSAGE.unpack_from(inbox, start)
+            need += n
+            if have >= need:
+                tail = pickle.loads(inbox[start + MESSAGE.size : start + need]) if n else None
+                self._start = start + need
+                if self._start == self._end:
+                    self._start = self._end = 0
+                return k, slot, bad, tail
+        if start + need > len(inbox):  # move the partial message to the front; grow for a long one
+            del inbox[:start]
+            self._end -= start
+            self._start = 0
+            if need > len(inbox):
+                inbox.extend(bytes(need - len(inbox)))
+        return None
 
     def next_batch(self, k: int) -> tuple[dict[str, list[np.ndarray]], int] | None:
         """Batch k: its per-device views by field (`placed` order) and its count of bad
@@ -167,32 +187,31 @@ class _Feed:
         if self._ended:
             return None
         conn = self._conn
-        while (message := self._frame()) is None:
+        while (message := self._message()) is None:
             try:
-                chunk = self._sock.recv(1 << 16)
+                with memoryview(self._inbox) as free:
+                    got = self._sock.recv_into(free[self._end :])
             except TimeoutError:
                 if conn.lost is not None:
                     raise HostLostError(str(conn.lost)) from None
                 continue
             except OSError as e:
-                chunk = b""
+                got = 0
                 if self._closed:
                     raise PipelineError(f"the batch feed of {self.host.name} is closed") from e
-            if not chunk:
+            if not got:
                 conn.heartbeat()  # a dead sidecar: find out now, not at the next heartbeat
                 if conn.lost is not None:
                     raise HostLostError(str(conn.lost))
                 raise PipelineError(f"the pipeline on {self.host.name} closed its batch feed")
-            self._buffer += chunk
+            self._end += got
         conn.alive_at = time.monotonic()  # spares a keepalive (see HostConnection)
-        kind = message[0]
-        if kind == "end":
+        got, slot, bad, tail = message
+        if tail is not None:  # ("end",) or ("error", text)
             self._ended = True
+            if tail[0] == "error":
+                raise PipelineError(tail[1])
             return None
-        if kind == "error":
-            self._ended = True
-            raise PipelineError(message[2])
-        _, got, slot, bad = message
         if got != k:
             raise RuntimeError(f"{self.host.name} fed batch {got}, expected {k}")
         entry = self._cache.get(slot) or self._views(slot)

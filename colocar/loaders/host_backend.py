@@ -8,11 +8,12 @@ stopped and the slots freed when the object goes (deleted, session ended) or on 
 
 A controller on the same host (it has the arena mapped) takes the batches off a **feed** instead
 (`open_feed`): a Unix socket of its own (abstract namespace: no file), on which the sidecar sends
-`(k, slot)` for each finished batch, in order, and the controller sends back the number of each
-slot it no longer reads. A batch then costs the controller two small socket messages instead of
-a call and a release over the local link, which matters for a training process (~1 ms of CPU per
-batch less). The sidecar keeps a view of each slot it handed over until the controller lets it
-go, so the slot's lease (and the ring's reuse rule) is exactly that of the call path.
+`(k, slot)` for each finished batch, in order, and **lends** the slot (`SlotRing.lend`): the
+controller gives it back on the ring's board in the arena, and writes a byte to the socket only
+while the ring waits for a slot. A batch then costs the controller one small socket message
+instead of a call and a release over the local link, which matters for a training process. A
+lent slot stays leased until it is given back or the socket closes (the controller is gone), so
+the ring's reuse rule is that of the call path.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ from typing import Any
 
 from .worker import receive_message, send_message
 
-FRAME = struct.Struct("<I")  # sidecar -> controller: length-prefixed pickles
-SLOT = struct.Struct("<i")  # controller -> sidecar: slot numbers to release
+# sidecar -> controller: (bytes of a pickled tail, batch number, slot, bad records so far); a
+# batch has no tail (the common message, no pickling), "end" and "error" carry one.
+MESSAGE = struct.Struct("<Iqiq")
 FEED_ACCEPT_TIMEOUT = 30.0
 
 
@@ -60,7 +62,7 @@ class _Running:
         k = start
         while not self.stopped and (self.num_batches is None or k < self.num_batches):
             try:
-                slot = self.ring.acquire(timeout=starve)
+                slot = self.ring.acquire(timeout=starve, urgent=self.a_worker_is_idle)
             except Exception as e:  # starved, or the ring closed under us
                 with self.cond:
                     self.failure = self.failure or str(e)
@@ -77,6 +79,9 @@ class _Running:
             except (OSError, ValueError):  # that worker is gone; `wait` reports it
                 return
             k += 1
+
+    def a_worker_is_idle(self) -> bool:
+        return min(self.assigned) == 0
 
     def collect(self) -> None:
         """Gathers the workers' reports (one selector for the pipeline's life, not one per wait)."""
@@ -95,6 +100,7 @@ class _Running:
                         self.assigned[w] -= 1
                         self.done[message[1]] = message
                         self.cond.notify_all()
+                    self.ring.nudge()  # the scheduler reads the board (slots given back silently)
 
     def wait(self, k: int) -> tuple | None:
         """Batch k's report; None once the pipeline is stopped."""
@@ -136,13 +142,12 @@ class _Running:
             sock.close()
             return
         sock.settimeout(None)
-        held: dict[int, Any] = {}  # slot -> our view of it, until the controller lets it go
-        threading.Thread(target=self._feed_releases, args=(sock, held), daemon=True).start()
+        threading.Thread(target=self._feed_signals, args=(sock,), daemon=True).start()
 
-        def send(message: tuple) -> bool:
-            data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        def send(k: int, slot: int = -1, tail: tuple | None = None) -> bool:
+            data = b"" if tail is None else pickle.dumps(tail, protocol=pickle.HIGHEST_PROTOCOL)
             try:
-                sock.sendall(FRAME.pack(len(data)) + data)
+                sock.sendall(MESSAGE.pack(len(data), k, slot, self.bad_records) + data)
                 return True
             except OSError:
                 return False
@@ -150,46 +155,39 @@ class _Running:
         k = start
         while True:
             if self.num_batches is not None and k >= self.num_batches:
-                send(("end", k))
+                send(k, tail=("end",))
                 return
             try:
                 message = self.wait(k)
             except PipelineError as e:
-                send(("error", k, f"batch {k} on {host}: {e}"))
+                send(k, tail=("error", f"batch {k} on {host}: {e}"))
                 return
             if message is None:  # closed
-                send(("end", k))
+                send(k, tail=("end",))
                 return
             if message[0] == "error":
                 _, _, slot, text, tb = message
                 self.ring.abandon(slot)
-                send(("error", k, f"batch {k} on {host}: {text}\n{tb}"))
+                send(k, tail=("error", f"batch {k} on {host}: {text}\n{tb}"))
                 return
             _, _, slot, bad = message
             self.bad_records += bad
             self.produced += 1
-            held[slot] = self.ring.publish(slot)
-            if not send(("batch", k, slot, self.bad_records)):
+            if not self.ring.lend(slot) or not send(k, slot):
+                self.ring.return_lent()  # the controller or the pipeline is gone
                 return
             k += 1
 
-    def _feed_releases(self, sock: socket.socket, held: dict[int, Any]) -> None:
-        """Drops our view of each slot the controller lets go; all of them when it goes away."""
-        buffer = b""
+    def _feed_signals(self, sock: socket.socket) -> None:
+        """Reads the board when the controller signals a slot given back; frees every lent
+        slot when it goes away."""
         try:
-            while True:
-                chunk = sock.recv(4096)
-                if not chunk:
-                    break
-                buffer += chunk
-                whole = len(buffer) - len(buffer) % SLOT.size
-                for (slot,) in SLOT.iter_unpack(buffer[:whole]):
-                    held.pop(slot, None)
-                buffer = buffer[whole:]
+            while sock.recv(4096):
+                self.ring.reclaim_lent()
         except OSError:
             pass
         finally:
-            held.clear()
+            self.ring.return_lent()
             sock.close()
 
     def stop(self) -> None:
@@ -303,11 +301,13 @@ class LoaderHost:
             target=state.feed, args=(listener, token, self._next, self.host), daemon=True
         ).start()
         arena = sidecar_runtime().arena
+        ring = state.ring
         return {
             "address": name,
             "token": token,
             "nonce": arena.nonce,
-            "slots": [(b.offset, b.nbytes) for b in state.ring.blocks],
+            "slots": [(b.offset, b.nbytes) for b in ring.blocks],
+            "board": ring.board_block.offset,
         }
 
     def stats(self) -> dict[str, Any]:

@@ -6,6 +6,11 @@ the consumer (returning it from a shipped function shares the block, no copy), w
 leases of its own. The slot is free again when the ring's lease is the only one left: the
 consumer dropped every array built on it (also arrays that alias it, such as a `jax.Array`
 made by `device_put` on CPU). Blocks are allocated once and reused, never re-faulted.
+
+A consumer in another process that maps the arena can instead borrow slots (`lend`) and give
+them back through the ring's **board**, a few int64 words in the arena: it bumps the slot's
+word, and signals the ring (`reclaim_lent`) only while `acquire` waits, which the board's first
+word says. A batch then costs the consumer no message at all while the ring has free slots.
 """
 
 from __future__ import annotations
@@ -20,13 +25,21 @@ from .allocator import Allocator, Block
 
 _ids = iter(range(1, 1 << 62))
 
+WAITING = 0  # board word: 1 while `acquire` waits for a slot; then word 1 + i counts slot i's returns
+RECHECK_SECONDS = 0.05  # a waiting `acquire` reads the board this often, should a signal be lost
+FENCE = threading.Lock()  # `with FENCE: pass` is a full memory barrier (a locked instruction) on x86
+
+
+def board_words(slots: int) -> int:
+    return 1 + slots
+
 
 class RingStarvedError(TimeoutError):
     """No slot came free in time: the consumer holds on to every batch of the ring."""
 
 
 class SlotRing:
-    FREE, WRITING, PUBLISHED = "free", "writing", "published"
+    FREE, WRITING, PUBLISHED, LENT = "free", "writing", "published", "lent"
 
     def __init__(
         self,
@@ -45,9 +58,16 @@ class SlotRing:
         try:
             for _ in range(slots):
                 self.blocks.append(allocator.allocate(nbytes, owner=self._owner, pool=pool, timeout=timeout))
+            board = allocator.allocate(8 * board_words(slots), owner=self._owner, pool=pool, timeout=timeout)
         except BaseException:
             allocator.release_owner(self._owner)
             raise
+        self.board_block = board
+        self._board = make_view(board, (board_words(slots),), np.dtype(np.int64))
+        self._board[:] = 0
+        self._lender = f"{self._owner}:lent"  # a lent slot's own lease: it outlives `close`
+        self._lent = [0] * slots  # times each slot was lent
+        self._borrower_gone = False
         self._state = [self.FREE] * slots
         self._lock = threading.Lock()
         self._closed = False
@@ -56,30 +76,56 @@ class SlotRing:
         return len(self.blocks)
 
     def _reclaim(self) -> None:
+        """Lock held: slots whose consumers let go become free."""
+        board = self._board
         for i, block in enumerate(self.blocks):
-            if self._state[i] == self.PUBLISHED and self._allocator.leases(block.id) == 1:
+            state = self._state[i]
+            if state == self.PUBLISHED and self._allocator.leases(block.id) == 1:
                 self._state[i] = self.FREE
+            elif state == self.LENT and board[1 + i] >= self._lent[i]:
+                self._state[i] = self.FREE
+                self._allocator.release(block.id, self._lender)
 
-    def acquire(self, timeout: float) -> int:
+    def _take_free(self) -> int | None:
+        """Lock held: a free slot, now WRITING, or None."""
+        self._reclaim()
+        for i, state in enumerate(self._state):
+            if state == self.FREE:
+                self._state[i] = self.WRITING
+                return i
+        return None
+
+    def acquire(self, timeout: float, urgent: Callable[[], bool] = lambda: True) -> int:
         """A free slot's index, now WRITING; waits up to `timeout` seconds for one to come back
-        (woken by the allocator when a consumer drops a lease, or by `abandon`)."""
+        (woken by the allocator when a consumer drops a lease, by `abandon` or by `nudge`).
+
+        While `urgent()` is False (the caller still has work queued) a borrower gives slots
+        back on the board without signalling, and the caller `nudge`s the ring when it wants
+        a look; once urgent, the board asks the borrower to signal each slot it gives back.
+        """
         deadline = time.monotonic() + timeout
         while True:
             seen = self._allocator.releases()
             with self._lock:
                 if self._closed:
                     raise RuntimeError("the ring is closed")
-                self._reclaim()
-                for i, state in enumerate(self._state):
-                    if state == self.FREE:
-                        self._state[i] = self.WRITING
-                        return i
+                i = self._take_free()
+                if i is None and urgent():  # from now on a borrower that gives a slot back signals
+                    self._board[WAITING] = 1
+                    with FENCE:
+                        pass
+                    i = self._take_free()  # ...so look again for one given back before
+                if i is not None:
+                    self._board[WAITING] = 0
+                    return i
             if time.monotonic() > deadline:
+                self._board[WAITING] = 0
                 raise RingStarvedError(
                     f"no free slot among {len(self)} for {timeout:.0f} s: the consumer still holds "
                     "every batch of the ring (keep fewer batches alive, or raise prefetch)"
                 )
-            self._allocator.wait_for_release(seen, max(0.0, deadline - time.monotonic()))
+            wait = min(RECHECK_SECONDS, deadline - time.monotonic())
+            self._allocator.wait_for_release(seen, max(0.0, wait))
 
     def publish(self, i: int) -> np.ndarray:
         """An exact uint8 view of slot i for the consumer; the slot stays leased while it lives."""
@@ -89,10 +135,41 @@ class SlotRing:
             self._state[i] = self.PUBLISHED
         return view
 
+    def lend(self, i: int) -> bool:
+        """Hands slot i to a borrower that maps the arena: it stays leased until the borrower
+        bumps board word 1 + i (`reclaim_lent` or the next `acquire` sees it) or `return_lent`.
+        False (nothing lent) once the ring is closed or the borrower is gone."""
+        with self._lock:
+            if self._closed or self._borrower_gone:
+                return False
+            self._allocator.acquire(self.blocks[i].id, self._lender)
+            self._lent[i] += 1
+            self._state[i] = self.LENT
+            return True
+
+    def reclaim_lent(self) -> None:
+        """Frees the lent slots the board says were given back (a borrower's signal)."""
+        with self._lock:
+            self._reclaim()
+        self.nudge()
+
+    def return_lent(self) -> None:
+        """Frees every lent slot, and lends no more: the borrower is gone (its mapping too)."""
+        with self._lock:
+            self._borrower_gone = True
+            for i, state in enumerate(self._state):
+                if state == self.LENT:
+                    self._state[i] = self.FREE
+            self._allocator.release_owner(self._lender)
+
     def abandon(self, i: int) -> None:
         """Gives back a slot that was acquired but will not be published."""
         with self._lock:
             self._state[i] = self.FREE
+        self.nudge()
+
+    def nudge(self) -> None:
+        """Wakes a waiting `acquire` to look at the ring again."""
         self._allocator.wake_waiters()
 
     def in_use(self) -> int:
@@ -105,4 +182,5 @@ class SlotRing:
         """Drops the ring's leases; each block is freed once its consumers let go too."""
         with self._lock:
             self._closed = True
+            self._reclaim()
         self._allocator.release_owner(self._owner)
