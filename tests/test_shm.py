@@ -16,7 +16,6 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import wait_for
 
 from colocar.shm import (
     HEADER_BYTES,
@@ -489,13 +488,13 @@ def test_slot_ring_lends_slots_given_back_on_its_board(shm_dir):
         first, second = ring.acquire(timeout=0), ring.acquire(timeout=0)
         assert ring.lend(first) and ring.lend(second)
         board[1 + first] += 1  # given back silently: a look finds it, no signal needed
-        assert ring.acquire(timeout=0, urgent=lambda: False) == first
-        assert board[WAITING] == 0
+        assert ring.try_acquire(urgent=False) == first
+        assert ring.try_acquire(urgent=False) is None and board[WAITING] == 0  # no signal wanted
+        assert ring.try_acquire(urgent=True) is None and board[WAITING] == 1  # now one is
 
         got: list[int] = []
         waiter = threading.Thread(target=lambda: got.append(ring.acquire(timeout=60)))
         waiter.start()
-        wait_for(lambda: board[WAITING] == 1, "the waiting acquire to raise the board's flag")
         board[1 + second] += 1
         ring.reclaim_lent()  # the borrower's signal
         waiter.join(60)

@@ -22,8 +22,8 @@ from colocar.controller_bridge.cluster import Host
 from colocar.shm import ndarray_view
 from colocar.shm.ring import FENCE, WAITING, board_words
 
-from .host_backend import MESSAGE, PipelineError
 from .layout import SlotLayout
+from .pump import MESSAGE, PipelineError
 
 
 class _Feed:
@@ -156,7 +156,7 @@ class _Feed:
         self.flush()
 
     def _message(self) -> tuple[int, int, int, tuple | None] | None:
-        """The next message `(k, slot, bad, tail)` (see `host_backend.MESSAGE`), or None while
+        """The next message `(k, slot, bad, tail)` (see `pump.MESSAGE`), or None while
         none is complete (then the inbox has room for the rest of it after `_end`)."""
         inbox, start = self._inbox, self._start
         have = self._end - start

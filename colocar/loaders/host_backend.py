@@ -1,13 +1,14 @@
 """The pipeline of one host, living in its sidecar (`LoaderHost`, a colocated class).
 
-Runs in the sidecar process. A scheduler thread hands batch numbers to the worker processes as
-ring slots come free (a bounded ring: a slow consumer stalls the workers, nothing queues up);
-a collector thread gathers their reports; `next_batch()` returns, in order, an exact view of
-each finished slot to the controller (over the local link), which shares the block, no copy. The workers are
-stopped and the slots freed when the object goes (deleted, session ended) or on `close()`.
+Runs in the sidecar process. Its pump thread (`pump.py`) hands batch numbers to the worker
+processes as ring slots come free (a bounded ring: a slow consumer stalls the workers, nothing
+queues up) and gathers their reports; `next_batch()` returns, in order, an exact view of each
+finished slot to the controller (over the local link), which shares the block, no copy. The
+workers are stopped and the slots freed when the object goes (deleted, session ended) or on
+`close()`.
 
 A controller on the same host (it has the arena mapped) takes the batches off a **feed** instead
-(`open_feed`): a Unix socket of its own (abstract namespace: no file), on which the sidecar sends
+(`open_feed`): a Unix socket of its own (abstract namespace: no file), on which the pump sends
 `(k, slot)` for each finished batch, in order, and **lends** the slot (`SlotRing.lend`): the
 controller gives it back on the ring's board in the arena, and writes a byte to the socket only
 while the ring waits for a slot. A batch then costs the controller one small socket message
@@ -19,194 +20,42 @@ the ring's reuse rule is that of the call path.
 from __future__ import annotations
 
 import os
-import pickle
 import secrets
-import selectors
 import socket
-import struct
 import threading
 import time
 import weakref
 from typing import Any
 
-from .worker import receive_message, send_message
+from .pump import PipelineError, Pump
 
-# sidecar -> controller: (bytes of a pickled tail, batch number, slot, bad records so far); a
-# batch has no tail (the common message, no pickling), "end" and "error" carry one.
-MESSAGE = struct.Struct("<Iqiq")
 FEED_ACCEPT_TIMEOUT = 30.0
 
 
-class PipelineError(RuntimeError):
-    """A record transform failed, a worker died, or the ring starved; names batch and host."""
-
-
-class _Running:
-    """The state the threads share (they must not hold the LoaderHost, so it can be collected)."""
-
-    def __init__(self, ring: Any, workers: list, conns: list, num_batches: int | None):
-        self.ring = ring
-        self.workers = workers
-        self.conns = conns  # one pipe per worker
-        self.assigned = [0] * len(conns)  # per worker: batches sent and not reported yet
-        self.num_batches = num_batches
-        self.done: dict[int, tuple] = {}
-        self.cond = threading.Condition()
-        self.stopped = False
-        self.failure: str | None = None
-        self.bad_records = 0
-        self.produced = 0
-        self.started = time.monotonic()
-
-    def schedule(self, start: int, starve: float) -> None:
-        k = start
-        while not self.stopped and (self.num_batches is None or k < self.num_batches):
-            try:
-                slot = self.ring.acquire(timeout=starve, urgent=self.a_worker_is_idle)
-            except Exception as e:  # starved, or the ring closed under us
-                with self.cond:
-                    self.failure = self.failure or str(e)
-                    self.cond.notify_all()
-                return
-            if self.stopped:
-                self.ring.abandon(slot)
-                return
-            with self.cond:  # the least busy worker: a slow one does not hold the ring up
-                w = min(range(len(self.conns)), key=self.assigned.__getitem__)
-                self.assigned[w] += 1
-            try:
-                send_message(self.conns[w], (k, slot))
-            except (OSError, ValueError):  # that worker is gone; `wait` reports it
-                return
-            k += 1
-
-    def a_worker_is_idle(self) -> bool:
-        return min(self.assigned) == 0
-
-    def collect(self) -> None:
-        """Gathers the workers' reports (one selector for the pipeline's life, not one per wait)."""
-        with selectors.DefaultSelector() as selector:
-            for w, conn in enumerate(self.conns):  # by descriptor: `stop` may close the pipes
-                selector.register(conn.fileno(), selectors.EVENT_READ, (w, conn))
-            while not self.stopped and selector.get_map():
-                for key, _ in selector.select(timeout=0.25):
-                    w, conn = key.data
-                    try:
-                        message = receive_message(conn)
-                    except (EOFError, OSError):  # a dead worker; `wait` below names it
-                        selector.unregister(key.fd)
-                        continue
-                    with self.cond:
-                        self.assigned[w] -= 1
-                        self.done[message[1]] = message
-                        self.cond.notify_all()
-                    self.ring.nudge()  # the scheduler reads the board (slots given back silently)
-
-    def wait(self, k: int) -> tuple | None:
-        """Batch k's report; None once the pipeline is stopped."""
-        with self.cond:
-            while k not in self.done:
-                if self.stopped:
-                    return None
-                if self.failure:
-                    raise PipelineError(self.failure)
-                dead = [w for w in self.workers if not w.is_alive()]
-                if dead and not self.stopped:
-                    raise PipelineError(
-                        f"pipeline worker process {dead[0].pid} died (exit code {dead[0].exitcode}) "
-                        f"while batch {k} was being built"
-                    )
-                self.cond.wait(0.5)
-            return self.done.pop(k)
-
-    def feed(self, listener: socket.socket, token: bytes, start: int, host: str) -> None:
-        """Serves one controller over the feed socket (thread): batches out, releases in."""
-        try:
-            listener.settimeout(FEED_ACCEPT_TIMEOUT)
-            sock, _ = listener.accept()
-        except OSError:  # nobody came: the controller uses next_batch
-            return
-        finally:
-            listener.close()
-        sock.settimeout(FEED_ACCEPT_TIMEOUT)
-        try:
-            got = b""
-            while len(got) < len(token):
-                chunk = sock.recv(len(token) - len(got))
-                if not chunk:
-                    break
-                got += chunk
-        except OSError:
-            got = b""
-        if not secrets.compare_digest(got, token):
-            sock.close()
-            return
-        sock.settimeout(None)
-        threading.Thread(target=self._feed_signals, args=(sock,), daemon=True).start()
-
-        def send(k: int, slot: int = -1, tail: tuple | None = None) -> bool:
-            data = b"" if tail is None else pickle.dumps(tail, protocol=pickle.HIGHEST_PROTOCOL)
-            try:
-                sock.sendall(MESSAGE.pack(len(data), k, slot, self.bad_records) + data)
-                return True
-            except OSError:
-                return False
-
-        k = start
-        while True:
-            if self.num_batches is not None and k >= self.num_batches:
-                send(k, tail=("end",))
-                return
-            try:
-                message = self.wait(k)
-            except PipelineError as e:
-                send(k, tail=("error", f"batch {k} on {host}: {e}"))
-                return
-            if message is None:  # closed
-                send(k, tail=("end",))
-                return
-            if message[0] == "error":
-                _, _, slot, text, tb = message
-                self.ring.abandon(slot)
-                send(k, tail=("error", f"batch {k} on {host}: {text}\n{tb}"))
-                return
-            _, _, slot, bad = message
-            self.bad_records += bad
-            self.produced += 1
-            if not self.ring.lend(slot) or not send(k, slot):
-                self.ring.return_lent()  # the controller or the pipeline is gone
-                return
-            k += 1
-
-    def _feed_signals(self, sock: socket.socket) -> None:
-        """Reads the board when the controller signals a slot given back; frees every lent
-        slot when it goes away."""
-        try:
-            while sock.recv(4096):
-                self.ring.reclaim_lent()
-        except OSError:
-            pass
-        finally:
-            self.ring.return_lent()
-            sock.close()
-
-    def stop(self) -> None:
-        with self.cond:
-            self.stopped = True
-            self.cond.notify_all()
-        for conn in self.conns:
-            try:
-                send_message(conn, None)
-            except (OSError, ValueError):
-                pass
-        for w in self.workers:
-            w.join(timeout=5)
-            if w.is_alive():
-                w.kill()
-                w.join(timeout=5)
-        for conn in self.conns:
-            conn.close()
-        self.ring.close()
+def _accept_feed(listener: socket.socket, token: bytes, pump: Pump, first: int) -> None:
+    """Thread: waits for the controller on the feed socket, checks its token, hands it over."""
+    try:
+        listener.settimeout(FEED_ACCEPT_TIMEOUT)
+        sock, _ = listener.accept()
+    except OSError:  # nobody came: the controller uses next_batch
+        return
+    finally:
+        listener.close()
+    sock.settimeout(FEED_ACCEPT_TIMEOUT)
+    try:
+        got = b""
+        while len(got) < len(token):
+            chunk = sock.recv(len(token) - len(got))
+            if not chunk:
+                break
+            got += chunk
+    except OSError:
+        got = b""
+    if not secrets.compare_digest(got, token):
+        sock.close()
+        return
+    sock.settimeout(None)
+    pump.attach_feed(sock, first)
 
 
 class LoaderHost:
@@ -242,7 +91,7 @@ class LoaderHost:
             )
             for i, (_, child) in enumerate(pipes)
         ]
-        state = _Running(ring, workers, [parent for parent, _ in pipes], sampler.num_batches)
+        state = Pump(ring, workers, [parent for parent, _ in pipes], sampler.num_batches, host)
         try:
             for w in workers:
                 w.start()
@@ -253,8 +102,7 @@ class LoaderHost:
             for _, child in pipes:
                 child.close()
         self._state = state
-        threading.Thread(target=state.schedule, args=(start, starve_timeout), daemon=True).start()
-        threading.Thread(target=state.collect, daemon=True).start()
+        state.start(start, starve_timeout)
         weakref.finalize(self, state.stop)
 
     def next_batch(self) -> dict[str, Any] | None:
@@ -297,9 +145,7 @@ class LoaderHost:
             listener.close()
             return None
         token = secrets.token_bytes(32)
-        threading.Thread(
-            target=state.feed, args=(listener, token, self._next, self.host), daemon=True
-        ).start()
+        threading.Thread(target=_accept_feed, args=(listener, token, state, self._next), daemon=True).start()
         arena = sidecar_runtime().arena
         ring = state.ring
         return {

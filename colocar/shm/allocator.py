@@ -13,6 +13,7 @@ import bisect
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 SMALL_ALIGN = 64
@@ -140,6 +141,7 @@ class Allocator:
         self._next_id = 1
         self._releases = 0  # counts lease releases, so a waiter cannot miss one (`wait_for_release`)
         self._released = threading.Condition(self._lock)
+        self._listeners: list[Callable[[], None]] = []
         self._blocks: dict[int, tuple[Block, int]] = {}  # id -> (block, bytes taken)
         self._leases: dict[int, Counter[str]] = {}
         self._owned: dict[str, set[int]] = {}
@@ -251,10 +253,22 @@ class Allocator:
         with self._lock:
             self._note_release()
 
+    def add_release_listener(self, listener: Callable[[], None]) -> None:
+        """Calls `listener()` whenever `wait_for_release` callers would wake; it runs under the
+        allocator's lock, so it must be quick and must not call the allocator (write to a pipe)."""
+        with self._lock:
+            self._listeners.append(listener)
+
+    def remove_release_listener(self, listener: Callable[[], None]) -> None:
+        with self._lock:
+            self._listeners.remove(listener)
+
     def _note_release(self) -> None:
         """Lock held: a lease was dropped."""
         self._releases += 1
         self._released.notify_all()
+        for listener in self._listeners:
+            listener()
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per pool: reserved, used, peak, blocks, largest_free (bytes, alignment included)."""

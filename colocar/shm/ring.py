@@ -95,37 +95,47 @@ class SlotRing:
                 return i
         return None
 
-    def acquire(self, timeout: float, urgent: Callable[[], bool] = lambda: True) -> int:
-        """A free slot's index, now WRITING; waits up to `timeout` seconds for one to come back
-        (woken by the allocator when a consumer drops a lease, by `abandon` or by `nudge`).
+    def try_acquire(self, urgent: bool = True) -> int | None:
+        """A free slot's index, now WRITING, or None.
 
-        While `urgent()` is False (the caller still has work queued) a borrower gives slots
-        back on the board without signalling, and the caller `nudge`s the ring when it wants
-        a look; once urgent, the board asks the borrower to signal each slot it gives back.
+        Not `urgent` (the caller still has work queued): a borrower gives slots back on the
+        board without signalling, and the caller looks again when it likes. Urgent and none
+        free: the board asks the borrower to signal (`reclaim_lent`) each slot it gives back.
         """
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the ring is closed")
+            i = self._take_free()
+            if i is None and urgent:  # from now on a borrower that gives a slot back signals
+                self._board[WAITING] = 1
+                with FENCE:
+                    pass
+                i = self._take_free()  # ...so look again for one given back before
+            if i is not None:
+                self._board[WAITING] = 0
+            return i
+
+    def acquire(self, timeout: float) -> int:
+        """A free slot's index, now WRITING; waits up to `timeout` seconds for one to come back
+        (woken by the allocator when a consumer drops a lease, by `abandon` or by `nudge`)."""
         deadline = time.monotonic() + timeout
         while True:
             seen = self._allocator.releases()
-            with self._lock:
-                if self._closed:
-                    raise RuntimeError("the ring is closed")
-                i = self._take_free()
-                if i is None and urgent():  # from now on a borrower that gives a slot back signals
-                    self._board[WAITING] = 1
-                    with FENCE:
-                        pass
-                    i = self._take_free()  # ...so look again for one given back before
-                if i is not None:
-                    self._board[WAITING] = 0
-                    return i
+            i = self.try_acquire()
+            if i is not None:
+                return i
             if time.monotonic() > deadline:
-                self._board[WAITING] = 0
-                raise RingStarvedError(
-                    f"no free slot among {len(self)} for {timeout:.0f} s: the consumer still holds "
-                    "every batch of the ring (keep fewer batches alive, or raise prefetch)"
-                )
+                raise self.starved(timeout)
             wait = min(RECHECK_SECONDS, deadline - time.monotonic())
             self._allocator.wait_for_release(seen, max(0.0, wait))
+
+    def starved(self, seconds: float) -> RingStarvedError:
+        """The error for a wait of `seconds` with no slot given back."""
+        self._board[WAITING] = 0
+        return RingStarvedError(
+            f"no free slot among {len(self)} for {seconds:.0f} s: the consumer still holds "
+            "every batch of the ring (keep fewer batches alive, or raise prefetch)"
+        )
 
     def publish(self, i: int) -> np.ndarray:
         """An exact uint8 view of slot i for the consumer; the slot stays leased while it lives."""
