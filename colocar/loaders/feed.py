@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from colocar.controller_bridge.cluster import Host
+from colocar.errors import HostLostError
 from colocar.shm import ndarray_view
 from colocar.shm.ring import FENCE, WAITING, board_words
 
@@ -181,9 +182,6 @@ class _Feed:
     def next_batch(self, k: int) -> tuple[dict[str, list[np.ndarray]], int] | None:
         """Batch k: its per-device views by field (`placed` order) and its count of bad
         records; None at the end of the data."""
-        from colocar.errors import HostLostError
-
-        self.flush()
         if self._ended:
             return None
         conn = self._conn
@@ -215,8 +213,7 @@ class _Feed:
         if got != k:
             raise RuntimeError(f"{self.host.name} fed batch {got}, expected {k}")
         entry = self._cache.get(slot) or self._views(slot)
-        with self._send_lock:
-            self._outstanding += 1
+        self._outstanding += 1  # no lock: only `flush` after `close` runs in other threads
         self._held.append(slot)
         return entry[0], bad
 

@@ -136,6 +136,7 @@ class DataIterator:
             open_feed(obj, host, layout, placed)
             for obj, (host, layout, placed) in zip(self._remote, self._plan, strict=True)
         ]
+        self._fed = [feed for feed in self._feeds if feed is not None]
 
     def _batched_put_order(self) -> tuple[dict[str, list[int]], Any] | None:
         """How `__next__` can put a field's per-device views in one call, or None (device_put).
@@ -144,9 +145,10 @@ class DataIterator:
         order; it is internal API, so any mismatch (devices, dtypes JAX would convert, another
         JAX version) falls back to the public path.
         """
-        try:
-            from jax._src.interpreters.pxla import batched_device_put
+        try:  # the C++ behind jax._src.interpreters.pxla.batched_device_put, minus its checks
+            from jax._src.lib import xla_client
 
+            batched_device_put = xla_client.batched_device_put
             _ = jax.core.ShapedArray
         except (ImportError, AttributeError):
             return None
@@ -191,7 +193,7 @@ class DataIterator:
         back the slots nothing references. Without it, a young-generation collection, run only
         when a dropped batch still pins a slot, does the same.
         """
-        feeds = [feed for feed in self._feeds if feed is not None]
+        feeds = self._fed
         if self._collect_garbage is not None:
             self._collect_garbage()
             for feed in feeds:
@@ -308,10 +310,9 @@ class DataIterator:
         collect = getattr(self, "_collect_garbage", None)
         if collect is not None:
             collect()  # so that each feed's close() sees which slots are still held
-        for feed in getattr(self, "_feeds", ()):
-            if feed is not None:
-                feed.close()
-        self._feeds = []
+        for feed in getattr(self, "_fed", ()):
+            feed.close()
+        self._feeds, self._fed = [], []
         for obj in self._remote:
             try:
                 obj.close()
