@@ -173,6 +173,34 @@ def test_a_batch_held_across_close_stays_valid_then_frees_its_slots(two_hosts):
     wait_for(lambda: used() == baseline, "the held batch's slots to be freed")
 
 
+def test_a_full_ring_asks_for_signals_and_goes_on_as_slots_come_back(two_hosts):
+    """While every worker has work queued, slots come back on the ring's board unannounced;
+    once a worker idles for want of a slot (the consumer is slower), the board's flag asks the
+    controller to signal each slot it gives back, and the pipeline goes on in order."""
+    from colocar.shm.ring import WAITING
+
+    c = two_hosts.make_current()
+    with loaders.load(config(prefetch=2, num_epochs=None), c) as it:
+        held = next(it)
+        feeds = it._fed
+        assert len(feeds) == 2  # the controller maps both arenas: batches come over feeds
+        wait_for(lambda: all(feed._board[WAITING] == 1 for feed in feeds), "both rings to wait")
+        del held
+        got = []
+        for _ in range(6):
+            got.append(labels(next(it)))
+            wait_for(lambda: all(feed._board[WAITING] == 1 for feed in feeds), "the rings to fill again")
+        assert got == [expected_labels(k, num_epochs=None) for k in range(1, 7)]
+
+
+def test_batches_come_by_calls_when_the_controller_does_not_map_the_arena(grpc_cluster):
+    """Without shared memory each batch is a call (its slot copied over gRPC); a 2-slot ring
+    refills as each call's slot is let go in the sidecar, many times over."""
+    with loaders.load(config(prefetch=2), grpc_cluster) as it:
+        assert it._fed == []
+        assert [labels(b) for b in it] == [expected_labels(k) for k in range(2 * (N // B))]
+
+
 def test_a_ring_starved_by_held_batches_raises(two_hosts):
     c = two_hosts.make_current()
     with loaders.load(config(prefetch=2, num_epochs=None), c, starve_timeout=2) as it:
