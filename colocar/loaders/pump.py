@@ -126,7 +126,7 @@ class Pump:
         selector.register(self._wake_r, selectors.EVENT_READ, "wake")
         for w, conn in enumerate(self.conns):
             selector.register(conn.fileno(), selectors.EVENT_READ, w)
-        allocator = self.ring._allocator
+        allocator = self.ring.allocator
         allocator.add_release_listener(self._on_release)
         self._next_task = first
         try:

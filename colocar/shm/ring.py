@@ -75,6 +75,10 @@ class SlotRing:
     def __len__(self) -> int:
         return len(self.blocks)
 
+    @property
+    def allocator(self) -> Allocator:
+        return self._allocator
+
     def _reclaim(self) -> None:
         """Lock held: slots whose consumers let go become free."""
         board = self._board
