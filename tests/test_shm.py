@@ -441,9 +441,8 @@ def test_shm_does_not_import_jax():
 
 
 def test_slot_ring_waits_for_its_consumer_and_reuses_slots(shm_dir):
-    """A full ring's `acquire` returns the slot a consumer lets go (woken by the release, no
-    polling) or one given back unpublished (woken by `abandon`), and says it starved when
-    nothing comes back."""
+    """A full ring's `acquire` returns the slot a consumer lets go (woken by the release) or one
+    given back unpublished (woken by `abandon`), and says it starved when nothing comes back."""
     from colocar.shm.ring import RingStarvedError
     from colocar.sidecar.blocks import SidecarArena
 

@@ -242,7 +242,7 @@ class Allocator:
 
     def wait_for_release(self, since: int, timeout: float) -> None:
         """Waits up to `timeout` s until a lease is dropped after `releases()` returned `since`
-        (at once if one was already): how a slot ring waits for its consumer without polling."""
+        (at once if one was already): how a slot ring waits for its consumer."""
         with self._lock:
             if self._releases == since:
                 self._released.wait(timeout)
