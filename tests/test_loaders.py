@@ -265,6 +265,59 @@ def test_hung_sidecar_raises_host_lost():
         it.close()
 
 
+# A training process (argv: its sidecar's address, the token file) that holds two batches, i.e.
+# two slots lent to it, says where its pipeline's workers are, and waits to be killed.
+HOLDING_CONTROLLER = """
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import colocar
+from colocar import loaders
+cluster = colocar.connect([sys.argv[1]], token_file=sys.argv[2], lease_seconds=2)
+config = {"source": {"kind": "range", "n": 1000}, "global_batch_size": 16, "num_epochs": None,
+          "prefetch": 3, "workers_per_host": 1}
+it = loaders.load(config, cluster)
+held = [next(it), next(it)]
+assert it._fed, "the batches should come over a feed"
+print(*it._remote[0].worker_pids(), flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_killed_controller_gets_its_lent_slots_freed_and_workers_stopped(make_cluster):
+    """A training process killed while it holds batches (slots lent over its feed) never gives
+    them back; its sidecar frees them all and stops the pipeline's workers anyway."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    sidecars = make_cluster(hosts=1, persist=True)
+    host = sidecars.hosts[0]
+    used = lambda: host.stats()["pools"]["default"]["used"]  # noqa: E731
+    baseline = used()
+    controller = subprocess.Popen(
+        [sys.executable, "-c", HOLDING_CONTROLLER, host.address, sidecars.token_file],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = controller.stdout.readline()
+        assert line.strip(), controller.stderr.read()[-3000:]
+        workers = [int(pid) for pid in line.split()]
+        assert used() > baseline and all(psutil.pid_exists(pid) for pid in workers)
+        controller.kill()
+        controller.wait(timeout=30)
+        wait_for(lambda: used() == baseline, "the dead controller's slots to be freed")
+        wait_for(lambda: not any(psutil.pid_exists(pid) for pid in workers), "its workers to stop")
+    finally:
+        if controller.poll() is None:
+            controller.kill()
+            controller.wait(timeout=30)
+
+
 def test_close_after_an_early_break_stops_workers_and_frees_slots(two_hosts):
     import psutil
 
