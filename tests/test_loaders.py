@@ -195,10 +195,15 @@ def test_a_full_ring_asks_for_signals_and_goes_on_as_slots_come_back(two_hosts):
 
 def test_batches_come_by_calls_when_the_controller_does_not_map_the_arena(grpc_cluster):
     """Without shared memory each batch is a call (its slot copied over gRPC); a 2-slot ring
-    refills as each call's slot is let go in the sidecar, many times over."""
+    refills as each call's slot is let go in the sidecar, many times over; a bad record's error
+    names batch, host and record as over a feed."""
     with loaders.load(config(prefetch=2), grpc_cluster) as it:
         assert it._fed == []
         assert [labels(b) for b in it] == [expected_labels(k) for k in range(2 * (N // B))]
+    transforms = [{"kind": "map", "fn": explode_on_seven}, {"kind": "map", "fn": features}]
+    with loaders.load(config(transforms=transforms, shuffle=False), grpc_cluster) as it:
+        with pytest.raises(Exception, match=r"batch 0 on host0: .*record 7"):
+            next(it)
 
 
 def test_a_ring_starved_by_held_batches_raises(two_hosts):

@@ -27,7 +27,7 @@ import time
 import weakref
 from typing import Any
 
-from .pump import PipelineError, Pump
+from .pump import Pump
 
 FEED_ACCEPT_TIMEOUT = 30.0
 
@@ -115,13 +115,7 @@ class LoaderHost:
         message = state.wait(k)
         if message is None:  # closed
             return None
-        if message[0] == "error":
-            _, _, slot, text, tb = message
-            state.ring.abandon(slot)
-            raise PipelineError(f"batch {k} on {self.host}: {text}\n{tb}")
-        _, _, slot, bad = message
-        state.bad_records += bad
-        state.produced += 1
+        slot = state.take(k, message)
         self._next = k + 1
         return {"k": k, "slot": state.ring.publish(slot), "bad_records": state.bad_records}
 

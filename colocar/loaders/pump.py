@@ -80,6 +80,18 @@ class Pump:
                 self.cond.wait(0.5)
             return self.done.pop(k)
 
+    def take(self, k: int, message: tuple) -> int:
+        """Batch k's slot from its worker's report (counted as produced); a failed batch gives
+        its slot back and raises PipelineError naming the batch, host and record."""
+        if message[0] == "error":
+            _, _, slot, text, tb = message
+            self.ring.abandon(slot)
+            raise PipelineError(f"batch {k} on {self.host}: {text}\n{tb}")
+        _, _, slot, bad = message
+        self.bad_records += bad
+        self.produced += 1
+        return int(slot)
+
     def attach_feed(self, sock: socket.socket, first: int) -> None:
         """From now on the pump sends batches `first, first + 1, ...` over `sock`."""
         with self.cond:
@@ -233,14 +245,11 @@ class Pump:
                 if self.failure:
                     self._send(k, tail=("error", f"batch {k} on {self.host}: {self.failure}"))
                 return
-            if message[0] == "error":
-                _, _, slot, text, tb = message
-                self.ring.abandon(slot)
-                self._send(k, tail=("error", f"batch {k} on {self.host}: {text}\n{tb}"))
+            try:
+                slot = self.take(k, message)
+            except PipelineError as e:
+                self._send(k, tail=("error", str(e)))
                 return
-            _, _, slot, bad = message
-            self.bad_records += bad
-            self.produced += 1
             if not self.ring.lend(slot) or not self._send(k, slot):
                 self.ring.return_lent()  # the controller is gone
                 self._feed_over = True
