@@ -226,7 +226,7 @@ def run(quick: bool, repeats: int) -> dict:
     rounds = max(3, min(repeats, 3)) if quick else max(5, repeats)
     files, per_file = (2, 128) if quick else (2, 256)
     warmup = {"transfer": 8, "compute": 4} if quick else {"transfer": 10, "compute": 6}
-    batches = {"transfer": 30, "compute": 8} if quick else {"transfer": 80, "compute": 20}
+    batches = {"transfer": 30, "compute": 8} if quick else {"transfer": 200, "compute": 40}
 
     mesh = jax.sharding.Mesh(np.array(devices), ("data",))
     shardings = {
