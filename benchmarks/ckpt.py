@@ -96,7 +96,8 @@ def _shm_dirs() -> list[str]:
 def _sampler_main() -> None:
     """Runs in its own process: samples the memory of the tree under `argv[1]` (excluding
     itself) every `argv[2]` s; each line "dump" on stdin answers the samples since the last dump
-    as a JSON list of [monotonic time, PSS bytes, unmapped shm bytes]; EOF ends it."""
+    as a JSON list of [monotonic time the sample began, PSS bytes, unmapped shm bytes]; EOF
+    ends it. (The time is taken before the reads: niced on busy cores, a sample can take long.)"""
     import psutil
 
     root, interval = psutil.Process(int(sys.argv[1])), float(sys.argv[2])
@@ -117,9 +118,11 @@ def _sampler_main() -> None:
         ours: set[str] = set()
         procs: list[Any] = []
         unmapped = 0
-        n = 0
+        listed = float("-inf")
         while not stop.wait(interval):
-            if n % 5 == 0:  # the process list and the shm files every ~100 ms
+            began = time.monotonic()
+            if began - listed >= 5 * interval:  # the process list and the shm files every ~100 ms
+                listed = began
                 procs = tree()
                 if not procs:
                     stop.set()
@@ -148,7 +151,6 @@ def _sampler_main() -> None:
                         unmapped += os.stat(path).st_blocks * 512
                     except OSError:
                         pass
-            n += 1
             pss = 0
             for p in procs:
                 try:
@@ -156,7 +158,7 @@ def _sampler_main() -> None:
                 except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                     pass
             with lock:
-                samples.append([time.monotonic(), pss, unmapped])
+                samples.append([began, pss, unmapped])
 
     thread = threading.Thread(target=loop, daemon=True)
     thread.start()
@@ -215,21 +217,27 @@ class _Memory:
             pass
         start = time.monotonic()
         time.sleep(seconds)
-        return statistics.median(self.window(start, time.monotonic(), all_=True) or [self.last()])
-
-    def last(self) -> float:
-        self._pull()
-        return self._samples[-1][1] + self._samples[-1][2] if self._samples else 0.0
+        return statistics.median(self.window(start, time.monotonic(), all_=True))
 
     def window(self, t0: float, t1: float, all_: bool = False) -> Any:
-        """The samples' totals between `t0` and `t1` (their peak unless `all_`)."""
-        time.sleep(2 * SAMPLE_SECONDS)  # the sample covering t1
+        """The samples' totals between `t0` and `t1` (their peak unless `all_`).
+
+        The sampler is niced, so on busy cores it can lag a whole window behind: this waits
+        for its first sample begun after `t1`, which stands in for the window if none began
+        inside it (a lower bound of the peak, never the 0 of an empty list)."""
+        end = t1 + SAMPLE_SECONDS
+        deadline = time.monotonic() + 60.0
         self._pull()
-        totals = [pss + shm for t, pss, shm in self._samples if t0 <= t <= t1 + SAMPLE_SECONDS]
-        self._samples = [s for s in self._samples if s[0] > t1 + SAMPLE_SECONDS]
-        if all_:
-            return totals
-        return max(totals) if totals else self.last()
+        while not self._samples or self._samples[-1][0] <= end:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the memory sampler took no sample for 60 s")
+            time.sleep(2 * SAMPLE_SECONDS)
+            self._pull()
+        totals = [pss + shm for t, pss, shm in self._samples if t0 <= t <= end]
+        if not totals:
+            totals = [next(pss + shm for t, pss, shm in self._samples if t > end)]
+        self._samples = [s for s in self._samples if s[0] > end]
+        return totals if all_ else max(totals)
 
     def close(self) -> None:
         try:
