@@ -6,6 +6,7 @@ the final check (no arena file, no sidecar process left) is exact.
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import tempfile
@@ -20,6 +21,7 @@ import pytest  # noqa: E402
 _base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 SHM_DIR = tempfile.mkdtemp(prefix=f"colocar-test-{os.getpid()}-", dir=_base)
 os.environ["COLOCAR_SHM_DIR"] = SHM_DIR
+atexit.register(shutil.rmtree, SHM_DIR, True)  # also when pytest stops before the session ends
 
 MiB = 1 << 20
 TEST_ARENA = 64 * MiB
