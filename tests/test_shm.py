@@ -441,38 +441,40 @@ def test_shm_does_not_import_jax():
 
 
 def test_slot_ring_waits_for_its_consumer_and_reuses_slots(shm_dir):
-    """A full ring's `acquire` returns the slot a consumer lets go (woken by the release) or one
-    given back unpublished (woken by `abandon`), and says it starved when nothing comes back."""
+    """A full ring has no slot until a consumer lets go of one (the allocator's release listener
+    fires, as the pump waits for it) or one is given back unpublished (`abandon`), and names the
+    starvation when nothing comes back."""
     from colocar.shm.ring import RingStarvedError
     from colocar.sidecar.blocks import SidecarArena
 
     arena = SidecarArena(shm_dir, MiB, label="ringtest")
     ring = arena.ring(2, 4096)
+    released = threading.Event()
+    arena.allocator.add_release_listener(released.set)
     try:
-        first, second = ring.acquire(timeout=0), ring.acquire(timeout=0)
+        first, second = ring.try_acquire(), ring.try_acquire()
         held = ring.publish(first)
         held[:] = 7
-        with pytest.raises(RingStarvedError, match="no free slot among 2"):
-            ring.acquire(timeout=0.2)
-        got: list[int] = []
-        waiter = threading.Thread(target=lambda: got.append(ring.acquire(timeout=60)))
-        waiter.start()
-        del held  # the consumer drops the batch: its lease goes, the waiter gets the slot
-        waiter.join(60)
-        assert got == [first]
-        waiter = threading.Thread(target=lambda: got.append(ring.acquire(timeout=60)))
-        waiter.start()
+        assert ring.try_acquire() is None
+        starved = ring.starved(0.2)
+        assert isinstance(starved, RingStarvedError) and "no free slot among 2" in str(starved)
+        released.clear()
+        del held  # the consumer drops the batch: its lease goes, the listener fires
+        assert released.wait(60)
+        assert ring.try_acquire() == first
+        released.clear()
         ring.abandon(second)  # a slot given back without being published
-        waiter.join(60)
-        assert got == [first, second]
+        assert released.wait(60)
+        assert ring.try_acquire() == second
     finally:
+        arena.allocator.remove_release_listener(released.set)
         ring.close()
         arena.close()
 
 
 def test_slot_ring_lends_slots_given_back_on_its_board(shm_dir):
     """A borrower gives lent slots back by bumping the board: silently while the ring's user
-    has work queued (the next look finds the slot), with a signal once `acquire` waits (the
+    has work queued (the next look finds the slot), with a signal once its user waits (the
     board's flag says so). Lent slots outlive `close` until given back; `return_lent` (the
     borrower is gone) frees them all and refuses further lending."""
     from colocar.shm import ndarray_view
@@ -484,20 +486,20 @@ def test_slot_ring_lends_slots_given_back_on_its_board(shm_dir):
     board = ndarray_view(arena.arena, ring.board_block.offset, (board_words(2),), np.int64)  # the borrower's
     leases = lambda i: arena.allocator.leases(ring.blocks[i].id)  # noqa: E731
     try:
-        first, second = ring.acquire(timeout=0), ring.acquire(timeout=0)
+        first, second = ring.try_acquire(), ring.try_acquire()
         assert ring.lend(first) and ring.lend(second)
         board[1 + first] += 1  # given back silently: a look finds it, no signal needed
         assert ring.try_acquire(urgent=False) == first
         assert ring.try_acquire(urgent=False) is None and board[WAITING] == 0  # no signal wanted
         assert ring.try_acquire(urgent=True) is None and board[WAITING] == 1  # now one is
 
-        got: list[int] = []
-        waiter = threading.Thread(target=lambda: got.append(ring.acquire(timeout=60)))
-        waiter.start()
+        released = threading.Event()
+        arena.allocator.add_release_listener(released.set)
         board[1 + second] += 1
-        ring.reclaim_lent()  # the borrower's signal
-        waiter.join(60)
-        assert got == [second] and board[WAITING] == 0
+        ring.reclaim_lent()  # the borrower's signal wakes the waiting user
+        assert released.wait(60)
+        arena.allocator.remove_release_listener(released.set)
+        assert ring.try_acquire() == second and board[WAITING] == 0
 
         assert ring.lend(first)
         ring.close()

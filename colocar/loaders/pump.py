@@ -23,9 +23,9 @@ import threading
 import time
 from typing import Any
 
-from colocar.shm.ring import RECHECK_SECONDS
-
 from .worker import receive_message, send_message
+
+RECHECK_SECONDS = 0.05  # a pump waiting for a slot reads the board this often, should a signal be lost
 
 # sidecar -> controller: (bytes of a pickled tail, batch number, slot, bad records so far); a
 # batch has no tail (the common message, no pickling), "end" and "error" carry one.

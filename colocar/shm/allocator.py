@@ -139,8 +139,6 @@ class Allocator:
             )
         self._pools[DEFAULT_POOL] = _Pool(DEFAULT_POOL, cursor, remainder, self._lock)
         self._next_id = 1
-        self._releases = 0  # counts lease releases, so a waiter cannot miss one (`wait_for_release`)
-        self._released = threading.Condition(self._lock)
         self._listeners: list[Callable[[], None]] = []
         self._blocks: dict[int, tuple[Block, int]] = {}  # id -> (block, bytes taken)
         self._leases: dict[int, Counter[str]] = {}
@@ -236,26 +234,16 @@ class Allocator:
             self._note_release()
             return freed
 
-    def releases(self) -> int:
-        """How many times a lease was dropped so far (pass it to `wait_for_release`)."""
-        return self._releases
-
-    def wait_for_release(self, since: int, timeout: float) -> None:
-        """Waits up to `timeout` s until a lease is dropped after `releases()` returned `since`
-        (at once if one was already): how a slot ring waits for its consumer."""
-        with self._lock:
-            if self._releases == since:
-                self._released.wait(timeout)
-
-    def wake_waiters(self) -> None:
-        """Wakes `wait_for_release` callers without a lease dropped (a slot ring got back a
-        slot it never published)."""
+    def notify_release_listeners(self) -> None:
+        """Calls the release listeners without a lease dropped (a slot ring got back a slot it
+        never published, or a borrower gave slots back)."""
         with self._lock:
             self._note_release()
 
     def add_release_listener(self, listener: Callable[[], None]) -> None:
-        """Calls `listener()` whenever `wait_for_release` callers would wake; it runs under the
-        allocator's lock, so it must be quick and must not call the allocator (write to a pipe)."""
+        """Calls `listener()` whenever a lease is dropped (how a slot ring's user learns that a
+        consumer let go); it runs under the allocator's lock, so it must be quick and must not
+        call the allocator (write to a pipe)."""
         with self._lock:
             self._listeners.append(listener)
 
@@ -265,8 +253,6 @@ class Allocator:
 
     def _note_release(self) -> None:
         """Lock held: a lease was dropped."""
-        self._releases += 1
-        self._released.notify_all()
         for listener in self._listeners:
             listener()
 

@@ -1,22 +1,23 @@
 """A ring of reusable arena slots: producers fill a free slot, consumers lease it, it comes back.
 
 Runs in the sidecar. The ring holds one lease on each slot's block for its whole life. A slot
-handed out by `acquire` is being written; once `publish`ed, an exact numpy view of it goes to
+handed out by `try_acquire` is being written; once `publish`ed, an exact numpy view of it goes to
 the consumer (returning it from a shipped function shares the block, no copy), which adds
 leases of its own. The slot is free again when the ring's lease is the only one left: the
 consumer dropped every array built on it (also arrays that alias it, such as a `jax.Array`
-made by `device_put` on CPU). Blocks are allocated once and reused, never re-faulted.
+made by `device_put` on CPU). Blocks are allocated once and reused, never re-faulted. A user
+that found no free slot waits on the allocator's release listeners (`add_release_listener`),
+which fire when a consumer drops a lease or the ring is `nudge`d.
 
 A consumer in another process that maps the arena can instead borrow slots (`lend`) and give
 them back through the ring's **board**, a few int64 words in the arena: it bumps the slot's
-word, and signals the ring (`reclaim_lent`) only while `acquire` waits, which the board's first
-word says. A batch then costs the consumer no message at all while the ring has free slots.
+word, and signals the ring (`reclaim_lent`) only while its user waits for a slot, which the
+board's first word says. A batch then costs the consumer no message at all while the ring has free slots.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 
 import numpy as np
@@ -25,8 +26,7 @@ from .allocator import Allocator, Block
 
 _ids = iter(range(1, 1 << 62))
 
-WAITING = 0  # board word: 1 while `acquire` waits for a slot; then word 1 + i counts slot i's returns
-RECHECK_SECONDS = 0.05  # a waiting `acquire` reads the board this often, should a signal be lost
+WAITING = 0  # board word: 1 while the user waits for a slot; then word 1 + i counts slot i's returns
 FENCE = threading.Lock()  # `with FENCE: pass` is a full memory barrier (a locked instruction) on x86
 
 
@@ -119,20 +119,6 @@ class SlotRing:
                 self._board[WAITING] = 0
             return i
 
-    def acquire(self, timeout: float) -> int:
-        """A free slot's index, now WRITING; waits up to `timeout` seconds for one to come back
-        (woken by the allocator when a consumer drops a lease, by `abandon` or by `nudge`)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            seen = self._allocator.releases()
-            i = self.try_acquire()
-            if i is not None:
-                return i
-            if time.monotonic() > deadline:
-                raise self.starved(timeout)
-            wait = min(RECHECK_SECONDS, deadline - time.monotonic())
-            self._allocator.wait_for_release(seen, max(0.0, wait))
-
     def starved(self, seconds: float) -> RingStarvedError:
         """The error for a wait of `seconds` with no slot given back."""
         self._board[WAITING] = 0
@@ -151,7 +137,7 @@ class SlotRing:
 
     def lend(self, i: int) -> bool:
         """Hands slot i to a borrower that maps the arena: it stays leased until the borrower
-        bumps board word 1 + i (`reclaim_lent` or the next `acquire` sees it) or `return_lent`.
+        bumps board word 1 + i (`reclaim_lent` or the next `try_acquire` sees it) or `return_lent`.
         False (nothing lent) once the ring is closed or the borrower is gone."""
         with self._lock:
             if self._closed or self._borrower_gone:
@@ -183,8 +169,8 @@ class SlotRing:
         self.nudge()
 
     def nudge(self) -> None:
-        """Wakes a waiting `acquire` to look at the ring again."""
-        self._allocator.wake_waiters()
+        """Tells the allocator's release listeners (a waiting user) to look at the ring again."""
+        self._allocator.notify_release_listeners()
 
     def in_use(self) -> int:
         """Slots being written or still held by a consumer."""
