@@ -80,7 +80,7 @@ class LoaderHost:
         ctx = multiprocess.get_context("forkserver")
         pipes = [ctx.Pipe(duplex=True) for _ in range(config.workers_per_host)]
         a = runtime.arena
-        slots = [(b.offset, b.nbytes) for b in ring.blocks]
+        self._slots = slots = [(b.offset, b.nbytes) for b in ring.blocks]
         config_bytes = cloudpickle.dumps(config)
         workers = [
             ctx.Process(
@@ -91,33 +91,33 @@ class LoaderHost:
             )
             for i, (_, child) in enumerate(pipes)
         ]
-        state = Pump(ring, workers, [parent for parent, _ in pipes], sampler.num_batches, host)
+        pump = Pump(ring, workers, [parent for parent, _ in pipes], sampler.num_batches, host)
         try:
             for w in workers:
                 w.start()
         except BaseException:
-            state.stop()
+            pump.stop()
             raise
         finally:
             for _, child in pipes:
                 child.close()
-        self._state = state
-        state.start(start, starve_timeout)
-        weakref.finalize(self, state.stop)
+        self._pump = pump
+        pump.start(start, starve_timeout)
+        weakref.finalize(self, pump.stop)
 
     def next_batch(self) -> dict[str, Any] | None:
         """The next finished batch, in order: {"k", "slot" (an exact arena view), "bad_records"};
         None at the end. Returning the view shares the slot's block with the caller, no copy."""
-        state = self._state
+        pump = self._pump
         k = self._next
-        if state.num_batches is not None and k >= state.num_batches:
+        if pump.num_batches is not None and k >= pump.num_batches:
             return None
-        message = state.wait(k)
+        message = pump.wait(k)
         if message is None:  # closed
             return None
-        slot = state.take(k, message)
+        slot = pump.take(k, message)
         self._next = k + 1
-        return {"k": k, "slot": state.ring.publish(slot), "bad_records": state.bad_records}
+        return {"k": k, "slot": pump.ring.publish(slot), "bad_records": pump.bad_records}
 
     def open_feed(self) -> dict[str, Any] | None:
         """A feed socket for a controller on this host (see the module docstring), or None.
@@ -129,7 +129,7 @@ class LoaderHost:
         """
         from colocar.shm.context import sidecar_runtime
 
-        state = self._state
+        pump = self._pump
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         name = f"\0colocar-feed-{os.getpid()}-{secrets.token_hex(8)}"
         try:
@@ -139,32 +139,32 @@ class LoaderHost:
             listener.close()
             return None
         token = secrets.token_bytes(32)
-        threading.Thread(target=_accept_feed, args=(listener, token, state, self._next), daemon=True).start()
+        threading.Thread(target=_accept_feed, args=(listener, token, pump, self._next), daemon=True).start()
         arena = sidecar_runtime().arena
-        ring = state.ring
+        ring = pump.ring
         return {
             "address": name,
             "token": token,
             "nonce": arena.nonce,
-            "slots": [(b.offset, b.nbytes) for b in ring.blocks],
+            "slots": self._slots,
             "board": ring.board_block.offset,
         }
 
     def stats(self) -> dict[str, Any]:
-        state = self._state
-        elapsed = max(time.monotonic() - state.started, 1e-9)
+        pump = self._pump
+        elapsed = max(time.monotonic() - pump.started, 1e-9)
         return {
             "host": self.host,
-            "batches": state.produced,
-            "batches_per_second": state.produced / elapsed,
-            "ring_slots": len(state.ring),
-            "ring_in_use": state.ring.in_use(),
-            "bad_records": state.bad_records,
-            "workers_alive": sum(w.is_alive() for w in state.workers),
+            "batches": pump.produced,
+            "batches_per_second": pump.produced / elapsed,
+            "ring_slots": len(pump.ring),
+            "ring_in_use": pump.ring.in_use(),
+            "bad_records": pump.bad_records,
+            "workers_alive": sum(w.is_alive() for w in pump.workers),
         }
 
     def worker_pids(self) -> list[int]:
-        return [w.pid for w in self._state.workers]
+        return [w.pid for w in self._pump.workers]
 
     def close(self) -> None:
-        self._state.stop()
+        self._pump.stop()
