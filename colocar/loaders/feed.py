@@ -96,15 +96,12 @@ class _Feed:
             if free:
                 for slot in free:
                     held.remove(slot)
-                self._release_many(free)
+                self._pending.extend(free)
+                self.flush()
 
     def busy(self) -> bool:
         """True while a slot handed out is still referenced (after a poll)."""
         return bool(self._held)
-
-    def _release_many(self, slots: list[int]) -> None:
-        self._pending.extend(slots)
-        self.flush()
 
     def _release(self, slot: int) -> None:
         """A GC finalizer (any thread, must not block): queue, and send if nobody is sending."""
