@@ -78,6 +78,13 @@ def _holder_of(array: np.ndarray) -> _Holder | None:
     return base if isinstance(base, _Holder) else None
 
 
+def reach(array: np.ndarray) -> weakref.ref | None:
+    """A weak reference to the arena view ``array`` derives from: dead once no array over that
+    view is alive in this process, i.e. nothing here can read or write it any more."""
+    holder = _holder_of(array)
+    return None if holder is None else weakref.ref(holder)
+
+
 def block_of(array: np.ndarray) -> tuple[Arena, int, int] | None:
     """(arena, offset, nbytes) if ``array`` is C-contiguous over a whole ndarray_view region."""
     if not isinstance(array, np.ndarray) or not array.flags.c_contiguous:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 import threading
+import weakref
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -29,8 +31,18 @@ from colocar.shm import (
 )
 from colocar.shm.reclaim import Reclaimer
 from colocar.shm.ring import SlotRing
+from colocar.shm.views import reach
 
 VIEW_OWNER = "view"
+
+
+@dataclass
+class Encoded:
+    """A payload whose shared blocks (index in `payload.blocks`, reach of the sharing view) may
+    still be reachable from this process; see `SidecarArena.hand_over`."""
+
+    payload: pb.Payload
+    shared: list[tuple[int, weakref.ref | None]] = field(default_factory=list)
 
 
 class BoundsError(ValueError):
@@ -131,27 +143,61 @@ class SidecarArena:
             )
         return block
 
-    def encode(self, value: Any, owner: str, what: str = "result", timeout: float = 0.0) -> pb.Payload:
-        """Pickles a value; its large arrays end up in blocks leased to `owner` (one copy at most)."""
-        descs: list[pb.BlockDesc] = []
+    def encode(self, value: Any, owner: str, what: str = "result", timeout: float = 0.0) -> Encoded:
+        """Pickles a value; its large arrays end up in blocks leased to `owner` (one copy at most).
+
+        An array that is already a whole local view shares its block. Whether that is safe is
+        only known once the caller has dropped `value`: finish with `hand_over`.
+        """
+        encoded = Encoded(pb.Payload())
 
         def sink(array: np.ndarray) -> int:
             block_id = self.block_of_view(array)
             if block_id is not None:  # already in the arena: share the block, copy nothing
                 block = self.allocator.acquire(block_id, owner)
+                encoded.shared.append((len(encoded.payload.blocks), reach(array)))
             else:
                 block = self.allocator.allocate(array.nbytes, owner=owner, timeout=timeout)
                 copy_into(self.arena, block.offset, array)
-            descs.append(pb.BlockDesc(id=block.id, offset=block.offset, nbytes=array.nbytes))
-            return len(descs) - 1
+            encoded.payload.blocks.append(pb.BlockDesc(id=block.id, offset=block.offset, nbytes=array.nbytes))
+            return len(encoded.payload.blocks) - 1
 
         try:
-            data = serialization.dumps(value, sink, what=what)
+            encoded.payload.pickle = serialization.dumps(value, sink, what=what)
         except BaseException:
-            for desc in descs:
-                self.allocator.release(desc.id, owner)
+            self.discard(encoded, owner)
             raise
-        return pb.Payload(pickle=data, blocks=descs)
+        return encoded
+
+    def hand_over(self, encoded: Encoded, owner: str, timeout: float = 0.0) -> pb.Payload:
+        """The payload to send, once the caller dropped its references to the encoded value.
+
+        A shared block that some array in this process still reaches (an object or a cache kept
+        it, a generator's frame holds it) could be written after the caller got it, changing a
+        returned `jax.Array`: such a block is copied to a fresh one first. A block nothing here
+        reaches any more goes as it is (a fresh `colocar.shm.empty` result, a returned input).
+        """
+        blocks = encoded.payload.blocks
+        try:
+            for index, view in encoded.shared:
+                if view is None or view() is None:
+                    continue
+                old_id, old_offset, nbytes = blocks[index].id, blocks[index].offset, blocks[index].nbytes
+                new = self.allocator.allocate(nbytes, owner=owner, timeout=timeout)
+                self.arena.buffer(new.offset, nbytes)[:] = self.arena.buffer(old_offset, nbytes)
+                blocks[index].CopyFrom(pb.BlockDesc(id=new.id, offset=new.offset, nbytes=nbytes))
+                self.allocator.release(old_id, owner)
+        except BaseException:
+            self.discard(encoded, owner)
+            raise
+        encoded.shared.clear()
+        return encoded.payload
+
+    def discard(self, encoded: Encoded, owner: str) -> None:
+        """Gives back the leases an encoded value took (it will not be sent)."""
+        for desc in encoded.payload.blocks:
+            self.allocator.release(desc.id, owner)
+        del encoded.payload.blocks[:]
 
     def close(self) -> None:
         self._reclaimer.close()

@@ -232,11 +232,10 @@ class SidecarService(pb_grpc.SidecarServicer):
                     value, session.id, request.object_name, request.object_ttl_seconds
                 )
                 return pb.CallReply(object_id=object_id)
-            return pb.CallReply(
-                result=self.arena.encode(
-                    value, session.id, f"result of {request.name}", self.config.alloc_timeout_seconds
-                )
-            )
+            timeout = self.config.alloc_timeout_seconds
+            encoded = self.arena.encode(value, session.id, f"result of {request.name}", timeout)
+            del value  # what still reaches a shared block now is the sidecar's: see hand_over
+            return pb.CallReply(result=self.arena.hand_over(encoded, session.id, timeout))
         except Exception as e:  # noqa: BLE001 - the caller gets it, with its traceback
             return pb.CallReply(error=remote_error(e))
 
@@ -298,8 +297,9 @@ class SidecarService(pb_grpc.SidecarServicer):
                 except Exception as e:  # noqa: BLE001
                     yield pb.CallReply(error=remote_error(e), done=True)
                     return
-                payload = self.arena.encode(item, session.id, f"item of {request.name}")
-                yield pb.CallReply(result=payload)
+                encoded = self.arena.encode(item, session.id, f"item of {request.name}")
+                del item
+                yield pb.CallReply(result=self.arena.hand_over(encoded, session.id))
         finally:
             close = getattr(iterator, "close", None)
             if close is not None:
