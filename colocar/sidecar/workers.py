@@ -3,8 +3,9 @@
 Built on `multiprocess` (dill pickling) with the forkserver start method: the sidecar has gRPC
 threads, so it never forks itself. Each worker maps the arena (see `worker_main`); this side
 allocates blocks on the worker's behalf under a per-task owner, so whatever the worker does,
-blocks it did not return are freed when the task ends, and a worker that dies mid-call costs a
-clear error and a fresh worker, never a leak.
+blocks it did not return are freed when the task ends (unless its views outlive the call: those
+stay leased for the worker, see `worker_main`), and a worker that dies mid-call costs a clear
+error and a fresh worker, never a leak.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 import multiprocess
 
 from colocar.protocol import colocar_pb2 as pb
-from colocar.shm import ArenaFullError
+from colocar.shm import ArenaFullError, UnknownBlockError
 
 from .blocks import SidecarArena
 from .func_backend import MAX_CACHED_CODE, CodeNotFound
@@ -41,6 +42,7 @@ class _Process:
         )
         self.process.start()
         child.close()
+        self.owner = f"worker:{self.process.pid}"  # leases on blocks its views keep across calls
 
     def stop(self) -> None:
         try:
@@ -99,6 +101,7 @@ class WorkerPool:
 
     def _discard(self, worker: _Process) -> None:
         worker.stop()
+        self._arena.allocator.release_owner(worker.owner)
         with self._lock:
             self._started -= 1
             self._all.remove(worker)
@@ -128,7 +131,7 @@ class WorkerPool:
                     b"" if request.code_hash in worker.known_code else code,
                     request.name,
                     request.args.pickle,
-                    [(b.offset, b.nbytes) for b in blocks],
+                    [(b.id, b.offset, b.nbytes) for b in blocks],
                 )
             )
             while True:
@@ -147,7 +150,8 @@ class WorkerPool:
                 elif kind == "log":
                     log(message[1])
                 elif kind == "done":
-                    _, data, ids = message
+                    _, data, ids, kept, gone = message
+                    self._settle(worker, kept, gone)
                     worker.known_code.add(request.code_hash)
                     descs = []
                     for block_id in ids:
@@ -156,7 +160,8 @@ class WorkerPool:
                     self._idle.put(worker)
                     return pb.CallReply(result=pb.Payload(pickle=data, blocks=descs))
                 else:  # error
-                    _, pickled, type_name, text, tb = message
+                    _, pickled, type_name, text, tb, kept, gone = message
+                    self._settle(worker, kept, gone)
                     self._idle.put(worker)
                     error = pb.RemoteError(exception=pickled, type=type_name, message=text, traceback=tb)
                     return pb.CallReply(error=error)
@@ -165,6 +170,17 @@ class WorkerPool:
             raise
         finally:
             arena.allocator.release_owner(owner)
+
+    def _settle(self, worker: _Process, kept: list[int], gone: list[int]) -> None:
+        """Blocks the worker's views still reach stay leased for it, until it says they are gone."""
+        allocator = self._arena.allocator
+        for block_id in kept:
+            allocator.acquire(block_id, worker.owner)
+        for block_id in gone:
+            try:
+                allocator.release(block_id, worker.owner)
+            except UnknownBlockError:
+                pass
 
     @staticmethod
     def _receive(worker: _Process) -> Any:
@@ -188,3 +204,4 @@ class WorkerPool:
             workers, self._all = self._all, []
         for worker in workers:
             worker.stop()
+            self._arena.allocator.release_owner(worker.owner)
