@@ -95,16 +95,38 @@ def dumps(obj: Any, sink: ArraySink | None = None, what: str = "value") -> bytes
     if obj is None:
         return _NONE
     buffer = io.BytesIO()
+    guarded = None if sink is None else _guarded(sink)
     try:
         if _is_plain(obj, [_PLAIN_LIMIT]):
             pickler = pickle.Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL)
-            pickler.persistent_id = _array_refs(sink)  # type: ignore[method-assign]
-            pickler.dump(obj)
+            pickler.persistent_id = _array_refs(guarded)  # type: ignore[method-assign]
         else:
-            _Pickler(buffer, sink).dump(obj)
+            pickler = _Pickler(buffer, guarded)
+        pickler.dump(obj)
+        pickler.clear_memo()  # the memo must not keep the value's arrays alive
+    except _SinkError as e:
+        raise e.error from None  # the sink's own error (a full arena), not a pickling problem
     except Exception as e:
         raise SerializationError(f"cannot pickle {what}: {_describe_unpicklable(obj, e)}") from e
     return buffer.getvalue()
+
+
+class _SinkError(Exception):
+    def __init__(self, error: Exception):
+        super().__init__(str(error))
+        self.error = error
+
+
+def _guarded(sink: ArraySink) -> ArraySink:
+    """The sink, its failures marked so that `dumps` raises them as they are."""
+
+    def guarded(array: np.ndarray) -> int:
+        try:
+            return sink(array)
+        except Exception as e:
+            raise _SinkError(e) from e
+
+    return guarded
 
 
 def loads(data: bytes, source: ArraySource | None = None) -> Any:
