@@ -235,7 +235,7 @@ class ArrayCallFuture:
         for k in range(n):
             values = [t[0][k] for t in trees]
             spec = spec_leaves[k]
-            if isinstance(values[0], np.ndarray) or spec is not None:
+            if isinstance(values[0], np.ndarray | np.generic) or spec is not None:  # 0-d: a scalar
                 out.append(self._global(values, results, spec, f"output {k} of {name}"))
             elif all(_equal(v, values[0]) for v in values):
                 out.append(values[0])
