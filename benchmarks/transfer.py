@@ -12,6 +12,10 @@ earlier and no longer keeps: no copy anywhere, only the call and the descriptor;
 would be copied, since it could still write it) and `device_put_ms` (the received
 view put on a JAX CPU device; `device_put_aliased` says whether JAX kept the arena's memory
 instead of copying, by comparing `unsafe_buffer_pointer()` with the view's data pointer).
+
+On a machine with an accelerator, `accel_put_gbps` puts the received arena view on it and
+`accel_put_plain_gbps` a warm numpy array of the same size (the peer: what a trainer's own
+buffer costs); `accel_put_ratio` is the first over the second.
 """
 
 from __future__ import annotations
@@ -76,6 +80,24 @@ def _wait_used(host: Any, at_most: int, timeout: float = 10.0) -> None:
         time.sleep(0.005)
 
 
+def _put_seconds(array: np.ndarray, device: Any) -> float:
+    import jax
+
+    t0 = time.perf_counter()
+    jax.device_put(array, device).block_until_ready()
+    return time.perf_counter() - t0
+
+
+def _accel_figures(med: dict[str, float], nbytes: int, accel: Any) -> dict:
+    view, plain = nbytes / med["accel"] / 1e9, nbytes / med["accel_plain"] / 1e9
+    return {
+        "accelerator": str(accel.device_kind),
+        "accel_put_gbps": round(view, 2),
+        "accel_put_plain_gbps": round(plain, 2),
+        "accel_put_ratio": round(view / plain, 3),
+    }
+
+
 def run(quick: bool, repeats: int) -> dict:
     import jax
 
@@ -85,6 +107,7 @@ def run(quick: bool, repeats: int) -> dict:
     n = nbytes // 4
     rounds = max(3, repeats)
     cpu = jax.devices("cpu")[0]
+    accel = jax.devices()[0] if jax.default_backend() != "cpu" else None
     remote_produce = colocar.colocated(produce)
     remote_hold = colocar.colocated(hold)
     remote_view = colocar.colocated(view)
@@ -94,7 +117,8 @@ def run(quick: bool, repeats: int) -> dict:
     dst = np.empty_like(src)
     np.copyto(dst, src)  # both warm
 
-    times: dict[str, list[float]] = {"call": [], "memcpy": [], "view": [], "device_put": []}
+    names = ("call", "memcpy", "view", "device_put", "accel", "accel_plain")
+    times: dict[str, list[float]] = {name: [] for name in names}
     aliased: list[bool] = []
     with colocar.local_cluster(hosts=1, arena_size=4 * nbytes + 64 * MiB, processes=0) as cluster:
         host = cluster.hosts[0]
@@ -121,6 +145,9 @@ def run(quick: bool, repeats: int) -> dict:
             on_device.block_until_ready()
             t6 = time.perf_counter()
             aliased.append(on_device.unsafe_buffer_pointer() == held.ctypes.data)
+            if accel is not None and r > 0:
+                times["accel"].append(_put_seconds(held, accel))
+                times["accel_plain"].append(_put_seconds(src, accel))
             del on_device, held
             _wait_used(host, baseline)
             if r > 0:
@@ -130,7 +157,7 @@ def run(quick: bool, repeats: int) -> dict:
                 times["device_put"].append(t6 - t5)
         source_builds = remote_forget.on(host)()
 
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = {k: statistics.median(v) for k, v in times.items() if v}
     gbps = nbytes / med["call"] / 1e9
     memcpy_gbps = nbytes / med["memcpy"] / 1e9
     return {
@@ -149,6 +176,7 @@ def run(quick: bool, repeats: int) -> dict:
         "device_put_ms": round(med["device_put"] * 1e3, 3),
         "device_put_aliased": all(aliased),
         "source_builds": source_builds,
+        **(_accel_figures(med, nbytes, accel) if accel is not None else {}),
         "call_ms_per_round": [round(t * 1e3, 2) for t in times["call"]],
         "memcpy_ms_per_round": [round(t * 1e3, 2) for t in times["memcpy"]],
     }
