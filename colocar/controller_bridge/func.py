@@ -24,6 +24,7 @@ import numpy as np
 
 from colocar.errors import ArrayLayoutError, ColocarError
 from colocar.protocol import colocar_pb2 as pb
+from colocar.shm import holds
 
 from . import arrays
 from .calls import Call, CallFuture, RemoteIterator, ShippedCode
@@ -193,10 +194,10 @@ class ArrayCallFuture:
     def _stage(host: Host, xs: list[jax.Array], layouts: list[arrays.HostLayout]) -> list[np.ndarray]:
         """Each input's host block, built straight in the sidecar's arena when it is mapped here."""
         specs = [(layout.shape, np.dtype(x.dtype)) for x, layout in zip(xs, layouts, strict=True)]
-        if host.connection.shm and specs:
-            blocks = host.connection.empty(specs)
-        else:
-            blocks = [np.empty(shape, dtype) for shape, dtype in specs]
+        # Object-like dtypes (StringDType) cannot live in the arena: ordinary memory, pickled.
+        in_arena = [i for i, (_, dtype) in enumerate(specs) if host.connection.shm and holds(dtype)]
+        staged = iter(host.connection.empty([specs[i] for i in in_arena]) if in_arena else [])
+        blocks = [next(staged) if i in in_arena else np.empty(*spec) for i, spec in enumerate(specs)]
         for x, layout, block in zip(xs, layouts, blocks, strict=True):
             arrays.gather(x, layout, block)
         return blocks

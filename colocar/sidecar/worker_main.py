@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from colocar.protocol import serialization
-from colocar.shm import Arena, ArenaFullError, block_of, ndarray_view
+from colocar.shm import Arena, ArenaFullError, block_of, holds, ndarray_view
 from colocar.shm import context as shm_context
 
 
@@ -67,6 +67,8 @@ class _Worker:
         return block_id, offset
 
     def empty(self, shape: tuple[int, ...], dtype: np.dtype, pool: str) -> np.ndarray:
+        if not holds(dtype):  # checked before allocating: a failed view must not leak the block
+            raise TypeError(f"dtype {dtype} cannot live in the arena; use np.empty")
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         _, offset = self.allocate(nbytes, pool)
         return ndarray_view(self.arena, offset, shape, dtype)
