@@ -147,6 +147,8 @@ class ArrayCallFuture:
         options = fn._options
         name = fn._code.name
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+        leaves = [arrays.key_data(leaf) for leaf in leaves]
+        args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
         array_positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
         self._in_arrays = [leaves[i] for i in array_positions]
         if self._in_arrays:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import io
 import pickle
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -33,11 +34,15 @@ ArraySource = Callable[[int, tuple[int, ...], np.dtype], np.ndarray]
 
 
 def _as_numpy(obj: Any) -> np.ndarray | None:
-    """numpy arrays as they are; jax.Arrays (without importing jax) converted on the host."""
+    """numpy arrays as they are; jax.Arrays (without importing jax) converted on the host,
+    typed PRNG key arrays as their key data (numpy has no key dtype)."""
     if type(obj) is np.ndarray:
         return obj
     module = type(obj).__module__ or ""
     if module.startswith(("jax", "jaxlib")) and hasattr(obj, "__array__") and hasattr(obj, "shape"):
+        jax = sys.modules.get("jax")  # imported, since obj is a JAX value
+        if jax is not None and jax.dtypes.issubdtype(obj.dtype, jax.dtypes.prng_key):
+            obj = jax.random.key_data(obj)
         return np.asarray(obj)
     return None
 
