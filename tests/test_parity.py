@@ -304,7 +304,8 @@ def upper(x):
 def test_string_arrays_agree(request, clusters, processes):
     """JAX's own colocated string test: upper-case each shard of a StringDType array."""
     cluster = request.getfixturevalue(clusters)
-    strings = np.array([f"row {i}" for i in range(8)], dtype=np.dtypes.StringDType())
+    # 64 KiB of string pointers per host: each block travels pickled through an arena block
+    strings = np.array([f"row {i}" for i in range(8192)], dtype=np.dtypes.StringDType())
     x = jax.device_put(strings, NamedSharding(cluster.mesh(("data",)), P("data")))
     expected = reference.colocated_python(on_shards(upper))(x)
     got = colocar.colocated(upper, processes=processes)(x)
@@ -330,6 +331,8 @@ def test_failed_and_string_calls_free_their_blocks(small):
     strings = jax.device_put(np.array(["a", "bc"], dtype=np.dtypes.StringDType()), small.devices[0])
     for _ in range(3):  # each used to fail and leave its staging block allocated
         assert_same(colocar.colocated(upper)(strings), reference.colocated_python(on_shards(upper))(strings))
+    many = np.array(["a", "bc"] * 20000, dtype=np.dtypes.StringDType())  # pickled through blocks
+    assert np.array_equal(colocar.colocated(upper).on(host)(many), upper(many))
     numbers = jax.device_put(np.arange(1024.0), small.devices[0])
     with pytest.raises(colocar.SerializationError):
         colocar.colocated(add_bias)(numbers, bias=threading.Lock())  # fails after staging `numbers`
