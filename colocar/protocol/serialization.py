@@ -129,7 +129,7 @@ def loads(data: bytes, source: ArraySource | None = None) -> Any:
             return pid[1]
         if pid[0] == _PICKLED_TAG and source is not None:
             _, index, size = pid
-            return pickle.loads(source(index, (size,), np.dtype(np.uint8)))
+            return pickle.loads(source(index, (size,), np.dtype(np.uint8)).data)
         if pid[0] != _REF_TAG or source is None:
             raise pickle.UnpicklingError(f"unexpected array reference {pid[0]!r}")
         _, index, shape, dtype = pid
