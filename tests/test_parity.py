@@ -346,6 +346,43 @@ def divide_by_zero(x):
     return x.size // 0
 
 
+class ArenaHog:
+    """Holds `nbytes` of its sidecar's arena while it lives (fills one host's arena)."""
+
+    def __init__(self, nbytes):
+        self.block = colocar.shm.empty(nbytes, np.uint8)
+
+
+def test_a_call_failing_on_one_host_frees_the_others_results(make_cluster):
+    c = make_cluster(hosts=2, arena_size=8 * MiB, alloc_timeout=0)
+    hog = colocar.colocated_class(ArenaHog).on(c.hosts[1])(7 * MiB)
+    x = jax.device_put(
+        np.ones((2, MiB // 2), np.float32), NamedSharding(c.mesh(("hosts", "dev")), P("hosts"))
+    )
+    with pytest.raises(ArenaFullError):  # 2 MiB per host: staged on host 0, no room on host 1
+        colocar.colocated(scale_and_shift)(x)
+    gc.collect()
+    wait_for(lambda: arena_used(c.hosts[0]) == 0, "host 0's result to go back to its arena", timeout=10)
+    del hog
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a submit() future dropped unread keeps its reply's result blocks leased until the "
+    "session ends (calls.py CallFuture, which issue 13 section 2 reworks for cancel/timeouts)",
+)
+def test_results_dropped_unread_free_their_blocks(small):
+    host = small.hosts[0]
+    gc.collect()
+    before = arena_used(host)
+    x = jax.device_put(np.ones(64 * 1024, np.float32), small.devices[0])  # 256 KiB result
+    reference.colocated_python(scale_and_shift)(x)  # JAX: a dropped result is simply freed
+    future = colocar.colocated(scale_and_shift).submit(x)
+    del future
+    gc.collect()
+    wait_for(lambda: arena_used(host) == before, f"arena use back to {before} bytes", timeout=3)
+
+
 # --- results too large for the arena (issue 13, section 4) ------------------------------------
 def larger_than_small_arena(x):
     return x + np.zeros(SMALL_ARENA // 4 + 1024, np.float32)
