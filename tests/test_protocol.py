@@ -36,6 +36,25 @@ def test_large_arrays_leave_the_pickle() -> None:
     np.testing.assert_array_equal(back["small"], small)
 
 
+def test_large_string_and_object_arrays_leave_the_pickle_as_bytes() -> None:
+    """They hold pointers, so they cannot be shared as views; their own pickle goes to the sink
+    (an arena block, or a chunked upload), never into the RPC message."""
+    strings = np.array([f"row {i}" for i in range(1 << 13)], dtype=np.dtypes.StringDType())
+    objects = np.array([{"k": i} for i in range(1 << 13)], dtype=object)
+    sunk: list[np.ndarray] = []
+
+    def sink(a: np.ndarray) -> int:
+        sunk.append(a.copy())
+        return len(sunk) - 1
+
+    data = serialization.dumps((strings, {"objects": objects, "few": strings[:3]}), sink)
+    assert len(sunk) == 2 and all(a.dtype == np.uint8 for a in sunk)
+    assert len(data) < 1024
+    back = serialization.loads(data, lambda i, shape, dtype: sunk[i].reshape(shape).view(dtype))
+    assert back[0].dtype == strings.dtype and np.array_equal(back[0], strings)
+    assert list(back[1]["objects"]) == list(objects) and list(back[1]["few"]) == ["row 0", "row 1", "row 2"]
+
+
 def test_unpicklable_argument_is_named() -> None:
     import threading
 

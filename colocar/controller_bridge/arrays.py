@@ -81,6 +81,15 @@ def gather(x: jax.Array, layout: HostLayout, out: np.ndarray) -> None:
         out[layout.local(bounds)] = np.asarray(shard.data)
 
 
+def key_data(x: Any) -> Any:
+    """A typed PRNG key array as its key data (`jax.random.key_data`: uint32, one trailing
+    dimension more, sharded like the keys); anything else unchanged. Colocated functions receive
+    keys this way, as checkpoints store them: numpy has no key dtype."""
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(x)
+    return x
+
+
 def per_device(x: jax.Array, devices: Sequence[Any]) -> list[np.ndarray]:
     """The shards of x on `devices`, in that order (for `per_device_shards=True`)."""
     shards = {shard.device: shard for shard in x.addressable_shards}

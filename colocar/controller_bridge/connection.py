@@ -43,6 +43,7 @@ from colocar.shm import (
     ShmUnavailableError,
     block_of,
     copy_into,
+    holds,
     ndarray_view,
 )
 from colocar.shm.reclaim import Reclaimer
@@ -370,6 +371,9 @@ class HostConnection:
     ) -> list[np.ndarray]:
         """Staging arrays in the sidecar's arena (shm only), one Allocate for all of them;
         passing them to a call copies nothing."""
+        for _, dtype in specs:  # before allocating: nothing to give back
+            if not holds(dtype):
+                raise TypeError(f"dtype {np.dtype(dtype)} cannot live in the arena; use np.empty")
         sizes = [int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize for shape, dtype in specs]
         descs = self.allocate(sizes, pool, timeout)
         return [

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -24,6 +25,7 @@ import numpy as np
 
 from colocar.errors import ArrayLayoutError, ColocarError
 from colocar.protocol import colocar_pb2 as pb
+from colocar.shm import holds
 
 from . import arrays
 from .calls import Call, CallFuture, RemoteIterator, ShippedCode
@@ -146,6 +148,8 @@ class ArrayCallFuture:
         options = fn._options
         name = fn._code.name
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+        leaves = [arrays.key_data(leaf) for leaf in leaves]
+        args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
         array_positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
         self._in_arrays = [leaves[i] for i in array_positions]
         if self._in_arrays:
@@ -166,37 +170,46 @@ class ArrayCallFuture:
         )
         self._layouts: dict[int, list[arrays.HostLayout]] = {}
         self._futures: list[tuple[Host, CallFuture]] = []
-        for host in self._hosts:
-            host_leaves = list(leaves)
-            layouts = []
-            if options.per_device_shards:
-                for i in array_positions:
-                    host_leaves[i] = arrays.per_device(leaves[i], host.devices)
-            else:
-                for i in array_positions:
-                    x = leaves[i]
-                    layout = arrays.host_layout(x.sharding, x.shape, host.devices, f"argument of {name}")
-                    if layout is None:
-                        raise ArrayLayoutError(
-                            f"{name}: an array argument has no shard on {host.name}, while another "
-                            "has; place all array arguments on the same devices"
-                        )
-                    layouts.append(layout)
-                blocks = self._stage(host, [leaves[i] for i in array_positions], layouts)
-                for i, block in zip(array_positions, blocks, strict=True):
-                    host_leaves[i] = block
-            self._layouts[host.index] = layouts
-            host_args, host_kwargs = jax.tree_util.tree_unflatten(treedef, host_leaves)
-            self._futures.append((host, fn._call(host, host_args, host_kwargs).start()))
+        try:
+            for host in self._hosts:
+                self._futures.append((host, self._start(host, leaves, array_positions, treedef)))
+        except BaseException:
+            _drain([future for _, future in self._futures])  # the call failed on a later host
+            raise
+
+    def _start(self, host: Host, leaves: list[Any], array_positions: list[int], treedef: Any) -> CallFuture:
+        """Stages the host's blocks of the array arguments and starts the host's call."""
+        name = self._fn._code.name
+        host_leaves = list(leaves)
+        layouts = []
+        if self._fn._options.per_device_shards:
+            for i in array_positions:
+                host_leaves[i] = arrays.per_device(leaves[i], host.devices)
+        else:
+            for i in array_positions:
+                x = leaves[i]
+                layout = arrays.host_layout(x.sharding, x.shape, host.devices, f"argument of {name}")
+                if layout is None:
+                    raise ArrayLayoutError(
+                        f"{name}: an array argument has no shard on {host.name}, while another "
+                        "has; place all array arguments on the same devices"
+                    )
+                layouts.append(layout)
+            blocks = self._stage(host, [leaves[i] for i in array_positions], layouts)
+            for i, block in zip(array_positions, blocks, strict=True):
+                host_leaves[i] = block
+        self._layouts[host.index] = layouts
+        host_args, host_kwargs = jax.tree_util.tree_unflatten(treedef, host_leaves)
+        return self._fn._call(host, host_args, host_kwargs).start()
 
     @staticmethod
     def _stage(host: Host, xs: list[jax.Array], layouts: list[arrays.HostLayout]) -> list[np.ndarray]:
         """Each input's host block, built straight in the sidecar's arena when it is mapped here."""
         specs = [(layout.shape, np.dtype(x.dtype)) for x, layout in zip(xs, layouts, strict=True)]
-        if host.connection.shm and specs:
-            blocks = host.connection.empty(specs)
-        else:
-            blocks = [np.empty(shape, dtype) for shape, dtype in specs]
+        # Object-like dtypes (StringDType) cannot live in the arena: ordinary memory, pickled.
+        in_arena = [i for i, (_, dtype) in enumerate(specs) if host.connection.shm and holds(dtype)]
+        staged = iter(host.connection.empty([specs[i] for i in in_arena]) if in_arena else [])
+        blocks = [next(staged) if i in in_arena else np.empty(*spec) for i, spec in enumerate(specs)]
         for x, layout, block in zip(xs, layouts, blocks, strict=True):
             arrays.gather(x, layout, block)
         return blocks
@@ -259,6 +272,16 @@ class ArrayCallFuture:
         in_box = self._layouts[host0.index][0].shape if self._layouts[host0.index] else first.shape
         shape = arrays.infer_output_shape(first.shape, in_box, np.asarray(values[0]).shape, what)
         return arrays.assemble(shape, np.asarray(values[0]).dtype, first.sharding, blocks, what)
+
+
+def _drain(futures: list[CallFuture]) -> None:
+    """Reads and drops, in a thread of its own (they may still run), the results of host calls
+    whose array call failed on another host: so their result blocks go back to the arena now,
+    not when the session ends."""
+    if futures:
+        threading.Thread(
+            target=lambda: [f.exception() for f in futures], name="colocar-drain", daemon=True
+        ).start()
 
 
 def _equal(a: Any, b: Any) -> bool:

@@ -4,6 +4,8 @@ Both sides use cloudpickle. A numpy array of at least `ARRAY_THRESHOLD` bytes is
 `dumps` hands it to a sink (which places it in an arena block, or queues it for a chunked
 upload) and writes only a small reference; `loads` asks a source for the array behind each
 reference (a zero-copy view of the block). So bulk bytes never travel inside an RPC message.
+Arrays of object-like dtypes (`object`, `StringDType`) hold pointers: a large one is pickled
+on its own and its bytes go to the sink instead.
 An array that is already a whole arena block goes by reference whatever its size, so that the
 block is shared (a ring slot stays leased while the receiver holds it).
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import io
 import pickle
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +28,7 @@ from colocar.shm.views import block_of
 ARRAY_THRESHOLD = 64 * 1024
 _REF_TAG = "colocar.array"
 _INLINE_TAG = "colocar.inline"
+_PICKLED_TAG = "colocar.pickled"
 
 # sink(array) -> index of the array in the payload's block list
 ArraySink = Callable[[np.ndarray], int]
@@ -33,11 +37,15 @@ ArraySource = Callable[[int, tuple[int, ...], np.dtype], np.ndarray]
 
 
 def _as_numpy(obj: Any) -> np.ndarray | None:
-    """numpy arrays as they are; jax.Arrays (without importing jax) converted on the host."""
+    """numpy arrays as they are; jax.Arrays (without importing jax) converted on the host,
+    typed PRNG key arrays as their key data (numpy has no key dtype)."""
     if type(obj) is np.ndarray:
         return obj
     module = type(obj).__module__ or ""
     if module.startswith(("jax", "jaxlib")) and hasattr(obj, "__array__") and hasattr(obj, "shape"):
+        jax = sys.modules.get("jax")  # imported, since obj is a JAX value
+        if jax is not None and jax.dtypes.issubdtype(obj.dtype, jax.dtypes.prng_key):
+            obj = jax.random.key_data(obj)
         return np.asarray(obj)
     return None
 
@@ -53,6 +61,11 @@ def _array_refs(sink: ArraySink | None) -> Callable[[Any], Any]:
         array = _as_numpy(obj)
         if array is None:
             return None
+        if sink is not None and array.dtype.hasobject and array.nbytes >= ARRAY_THRESHOLD:
+            # Strings and objects hold pointers, so no view can share them: their own pickle
+            # goes to a block as bytes, keeping large ones out of the RPC message all the same.
+            data = np.frombuffer(cloudpickle.dumps(array, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+            return (_PICKLED_TAG, sink(data), data.size)
         if (
             sink is not None
             and not array.dtype.hasobject
@@ -136,6 +149,9 @@ def loads(data: bytes, source: ArraySource | None = None) -> Any:
     def persistent_load(pid: Any) -> Any:
         if pid[0] == _INLINE_TAG:
             return pid[1]
+        if pid[0] == _PICKLED_TAG and source is not None:
+            _, index, size = pid
+            return pickle.loads(source(index, (size,), np.dtype(np.uint8)).data)
         if pid[0] != _REF_TAG or source is None:
             raise pickle.UnpicklingError(f"unexpected array reference {pid[0]!r}")
         _, index, shape, dtype = pid

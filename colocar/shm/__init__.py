@@ -8,7 +8,7 @@ arena bytes (``views``, any process). Depends on numpy only: no JAX, no gRPC.
 from .allocator import Allocator, ArenaFullError, Block, UnknownBlockError
 from .arena import HEADER_BYTES, Arena, ShmUnavailableError, remove_stale_arenas
 from .context import empty, in_sidecar
-from .views import arena_offset, block_of, copy_into, ndarray_view
+from .views import arena_offset, block_of, copy_into, holds, ndarray_view
 
 __all__ = [
     "HEADER_BYTES",
@@ -22,6 +22,7 @@ __all__ = [
     "block_of",
     "copy_into",
     "empty",
+    "holds",
     "in_sidecar",
     "ndarray_view",
     "remove_stale_arenas",

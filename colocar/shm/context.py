@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from .views import holds
+
 Allocate = Callable[[tuple[int, ...], np.dtype, str], np.ndarray]
 _allocate: Allocate | None = None
 _runtime: Any = None
@@ -35,9 +37,13 @@ def sidecar_runtime() -> Any:
 
 
 def empty(shape: int | tuple[int, ...], dtype: Any = np.float32, pool: str = "default") -> np.ndarray:
-    """An uninitialised C-contiguous array, in the arena when running on a sidecar."""
+    """An uninitialised C-contiguous array, in the arena when running on a sidecar.
+
+    Object-like dtypes (`object`, `StringDType`) cannot live in the arena: they get an
+    ordinary array (returned results of those dtypes are pickled).
+    """
     shape = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
-    if _allocate is None:
+    if _allocate is None or not holds(dtype):
         return np.empty(shape, dtype)
     return _allocate(shape, np.dtype(dtype), pool)
 

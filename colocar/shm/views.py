@@ -42,6 +42,17 @@ class _Holder:
         }
 
 
+def holds(dtype: Any) -> bool:
+    """Whether arrays of ``dtype`` can live in arena bytes: fixed-size items with no references.
+
+    Object-like dtypes (``object``, ``np.dtypes.StringDType()``) store pointers to memory of
+    this process only, and flexible dtypes without a size have no layout: such arrays travel
+    pickled instead.
+    """
+    dtype = np.dtype(dtype)
+    return not dtype.hasobject and dtype.itemsize > 0
+
+
 def ndarray_view(
     arena: Arena,
     offset: int,
@@ -60,6 +71,8 @@ def ndarray_view(
     shape = tuple(int(d) for d in shape)
     if any(d < 0 for d in shape):
         raise ValueError(f"negative dimension in shape {shape}")
+    if dtype.hasobject:
+        raise TypeError(f"dtype {dtype} holds references to Python objects and cannot live in the arena")
     if dtype.itemsize == 0:
         raise ValueError(f"dtype {dtype} has no size; give a sized dtype such as 'S8' or 'V16'")
     nbytes = math.prod(shape) * dtype.itemsize

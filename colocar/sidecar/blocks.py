@@ -26,6 +26,7 @@ from colocar.shm import (
     UnknownBlockError,
     block_of,
     copy_into,
+    holds,
     ndarray_view,
     remove_stale_arenas,
 )
@@ -66,7 +67,7 @@ class SidecarArena:
         dtype = np.dtype(dtype)
         shape = tuple(int(d) for d in shape)
         # Checked before the lease is taken: a malformed reference must not leak the block.
-        if dtype.hasobject or dtype.itemsize == 0 or any(d < 0 for d in shape):
+        if not holds(dtype) or any(d < 0 for d in shape):
             raise BoundsError(f"array {shape} {dtype} cannot be a view of arena bytes")
         nbytes = math.prod(shape) * dtype.itemsize  # Python ints: no int64 wrap-around
         if nbytes > block.nbytes:
@@ -85,6 +86,8 @@ class SidecarArena:
     ) -> np.ndarray:
         """A new uninitialised array in the arena (returning it to the controller copies nothing)."""
         dtype = np.dtype(dtype)
+        if not holds(dtype):  # checked before allocating: a failed view must not leak the block
+            raise TypeError(f"dtype {dtype} cannot live in the arena; use np.empty")
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         block = self.allocator.allocate(nbytes, owner=VIEW_OWNER, pool=pool, timeout=timeout)
         return self._make_view(block, tuple(shape), dtype)

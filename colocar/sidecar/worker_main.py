@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from colocar.protocol import serialization
-from colocar.shm import Arena, ArenaFullError, block_of, ndarray_view
+from colocar.shm import Arena, ArenaFullError, block_of, holds, ndarray_view
 from colocar.shm import context as shm_context
 from colocar.shm.views import reach
 
@@ -82,6 +82,8 @@ class _Worker:
         return array
 
     def empty(self, shape: tuple[int, ...], dtype: np.dtype, pool: str) -> np.ndarray:
+        if not holds(dtype):  # checked before allocating: a failed view must not leak the block
+            raise TypeError(f"dtype {dtype} cannot live in the arena; use np.empty")
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         block_id, offset = self.allocate(nbytes, pool)
         return self.view(block_id, offset, shape, dtype)
