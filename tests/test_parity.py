@@ -249,7 +249,6 @@ class Accumulator:
         return self.total
 
 
-@pytest.mark.xfail(strict=True, reason="issue 13 section 1: fixed on main")
 def test_accumulator_results_never_change(cluster):
     x = jax.device_put(np.arange(1024, dtype=np.float32), jax.local_devices()[0])
     ref = reference.colocated_python_class(Accumulator)()
@@ -278,7 +277,6 @@ def clear_cache():
     _CACHE.clear()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 13 section 1: fixed on main")
 def test_module_level_cache_results_never_change(cluster):
     x = jax.device_put(np.arange(1024, dtype=np.float32), jax.local_devices()[0])
     clear_cache()
@@ -388,7 +386,6 @@ def larger_than_small_arena(x):
     return x + np.zeros(SMALL_ARENA // 4 + 1024, np.float32)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 13 section 4: fixed on main")
 def test_result_larger_than_the_arena_raises_arena_full(small):
     x = jax.device_put(np.ones(1, np.float32), small.devices[0])
     expected = reference.colocated_python(larger_than_small_arena)(x)
@@ -402,13 +399,11 @@ def plus_one(x):
     return x + 1
 
 
-@pytest.mark.xfail(strict=True, reason="issue 13 section 5: fixed on main")
 def test_zero_d_inputs_and_results_agree(cluster):
     x = jax.device_put(np.array(1, np.int32), jax.local_devices()[0])
     assert_same(colocar.colocated(plus_one)(x), reference.colocated_python(plus_one)(x))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 13 section 5: fixed on main")
 def test_zero_d_replicated_on_two_hosts_agree(cluster):
     x = jax.device_put(np.array(1.5, np.float32), NamedSharding(cluster.mesh(("data",)), P()))
     assert_same(colocar.colocated(plus_one)(x), reference.colocated_python(plus_one)(x))
