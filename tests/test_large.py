@@ -36,17 +36,22 @@ def test_array_larger_than_256_mib(shm):
         del back
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a pickled value over the 64 MiB message limit (not an array: those go through blocks) "
-    "breaks the local link and loses the host with shm, and raises ArenaFullError without shm; "
-    "found by the parity work on issue 13, left to the owner of the link (section 2 edits it)",
-)
+@colocar.colocated
+def repeat(value, times):
+    return value * times
+
+
 @pytest.mark.parametrize("shm", [True, False], ids=["shm", "grpc"])
-def test_pickled_value_over_the_message_limit_fails_cleanly(shm):
-    with colocar.local_cluster(hosts=1, arena_size=4 * MiB, shm=shm, processes=0) as cluster:
+def test_pickled_values_over_the_message_limit_travel_like_arrays(shm):
+    """A large non-array value (bytes, lists) goes through a block or chunks, never in a
+    message: over gRPC's 64 MiB limit too. An arena too small for it says so."""
+    with colocar.local_cluster(hosts=1, arena_size=160 * MiB, shm=shm, processes=0) as cluster:
         host = cluster.hosts[0]
-        with pytest.raises(colocar.ColocarError) as failure:
-            size.on(host)(b"x" * (65 * MiB))
-        assert not isinstance(failure.value, colocar.HostLostError | colocar.shm.ArenaFullError)
+        assert size.on(host)(b"x" * (65 * MiB)) == 65 * MiB
+        assert size.on(host)(list(range(3 * MiB))) == 3 * MiB
+        back = repeat.on(host)(b"xy", 33 * MiB)
+        assert len(back) == 66 * MiB and back[:4] == b"xyxy"
+        del back
+        with pytest.raises(colocar.shm.ArenaFullError, match="cannot hold"):
+            size.on(host)(b"x" * (200 * MiB))
         assert size.on(host)(b"xy") == 2  # the host still answers

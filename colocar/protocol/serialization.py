@@ -7,7 +7,8 @@ reference (a zero-copy view of the block). So bulk bytes never travel inside an 
 Arrays of object-like dtypes (`object`, `StringDType`) hold pointers: a large one is pickled
 on its own and its bytes go to the sink instead.
 An array that is already a whole arena block goes by reference whatever its size, so that the
-block is shared (a ring slot stays leased while the receiver holds it).
+block is shared (a ring slot stays leased while the receiver holds it). A pickle still larger
+than `PICKLE_THRESHOLD` (a big bytes or list value) goes to the sink as bytes too.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from colocar.errors import SerializationError
 from colocar.shm.views import block_of
 
 ARRAY_THRESHOLD = 64 * 1024
+PICKLE_THRESHOLD = 1 << 20  # a larger pickle travels like an array, never inside a message
 _REF_TAG = "colocar.array"
 _INLINE_TAG = "colocar.inline"
 _PICKLED_TAG = "colocar.pickled"
@@ -117,10 +119,27 @@ def dumps(obj: Any, sink: ArraySink | None = None, what: str = "value") -> bytes
             pickler = _Pickler(buffer, guarded)
         pickler.dump(obj)
         pickler.clear_memo()  # the memo must not keep the value's arrays alive
+        data = buffer.getvalue()
+        if guarded is not None and len(data) > PICKLE_THRESHOLD:
+            data = _spill(data, guarded)
     except _SinkError as e:
         raise e.error from None  # the sink's own error (a full arena), not a pickling problem
     except Exception as e:
         raise SerializationError(f"cannot pickle {what}: {_describe_unpicklable(obj, e)}") from e
+    return data
+
+
+_SPILLED = object()  # stands for a pickle that went to the sink
+
+
+def _spill(data: bytes, sink: ArraySink) -> bytes:
+    """A pickle too large for a message (a big bytes or list value) goes to the sink as bytes,
+    like an array; the message carries only a reference to it."""
+    reference = (_PICKLED_TAG, sink(np.frombuffer(data, np.uint8)), len(data))
+    buffer = io.BytesIO()
+    pickler = pickle.Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL)
+    pickler.persistent_id = lambda obj: reference if obj is _SPILLED else None  # type: ignore[method-assign]
+    pickler.dump(_SPILLED)
     return buffer.getvalue()
 
 
@@ -142,7 +161,7 @@ def _guarded(sink: ArraySink) -> ArraySink:
     return guarded
 
 
-def loads(data: bytes, source: ArraySource | None = None) -> Any:
+def loads(data: bytes | memoryview, source: ArraySource | None = None) -> Any:
     """Inverse of `dumps`; array references are resolved through `source`."""
     unpickler = pickle.Unpickler(io.BytesIO(data))
 
@@ -151,7 +170,7 @@ def loads(data: bytes, source: ArraySource | None = None) -> Any:
             return pid[1]
         if pid[0] == _PICKLED_TAG and source is not None:
             _, index, size = pid
-            return pickle.loads(source(index, (size,), np.dtype(np.uint8)).data)
+            return loads(source(index, (size,), np.dtype(np.uint8)).data, source)
         if pid[0] != _REF_TAG or source is None:
             raise pickle.UnpicklingError(f"unexpected array reference {pid[0]!r}")
         _, index, shape, dtype = pid
