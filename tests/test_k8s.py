@@ -73,12 +73,8 @@ def _containers(spec: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def jobset_schema() -> dict[str, Any]:
-    """The JobSet CRD's v1alpha2 openAPIV3Schema: ../shared next to the repo, else /work/shared."""
-    candidates = [REPO.parent / "shared" / "schemas" / CRD_NAME, Path("/work/shared/schemas") / CRD_NAME]
-    path = next((p for p in candidates if p.is_file()), None)
-    if path is None:
-        pytest.skip(f"JobSet CRD not found at {' or '.join(map(str, candidates))}")
-    with open(path) as f:
+    """The JobSet CRD's v1alpha2 openAPIV3Schema (a copy in tests/data/schemas, see its README)."""
+    with open(REPO / "tests" / "data" / "schemas" / CRD_NAME) as f:
         crd = yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1alpha2"]
     return version["schema"]["openAPIV3Schema"]
