@@ -56,33 +56,24 @@ Parser = Callable[[Any, str, Context], Any]
 
 @dataclass(frozen=True)
 class Option:
-    """What an option's type hint cannot say. See `option`."""
+    """What an option's type hint cannot say. Give these as keywords of `option`."""
 
-    doc: str | None = None
-    minimum: int | None = None
-    why: str = ""
-    choices: tuple[str, ...] | None = None
-    tag: str | None = None
-    kinds: tuple[str, ...] | None = None
-    required: bool = False
-    before: Callable[[Any], Any] | None = None
-    parse: Parser | None = None
-    check: Callable[[Any, str], Any] | None = None
-    dump: Callable[[Any], Any] | None = None
-    opaque: bool = False
+    doc: str | None = None  # what to give, for "expected ..." messages
+    minimum: int | None = None  # ints (and the items of int tuples): the lower bound
+    why: str = ""  # ints: why the bound, added to its error
+    choices: tuple[str, ...] | None = None  # strings: the allowed values
+    tag: str | None = None  # this option picks the variant of a union; names it ("source")
+    kinds: tuple[str, ...] | None = None  # a variant's option: the tags that take it
+    required: bool = False  # ... and whether they require it
+    before: Callable[[Any], Any] | None = None  # raw -> raw, before the type check
+    parse: Parser | None = None  # replaces the type check: (raw, path, context) -> value
+    check: Callable[[Any, str], Any] | None = None  # after it: (value, path) -> value
+    dump: Callable[[Any], Any] | None = None  # value -> JSON-able data, for `to_dict`
+    opaque: bool = False  # a Python object: kept as it is, not dumped, to check a config again
 
 
 def option(*, default: Any = MISSING, compare: bool = True, **about: Any) -> Any:
-    """A config option (a dataclass field); without `default` it is required.
-
-    `about` fills an `Option`: `doc` (what to give, for "expected ..." messages), `minimum` and
-    `why` (ints), `choices` (strings), `tag` (this option picks the variant; its value names the
-    thing, e.g. "source"), `kinds` and `required` (a variant's option: the tags that take it, and
-    whether they require it), `before` (raw -> raw, before the type check), `parse` (replaces
-    the type check: ``(raw, path, context) -> value``), `check` (``(value, path) -> value``,
-    after it), `dump` (value -> JSON-able data for `to_dict`) and `opaque` (a Python object that
-    is kept as it is, not dumped, when a config is checked again).
-    """
+    """A config option: a dataclass field, required without `default`; `about` fills an `Option`."""
     return field(default=default, compare=compare, metadata={_META: Option(**about)})
 
 
@@ -166,10 +157,11 @@ def _make_schema(cls: type) -> Schema:
     tag = tags[0] if tags else None
     if len(tags) > 1 or (tag is not None and (tag.default is not MISSING or tag.opt.choices is None)):
         raise TypeError(f"{cls.__name__}: one tag option at most, required and with choices")
+    tag_choices = set(tag.opt.choices or ()) if tag is not None else set()
     for f in out:
         if f.default is MISSING:
             f.expected()  # a required option must be able to say what it expects
-        if f.opt.kinds is not None and not set(f.opt.kinds) <= set(tag.opt.choices or () if tag else ()):
+        if f.opt.kinds is not None and not set(f.opt.kinds) <= tag_choices:
             raise TypeError(f"{cls.__name__}.{f.name}: its kinds must be choices of the tag option")
         if f.opt.required and (f.opt.kinds is None or f.opt.doc is None):
             raise TypeError(f"{cls.__name__}.{f.name}: required for kinds: give its kinds and a doc")
