@@ -12,28 +12,20 @@ import sys
 import time
 from typing import Any
 
-from . import layout
-from .storage import Storage, open_storage
+from .steps import StepDirs
+from .storage import open_storage
 
 
-def _status(storage: Storage, step: int) -> str:
-    name = layout.step_dir(step)
-    if storage.exists(f"{name}/{layout.COMMITTED}"):
-        return "committed"
-    age = storage.age(f"{name}/{layout.HEARTBEAT}")
-    return "abandoned" if age is None or age > 60 else f"in progress ({age:.0f} s ago)"
-
-
-def list_steps(storage: Storage) -> list[dict[str, Any]]:
+def list_steps(steps: StepDirs) -> list[dict[str, Any]]:
     rows = []
-    for step in sorted(s for s in map(layout.parse_step_dir, storage.children()) if s is not None):
-        manifest = json.loads(storage.read(f"{layout.step_dir(step)}/{layout.MANIFEST}") or b"{}")
+    for step in steps.all():
+        manifest = json.loads(steps.manifest(step) or b"{}")
         leaves = manifest.get("leaves", {}).values()
         nbytes = sum(_nbytes(e) for e in leaves if e.get("kind") != "value")
         rows.append(
             {
                 "step": step,
-                "status": _status(storage, step),
+                "status": steps.status(step),
                 "time": manifest.get("time"),
                 "leaves": len(manifest.get("leaves", {})),
                 "bytes": nbytes,
@@ -73,8 +65,9 @@ def main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     try:
         storage = open_storage(args.path)
+        steps = StepDirs(storage)
         if args.command == "ls":
-            rows = list_steps(storage)
+            rows = list_steps(steps)
             if args.json:
                 print(json.dumps({"path": storage.url, "steps": rows}))
                 return
@@ -86,11 +79,11 @@ def main(argv: list[str]) -> None:
                     f"{r['bytes'] / 2**20:>10.1f}  {r['hosts']}"
                 )
             return
-        body = storage.read(f"{layout.step_dir(args.step)}/{layout.MANIFEST}")
+        body = steps.manifest(args.step)
         if body is None:
             raise ValueError(f"no step {args.step} in {storage.url}")
         manifest = json.loads(body)
-        status = _status(storage, args.step)
+        status = steps.status(args.step)
         if args.json:
             print(json.dumps({"path": storage.url, "status": status, **manifest}))
             return

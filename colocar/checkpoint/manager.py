@@ -32,6 +32,7 @@ from . import layout, save, tree
 from .lease import WriterLease
 from .restore import RestoreStats, restore_leaves
 from .save import Piece
+from .steps import STALE_SECONDS, StepDirs
 from .storage import open_storage
 from .writer_backend import CheckpointWriter, WriterOptions
 
@@ -103,7 +104,7 @@ class CheckpointManager:
         copy_threads: int | None = None,
         max_chunk_bytes: int | None = None,
         heartbeat_seconds: float = 5.0,
-        stale_seconds: float = 60.0,
+        stale_seconds: float = STALE_SECONDS,
         commit_timeout: float = 600.0,
         storage_timeout: float = 30.0,
         lease_seconds: float = 60.0,
@@ -113,6 +114,7 @@ class CheckpointManager:
             raise ValueError(f"max_to_keep must be at least 1 (or None to keep all), got {max_to_keep}")
         self.directory = directory
         self.storage = open_storage(directory, storage_timeout)
+        self.steps = StepDirs(self.storage)
         self.cluster = cluster if cluster is not None else current_cluster()
         self.save_interval_steps = save_interval_steps
         self.queue = queue
@@ -160,8 +162,7 @@ class CheckpointManager:
     # --- listing ------------------------------------------------------------------------------
     def all_steps(self) -> list[int]:
         """Committed steps, ascending (steps being written or abandoned are not listed)."""
-        steps = sorted(s for s in map(layout.parse_step_dir, self.storage.children()) if s is not None)
-        return [s for s in steps if self.storage.exists(f"{layout.step_dir(s)}/{layout.COMMITTED}")]
+        return self.steps.committed()
 
     def latest_step(self) -> int | None:
         steps = self.all_steps()
@@ -173,9 +174,7 @@ class CheckpointManager:
 
     def delete(self, step: int) -> None:
         """Deletes a step: its commit marker first, so it is never half-restorable."""
-        name = layout.step_dir(step)
-        self.storage.delete(f"{name}/{layout.COMMITTED}")
-        self.storage.delete_tree(name)
+        self.steps.delete(step)
 
     # --- saving -------------------------------------------------------------------------------
     def should_save(self, step: int) -> bool:
@@ -200,9 +199,7 @@ class CheckpointManager:
                 self._reap()
                 while len(self._inflight) > (1 if self.queue else 0):
                     self._wait_one(self._inflight[0], timeout=None)
-                if any(s.step == step for s in self._inflight) or self.storage.exists(
-                    f"{layout.step_dir(step)}/{layout.COMMITTED}"
-                ):
+                if any(s.step == step for s in self._inflight) or self.steps.is_committed(step):
                     raise CheckpointError(
                         f"step {step} already exists in {self.storage.url}; delete it first"
                     )
@@ -224,13 +221,8 @@ class CheckpointManager:
         save writes; nothing else), then publishes the id through JAX's distributed key-value
         store; the others wait for it, so they write nothing before that removal."""
         if self._process == 0:
-            name = layout.step_dir(step)
             try:
-                if self.storage.children(name):  # uncommitted (checked): a failed save's; ours only
-                    for entry in (layout.HEARTBEAT, layout.MANIFEST):
-                        self.storage.delete(f"{name}/{entry}")
-                    for directory in (layout.DONE_DIR, layout.FAILED_DIR, layout.ARRAYS_DIR):
-                        self.storage.delete_tree(f"{name}/{directory}")
+                self.steps.clear_failed_save(step)  # uncommitted (checked): a failed save's
             except Exception as e:
                 raise CheckpointError(f"removing what a failed save of step {step} left failed: {e}") from e
             attempt = uuid.uuid4().hex
@@ -389,17 +381,15 @@ class CheckpointManager:
     def _poll_commit(self, record: _Save, status: dict[int, dict[str, Any]], wait: float) -> bool:
         """Multi-controller, not process 0: once this process's part is durable, the commit
         marker (or another host's failure marker) in storage tells how the save ended."""
-        name = layout.step_dir(record.step)
         if all(s["state"] == "done" for s in status.values()):
-            if layout.marker_of(self.storage, f"{name}/{layout.COMMITTED}", record.attempt) is not None:
+            if self.steps.is_committed_by(record.step, record.attempt):
                 record.stats.durable_seconds = time.monotonic() - record.started
                 record.stats.hosts = status
                 self._forget(record)
                 return True
-            for failed in self.storage.children(f"{name}/{layout.FAILED_DIR}"):
-                body = layout.marker_of(self.storage, f"{name}/{layout.FAILED_DIR}/{failed}", record.attempt)
-                if body is not None:
-                    raise _save_failed(record.step, str(body.get("error", failed)))
+            failure = self.steps.failure(record.step, record.attempt)
+            if failure is not None:
+                raise _save_failed(record.step, failure)
             if time.monotonic() - record.started > self.options.commit_timeout:
                 raise CheckpointError(
                     f"step {record.step} was not committed within commit_timeout "
@@ -495,7 +485,7 @@ class CheckpointManager:
             if latest is None:
                 raise CheckpointError(f"no committed checkpoint in {self.storage.url}")
             return latest
-        if not self.storage.exists(f"{layout.step_dir(step)}/{layout.COMMITTED}"):
+        if not self.steps.is_committed(step):
             raise CheckpointError(
                 f"step {step} is not a committed checkpoint in {self.storage.url} "
                 f"(committed: {self.all_steps()})"
@@ -503,7 +493,7 @@ class CheckpointManager:
         return step
 
     def _manifest(self, step: int) -> dict[str, Any]:
-        body = self.storage.read(f"{layout.step_dir(step)}/{layout.MANIFEST}")
+        body = self.steps.manifest(step)
         if body is None:
             raise CheckpointError(f"step {step} in {self.storage.url} has no manifest (corrupted)")
         manifest = json.loads(body)
@@ -569,9 +559,8 @@ class CheckpointManager:
     def _mark_failed(self, record: _Save, host: int, error: str) -> None:
         """Tells the committing sidecar (and other processes) at once that a host's part is
         lost (best effort)."""
-        body = layout.failure_body(host, record.attempt, error)
         try:
-            self.storage.write(f"{layout.step_dir(record.step)}/{layout.failed_marker(host)}", body)
+            self.steps.mark_failed(record.step, host, record.attempt, error)
         except Exception:
             pass
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from . import layout
+from .steps import STALE_SECONDS, StepDirs
 from .storage import Storage, describe, open_storage
 
 TERMINAL = ("committed", "done", "failed")
@@ -53,7 +53,7 @@ class WriterOptions:
 
     concurrent_writes: int = 2
     heartbeat_seconds: float = 5.0
-    stale_seconds: float = 60.0  # an uncommitted step without a fresher heartbeat is debris
+    stale_seconds: float = STALE_SECONDS  # an uncommitted step without a fresher heartbeat is debris
     commit_timeout: float = 600.0  # the primary gives up waiting for other hosts' done markers
     max_to_keep: int | None = None
     keep_period: int | None = None
@@ -93,6 +93,7 @@ class CheckpointWriter:
         self.host = host
         self.options = options
         self.storage: Storage = open_storage(url, options.storage_timeout)
+        self.steps = StepDirs(self.storage)
         self._jobs: dict[int, _Job] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(
@@ -228,18 +229,8 @@ class CheckpointWriter:
 
     def _mark_done(self, job: _Job) -> None:
         _trim_heap()  # once per save: trimming between writes would make every buffer fault anew
-        body = json.dumps(
-            {
-                "host": self.host,
-                "attempt": job.attempt,
-                "hostname": socket.gethostname(),
-                "time": time.time(),
-                "pieces": job.pieces_written,
-                "bytes": job.bytes_written,
-            }
-        ).encode()
         try:
-            self.storage.write(f"{layout.step_dir(job.step)}/{layout.done_marker(self.host)}", body)
+            self.steps.mark_done(job.step, self.host, job.attempt, job.pieces_written, job.bytes_written)
         except Exception as e:
             self._fail(job, f"host {self.host}: writing the done marker of step {job.step} failed: {e}")
             return
@@ -258,8 +249,7 @@ class CheckpointWriter:
             job.changed.notify_all()
         if marker:
             try:
-                body = layout.failure_body(self.host, job.attempt, error)
-                self.storage.write(f"{layout.step_dir(job.step)}/{layout.failed_marker(self.host)}", body)
+                self.steps.mark_failed(job.step, self.host, job.attempt, error)
             except Exception:
                 pass  # storage itself may be what failed; the error still reaches the controller
 
@@ -274,10 +264,7 @@ class CheckpointWriter:
             self._create_arrays(job)
             self.storage.write(f"{step}/{layout.MANIFEST}", job.manifest)
             self._await_hosts(job)
-            committed = json.dumps(
-                {"step": job.step, "attempt": job.attempt, "time": time.time(), "hosts": job.hosts}
-            ).encode()
-            if not self.storage.write(f"{step}/{layout.COMMITTED}", committed, create_only=True):
+            if not self.steps.commit(job.step, job.attempt, job.hosts):
                 raise RuntimeError(f"step {job.step} was committed by another writer meanwhile")
             job.finished = time.monotonic()  # durable from here on
         except Exception as e:
@@ -317,23 +304,18 @@ class CheckpointWriter:
     def _await_hosts(self, job: _Job) -> None:
         """Until every host's done marker of this attempt exists; raises on a failure marker of
         this attempt (markers a crashed earlier save of the step left late are not ours)."""
-        step = layout.step_dir(job.step)
         deadline = time.monotonic() + self.options.commit_timeout
         delay = 0.01
-        done: set[str] = set()
+        done: set[int] = set()
         while True:
             with job.lock:
                 if job.state == "failed":
                     raise RuntimeError(job.error)
-            for name in self.storage.children(f"{step}/{layout.FAILED_DIR}"):
-                failure = layout.marker_of(self.storage, f"{step}/{layout.FAILED_DIR}/{name}", job.attempt)
-                if failure is not None:
-                    raise RuntimeError(failure.get("error", f"a host failed ({name})"))
-            for name in set(self.storage.children(f"{step}/{layout.DONE_DIR}")) - done:
-                marker = layout.marker_of(self.storage, f"{step}/{layout.DONE_DIR}/{name}", job.attempt)
-                if marker is not None:
-                    done.add(name)
-            missing = [h for h in job.hosts if f"host_{h}.json" not in done]
+            failure = self.steps.failure(job.step, job.attempt)
+            if failure is not None:
+                raise RuntimeError(failure)
+            done = self.steps.done_hosts(job.step, job.attempt, job.hosts, done)
+            missing = [h for h in job.hosts if h not in done]
             if not missing:
                 return
             if time.monotonic() > deadline:
@@ -347,10 +329,10 @@ class CheckpointWriter:
 
     def _retain(self, latest: int) -> None:
         """Deletes committed steps beyond the policy and uncommitted debris of crashed saves."""
-        steps = sorted(s for s in map(layout.parse_step_dir, self.storage.children()) if s is not None)
+        steps = self.steps.all()
         with self._lock:
             active = {s for s, j in self._jobs.items() if j.state not in TERMINAL}
-        committed = [s for s in steps if self.storage.exists(f"{layout.step_dir(s)}/{layout.COMMITTED}")]
+        committed = self.steps.committed(steps)
         keep = set(committed)
         if self.options.max_to_keep is not None:
             keep = set(committed[-self.options.max_to_keep :])
@@ -358,14 +340,8 @@ class CheckpointWriter:
                 keep |= {s for s in committed if s % self.options.keep_period == 0}
         for s in committed:
             if s not in keep and s != latest:
-                self.storage.delete(f"{layout.step_dir(s)}/{layout.COMMITTED}")  # unrestorable first
-                self.storage.delete_tree(layout.step_dir(s))
+                self.steps.delete(s)
         for s in steps:
-            if s in active or s in committed:
-                continue
-            name = layout.step_dir(s)
-            age = self.storage.age(f"{name}/{layout.HEARTBEAT}")
-            if age is None:
-                age = self.storage.age(f"{name}/{layout.MANIFEST}")
-            if (age is None and s < latest) or (age is not None and age > self.options.stale_seconds):
-                self.storage.delete_tree(name)
+            if s not in active and s not in committed:
+                if self.steps.is_abandoned(s, self.options.stale_seconds, latest):
+                    self.storage.delete_tree(layout.step_dir(s))

@@ -1,0 +1,131 @@
+"""The step directories under a checkpoint root and what their markers say (controller, sidecar
+writer and the `colocar ckpt` command; no JAX).
+
+`StepDirs` answers every question about the steps of a root in one place, so that the manager,
+the writers and the command agree on them: which steps are committed (a `COMMITTED` marker),
+how a step is deleted (that marker first: never half-restorable), when an uncommitted step is
+abandoned (no sign of life for `STALE_SECONDS`), which hosts finished or failed a save
+`attempt`, and what removing a failed save's leftovers means.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+from . import layout
+from .storage import Storage
+
+STALE_SECONDS = 60.0  # an uncommitted step without a fresher heartbeat is abandoned (debris)
+
+
+class StepDirs:
+    """The `step_<N>` directories of one storage root."""
+
+    def __init__(self, storage: Storage):
+        self.storage = storage
+
+    # --- listing ------------------------------------------------------------------------------
+    def all(self) -> list[int]:
+        """Every step directory, ascending (committed or not)."""
+        return sorted(s for s in map(layout.parse_step_dir, self.storage.children()) if s is not None)
+
+    def committed(self, steps: list[int] | None = None) -> list[int]:
+        """The committed ones of `steps` (default: all), ascending."""
+        return [s for s in (self.all() if steps is None else steps) if self.is_committed(s)]
+
+    def is_committed(self, step: int) -> bool:
+        return self.storage.exists(self._name(step, layout.COMMITTED))
+
+    def manifest(self, step: int) -> bytes | None:
+        return self.storage.read(self._name(step, layout.MANIFEST))
+
+    def age(self, step: int) -> float | None:
+        """Seconds since the save of `step` last showed life: its heartbeat, else its manifest."""
+        age = self.storage.age(self._name(step, layout.HEARTBEAT))
+        return age if age is not None else self.storage.age(self._name(step, layout.MANIFEST))
+
+    def is_abandoned(self, step: int, stale_seconds: float, latest: int | None = None) -> bool:
+        """Uncommitted `step` is debris: silent for `stale_seconds`, or never alive and older
+        than `latest` (a committed step; None: any step never alive counts as abandoned)."""
+        age = self.age(step)
+        if age is None:
+            return latest is None or step < latest
+        return age > stale_seconds
+
+    def status(self, step: int, stale_seconds: float = STALE_SECONDS) -> str:
+        """The step as people read it: committed, abandoned or "in progress (N s ago)"."""
+        if self.is_committed(step):
+            return "committed"
+        if self.is_abandoned(step, stale_seconds):
+            return "abandoned"
+        return f"in progress ({self.age(step) or 0.0:.0f} s ago)"
+
+    # --- deleting -----------------------------------------------------------------------------
+    def delete(self, step: int) -> None:
+        """Deletes a step: its commit marker first, so it is never half-restorable."""
+        self.storage.delete(self._name(step, layout.COMMITTED))
+        self.storage.delete_tree(layout.step_dir(step))
+
+    def clear_failed_save(self, step: int) -> None:
+        """Removes what an earlier, failed save of uncommitted `step` wrote (only the objects a
+        save writes), so that a new save of the step neither fails on it nor mixes with it."""
+        if not self.storage.children(layout.step_dir(step)):
+            return
+        for entry in (layout.HEARTBEAT, layout.MANIFEST):
+            self.storage.delete(self._name(step, entry))
+        for directory in (layout.DONE_DIR, layout.FAILED_DIR, layout.ARRAYS_DIR):
+            self.storage.delete_tree(self._name(step, directory))
+
+    # --- markers of one save attempt ----------------------------------------------------------
+    def mark_done(self, step: int, host: int, attempt: str, pieces: int, nbytes: int) -> None:
+        """Host `host`'s part of save `attempt` is durable."""
+        body = {
+            "host": host,
+            "attempt": attempt,
+            "hostname": socket.gethostname(),
+            "time": time.time(),
+            "pieces": pieces,
+            "bytes": nbytes,
+        }
+        self.storage.write(self._name(step, layout.done_marker(host)), json.dumps(body).encode())
+
+    def mark_failed(self, step: int, host: int, attempt: str, error: str) -> None:
+        """Host `host`'s part of save `attempt` failed: the step will never be committed."""
+        body = layout.failure_body(host, attempt, error)
+        self.storage.write(self._name(step, layout.failed_marker(host)), body)
+
+    def failure(self, step: int, attempt: str) -> str | None:
+        """The error of the first failure marker of save `attempt` (others' markers: ignored)."""
+        directory = self._name(step, layout.FAILED_DIR)
+        for name in self.storage.children(directory):
+            body = layout.marker_of(self.storage, f"{directory}/{name}", attempt)
+            if body is not None:
+                return str(body.get("error", f"a host failed ({name})"))
+        return None
+
+    def done_hosts(self, step: int, attempt: str, hosts: list[int], known: set[int]) -> set[int]:
+        """Which of `hosts` have a done marker of save `attempt` (`known` ones are not read again)."""
+        directory = self._name(step, layout.DONE_DIR)
+        present = set(self.storage.children(directory))
+        done = set(known)
+        for host in hosts:
+            name = layout.done_marker(host).rsplit("/", 1)[-1]
+            if host in done or name not in present:
+                continue
+            if layout.marker_of(self.storage, f"{directory}/{name}", attempt) is not None:
+                done.add(host)
+        return done
+
+    def is_committed_by(self, step: int, attempt: str) -> bool:
+        """True once save `attempt` (not an earlier save of the step) committed `step`."""
+        return layout.marker_of(self.storage, self._name(step, layout.COMMITTED), attempt) is not None
+
+    def commit(self, step: int, attempt: str, hosts: list[int]) -> bool:
+        """Writes the commit marker, create-only; False when the step was committed already."""
+        body = json.dumps({"step": step, "attempt": attempt, "time": time.time(), "hosts": hosts})
+        return self.storage.write(self._name(step, layout.COMMITTED), body.encode(), create_only=True)
+
+    def _name(self, step: int, entry: str) -> str:
+        return f"{layout.step_dir(step)}/{entry}"
