@@ -31,16 +31,15 @@ from colocar.errors import CheckpointError, ColocarError, HostLostError
 from . import layout, save, tree
 from .lease import WriterLease
 from .restore import RestoreStats, restore_leaves
-from .save import Piece
 from .steps import STALE_SECONDS, StepDirs
 from .storage import open_storage
+from .topology import topology_of
 from .writer_backend import CheckpointWriter, WriterOptions
 
 _Writer = colocated_class(CheckpointWriter)
 
 
 _ORDINALS: dict[str, Any] = defaultdict(itertools.count)
-_NOT_STARTED = "not started: "  # what process 0 publishes instead of an attempt id when it failed
 
 
 def _save_failed(step: int, error: str) -> CheckpointError:
@@ -134,15 +133,7 @@ class CheckpointManager:
         self._id = uuid.uuid4().hex
         self._saves = 0  # save() calls past the interval check; names a save in every process
         self._ordinal = next(_ORDINALS[directory])  # managers of this directory made before, here
-        self._pools: dict[int, int] = {}  # host -> bytes of the pool saves allocate from
-        # Multi-controller JAX: every process saves its own shards through its own sidecar and
-        # stores them as host `process_index`; process 0's sidecar commits.
-        self._process, self._processes = jax.process_index(), jax.process_count()
-        if self._processes > 1 and len(self.cluster.hosts) != 1:
-            raise CheckpointError(
-                "with several JAX processes, each one connects to its own host's sidecar only "
-                f"(colocar.connect() with one address); this cluster has {len(self.cluster.hosts)} hosts"
-            )
+        self.topology = topology_of(self.cluster, pool, self._kv)
         self._senders = ThreadPoolExecutor(len(self.cluster.hosts), thread_name_prefix="colocar-ckpt-send")
         self._copiers = ThreadPoolExecutor(
             copy_threads or _default_copy_threads(), thread_name_prefix="colocar-ckpt-copy"
@@ -203,57 +194,31 @@ class CheckpointManager:
                     raise CheckpointError(
                         f"step {step} already exists in {self.storage.url}; delete it first"
                     )
-                if self._process == 0:  # one lease per job: process 0 writes for all
+                if self.topology.leader:  # one lease per job: the leader writes for all
                     self._lease.acquire()
-                attempt = self._attempt(step)
+                attempt = self.topology.attempt(
+                    step,
+                    functools.partial(self._clear_failed_save, step),
+                    self._attempt_key(),
+                    self.options.commit_timeout,
+                )
             except BaseException as e:
-                if self._process == 0 and self._processes > 1:  # the others stop waiting for it
-                    self._publish_attempt(f"{_NOT_STARTED}{type(e).__name__}: {e}")
+                self.topology.refuse(self._attempt_key(), e)  # the others stop waiting for it
                 raise
             record = self._start(step, state, metadata or {}, started, attempt)
             self._inflight.append(record)
             self._last = record.stats
         return True
 
-    def _attempt(self, step: int) -> str:
-        """A new id for this save of `step`, the same in every JAX process. Process 0 (holding
-        the lease) first removes what an earlier, failed save of the step left (the objects a
-        save writes; nothing else), then publishes the id through JAX's distributed key-value
-        store; the others wait for it, so they write nothing before that removal."""
-        if self._process == 0:
-            try:
-                self.steps.clear_failed_save(step)  # uncommitted (checked): a failed save's
-            except Exception as e:
-                raise CheckpointError(f"removing what a failed save of step {step} left failed: {e}") from e
-            attempt = uuid.uuid4().hex
-            if self._processes > 1:
-                self._publish_attempt(attempt)
-            return attempt
+    def _clear_failed_save(self, step: int) -> None:
+        """What an earlier, failed save of `step` left goes before this save writes anything."""
         try:
-            attempt = str(
-                self._kv().blocking_key_value_get(
-                    self._attempt_key(), int(self.options.commit_timeout * 1000)
-                )
-            )
+            self.steps.clear_failed_save(step)
         except Exception as e:
-            raise CheckpointError(
-                f"process 0 did not start its save of step {step} within commit_timeout "
-                f"({self.options.commit_timeout:.0f} s): {e}"
-            ) from e
-        if attempt.startswith(_NOT_STARTED):
-            raise CheckpointError(
-                f"process 0 could not start the save of step {step}: {attempt.removeprefix(_NOT_STARTED)}"
-            )
-        return attempt
+            raise CheckpointError(f"removing what a failed save of step {step} left failed: {e}") from e
 
     def _attempt_key(self) -> str:
         return f"colocar/checkpoint/{self.storage.url}/{self._ordinal}/{self._saves}"
-
-    def _publish_attempt(self, value: str) -> None:
-        try:
-            self._kv().key_value_set(self._attempt_key(), value)
-        except Exception:
-            pass  # published already (a failure after the id went out): the markers tell the rest
 
     @staticmethod
     def _kv() -> Any:
@@ -269,10 +234,10 @@ class CheckpointManager:
 
     def _start(self, step: int, state: Any, metadata: dict[str, Any], started: float, attempt: str) -> _Save:
         named, skeleton = tree.flatten(state)
-        plan = save.plan(named, self.cluster, self._chunk_bytes(), host_data=self._process == 0)
-        pieces = {self._storage_id(h): p for h, p in plan.pieces.items()}  # the hosts of this process
-        hosts = list(range(self._processes)) if self._processes > 1 else sorted(pieces)
-        primary = self._primary()
+        plan = save.plan(named, self.cluster, self._chunk_bytes(), host_data=self.topology.leader)
+        pieces = {self.topology.storage_id(h): p for h, p in plan.pieces.items()}  # this process's hosts
+        hosts = self.topology.save_hosts(list(pieces))
+        primary = self.topology.primary
         manifest = {
             "format": layout.FORMAT,
             "step": step,
@@ -288,7 +253,7 @@ class CheckpointManager:
         stats = SaveStats(step=step)
         record = _Save(step, hosts, started, stats, attempt)
         try:
-            self._check_pieces_fit(pieces)
+            self.topology.check_fits(pieces)
             writers = self._new_writers(record, list(pieces))
             record.begun = time.monotonic()
             if primary in writers:
@@ -301,7 +266,7 @@ class CheckpointManager:
                 """Host h's part, on a thread of its own (the copies share the copy threads)."""
                 check = functools.partial(self._check, record)
                 futures, sent = save.send(
-                    self._host(h), writers[h], step, pieces[h], self.pool, check, self._copiers
+                    self.topology.host(h), writers[h], step, pieces[h], self.pool, check, self._copiers
                 )
                 for future in futures:
                     future.result()
@@ -360,7 +325,7 @@ class CheckpointManager:
 
     def _poll(self, record: _Save, wait: float) -> bool:
         """True once `record` is committed (and forgets it); raises CheckpointError if it failed."""
-        primary = self._primary()
+        primary = self.topology.primary
         try:
             status = self._check(record)
             if primary not in status:
@@ -411,7 +376,7 @@ class CheckpointManager:
             self._mark_failed(record, h, f"host {h} was lost mid-save: {e}")
             raise _save_failed(
                 record.step,
-                f"host {h} ({self._host(h).name}) was lost mid-save ({e}); the step will not be "
+                f"host {h} ({self.topology.host(h).name}) was lost mid-save ({e}); the step will not be "
                 "committed, earlier steps are intact",
             ) from e
 
@@ -502,38 +467,9 @@ class CheckpointManager:
         return manifest
 
     # --- writers, lease, preemption -----------------------------------------------------------
-    def _host(self, storage_id: int) -> Any:
-        if self._processes > 1:
-            return self.cluster.hosts[0]
-        return next(h for h in self.cluster.hosts if h.index == storage_id)
-
-    def _pool_bytes(self, storage_id: int) -> int:
-        """The size of the arena pool saves use on a host (0 when shared memory is unreachable)."""
-        if storage_id not in self._pools:
-            host = self._host(storage_id)
-            pools = host.stats()["pools"] if host.shm else {}
-            self._pools[storage_id] = pools.get(self.pool or "default", {}).get("reserved", 0)
-        return self._pools[storage_id]
-
-    def _check_pieces_fit(self, pieces: dict[int, list[Piece]]) -> None:
-        for h, items in pieces.items():
-            largest = max((p.nbytes for p in items), default=0)
-            size = self._pool_bytes(h)
-            if size and largest > size:
-                raise CheckpointError(
-                    f"a {largest}-byte chunk cannot fit arena pool {self.pool or 'default'!r} of host {h} "
-                    f"({size} bytes): pass a smaller max_chunk_bytes or give the sidecar a larger arena"
-                )
-
     def _chunk_bytes(self) -> int:
-        if self.max_chunk_bytes:  # given, or computed once (arena sizes do not change)
-            return self.max_chunk_bytes
-        if self._processes > 1:  # every process must cut the same chunks: no local arena size here
-            self.max_chunk_bytes = layout.MULTI_PROCESS_CHUNK_BYTES
-            return self.max_chunk_bytes
-        sizes = [self._pool_bytes(h.index) for h in self.cluster.hosts]
-        smallest = min([s for s in sizes if s] or [layout.MAX_OUTER_CHUNK_BYTES * 4])
-        self.max_chunk_bytes = max(1 << 20, min(layout.MAX_OUTER_CHUNK_BYTES, smallest // 4))
+        if not self.max_chunk_bytes:  # given, or computed once (arena sizes do not change)
+            self.max_chunk_bytes = self.topology.chunk_bytes()
         return self.max_chunk_bytes
 
     def _new_writers(self, record: _Save, own: list[int]) -> dict[int, Any]:
@@ -544,7 +480,7 @@ class CheckpointManager:
         name = f"colocar.checkpoint/{self._id}/{record.step}"
         made = {}
         for h in own:
-            new = _Writer.on(self._host(h), name=name, ttl=ttl)
+            new = _Writer.on(self.topology.host(h), name=name, ttl=ttl)
             made[h] = self._senders.submit(new, self.storage.url, h, self.options)
         failures = []
         for h, future in made.items():
@@ -563,14 +499,6 @@ class CheckpointManager:
             self.steps.mark_failed(record.step, host, record.attempt, error)
         except Exception:
             pass
-
-    def _storage_id(self, cluster_index: int) -> int:
-        """How a host is named in storage: its JAX process index in multi-controller JAX."""
-        return self._process if self._processes > 1 else cluster_index
-
-    def _primary(self) -> int:
-        """The host whose sidecar commits: process 0's, or the cluster's first."""
-        return 0 if self._processes > 1 else self.cluster.hosts[0].index
 
     def _install_preemption_handler(self) -> None:
         if threading.current_thread() is not threading.main_thread():
