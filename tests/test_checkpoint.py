@@ -184,7 +184,8 @@ def test_retention_listing_and_delete(cluster, tmp_path):
     for step in range(1, 8):
         m.save(step, state)
     m.wait()
-    assert [h.stats()["objects"] for h in cluster.hosts] == objects  # each save's writers are gone
+    # One long-lived writer per host serves every save (not one per save), deleted by close().
+    assert [h.stats()["objects"] for h in cluster.hosts] == [n + 1 for n in objects]
     assert m.all_steps() == [4, 6, 7] and m.latest_step() == 7
     m.delete(6)
     assert m.all_steps() == [4, 7]
@@ -196,6 +197,7 @@ def test_retention_listing_and_delete(cluster, tmp_path):
         str(tmp_path / "x"), cluster, save_interval_steps=2
     ).save(3, state)
     m.close()
+    assert [h.stats()["objects"] for h in cluster.hosts] == objects  # the writers are gone
 
 
 def test_uncommitted_steps_are_never_restored_and_debris_is_removed(cluster, mngr):
@@ -400,8 +402,9 @@ def _kill_during_save(make_cluster, directory: str, seed: int) -> None:
 
 
 def test_save_with_a_host_already_lost_leaves_no_writer_behind(make_cluster, tmp_path, cluster):
-    """Host 1's sidecar is gone before a save: the save fails at once naming it, and the writer
-    already made on host 0 (a detached object that would outlive the session) is deleted."""
+    """Host 1's sidecar is gone before a save: the save fails at once naming it, leaves no
+    writer of its own behind, and closing the manager deletes its writer on host 0 (a detached
+    object that would outlive the session)."""
     c = make_cluster(hosts=2, arena_size=16 * MiB)
     c.make_current()
     try:
@@ -415,6 +418,8 @@ def test_save_with_a_host_already_lost_leaves_no_writer_behind(make_cluster, tmp
         with pytest.raises(Exception, match="colocar.checkpoint"):
             c.hosts[0].object(f"colocar.checkpoint/{m._id}/2")
         assert m.all_steps() == [1]
+        m.close()
+        assert c.hosts[0].stats()["objects"] == 0
     finally:
         cluster.make_current()
 

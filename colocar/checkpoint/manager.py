@@ -1,10 +1,12 @@
 """`CheckpointManager`: async saves written by the sidecars, restores with resharding.
 
 Runs in the controller. `save` blocks only while shards are copied device -> arena and handed
-to each host's writer (a detached object in its sidecar, see `writer_backend`); the writers
-store them with tensorstore, host 0's commits the step once every host's part is durable.
-`wait` returns when the step is committed and raises what went wrong otherwise. One manager
-writes a directory at a time (a lease object it refreshes); any number may read it.
+to each host's writer (a long-lived detached object in its sidecar, see `writers` and
+`writer_backend`); the writers store them with tensorstore, host 0's commits the step once
+every host's part is durable. `wait` long-polls the writers and returns when the step is
+committed, or raises what went wrong. Who does what (one controller, or one JAX process per
+host) is the `topology`'s; the step directories are `steps.StepDirs`'. One manager writes a
+directory at a time (a lease object it refreshes); any number may read it.
 """
 
 from __future__ import annotations
@@ -17,66 +19,34 @@ import signal
 import threading
 import time
 import uuid
-from collections import defaultdict, deque
+from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
 import jax
 
 from colocar.controller_bridge.cluster import Cluster, current_cluster
-from colocar.controller_bridge.obj import colocated_class
-from colocar.errors import CheckpointError, ColocarError, HostLostError
+from colocar.errors import CheckpointError
 
 from . import layout, save, tree
+from .inflight import InFlight, Save, SaveStats, save_failed
 from .lease import WriterLease
 from .restore import RestoreStats, restore_leaves
+from .save import Piece
 from .steps import STALE_SECONDS, StepDirs
 from .storage import open_storage
 from .topology import topology_of
-from .writer_backend import CheckpointWriter, WriterOptions
-
-_Writer = colocated_class(CheckpointWriter)
-
+from .writer_backend import WriterOptions
+from .writers import Writers
 
 _ORDINALS: dict[str, Any] = defaultdict(itertools.count)
-
-
-def _save_failed(step: int, error: str) -> CheckpointError:
-    """The error a failed save of `step` raises (once prefixed, whoever wrote the cause)."""
-    prefix = f"save of step {step} failed: "
-    return CheckpointError(error if error.startswith(prefix) else prefix + error)
 
 
 def _default_copy_threads() -> int:
     """Threads copying shards into the arenas: memory bandwidth stops scaling at a few."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, min(8, cores))
-
-
-@dataclass
-class SaveStats:
-    """What the last save cost; `arena_wait_seconds` > 0 means the arena was the bottleneck."""
-
-    step: int = -1
-    bytes: int = 0
-    pieces: int = 0
-    blocked_seconds: float = 0.0  # how long save() held the caller
-    arena_waits: int = 0  # pieces that found the arena full (the budget is below the checkpoint)
-    arena_wait_seconds: float = 0.0  # part of blocked_seconds spent waiting for writers to free blocks
-    durable_seconds: float | None = None  # from save() to the commit marker, once known
-    hosts: dict[int, dict[str, Any]] = field(default_factory=dict)
-
-
-@dataclass
-class _Save:
-    step: int
-    hosts: list[int]
-    started: float
-    stats: SaveStats
-    attempt: str
-    begun: float = 0.0
-    writers: dict[int, Any] = field(default_factory=dict)  # host index -> its writer of this step
 
 
 class CheckpointManager:
@@ -135,11 +105,11 @@ class CheckpointManager:
         self._ordinal = next(_ORDINALS[directory])  # managers of this directory made before, here
         self.topology = topology_of(self.cluster, pool, self._kv)
         self._senders = ThreadPoolExecutor(len(self.cluster.hosts), thread_name_prefix="colocar-ckpt-send")
+        self._writers = Writers(self.topology, self.storage.url, self.options, self._id, self._senders)
+        self._inflight = InFlight(self.topology, self.steps, self._writers, self._senders, commit_timeout)
         self._copiers = ThreadPoolExecutor(
             copy_threads or _default_copy_threads(), thread_name_prefix="colocar-ckpt-copy"
         )
-        self._inflight: deque[_Save] = deque()
-        self._unreported: list[CheckpointError] = []  # failures seen by stats(), raised by save/wait
         self._last = SaveStats()
         self._restore_stats = RestoreStats()
         self._lock = threading.RLock()
@@ -187,10 +157,10 @@ class CheckpointManager:
             try:
                 if self._lease.lost:
                     raise CheckpointError(self._lease.lost)
-                self._reap()
-                while len(self._inflight) > (1 if self.queue else 0):
-                    self._wait_one(self._inflight[0], timeout=None)
-                if any(s.step == step for s in self._inflight) or self.steps.is_committed(step):
+                self._inflight.reap()
+                while len(self._inflight.saves) > (1 if self.queue else 0):
+                    self._inflight.wait_one(self._inflight.saves[0], timeout=None)
+                if any(s.step == step for s in self._inflight.saves) or self.steps.is_committed(step):
                     raise CheckpointError(
                         f"step {step} already exists in {self.storage.url}; delete it first"
                     )
@@ -206,7 +176,7 @@ class CheckpointManager:
                 self.topology.refuse(self._attempt_key(), e)  # the others stop waiting for it
                 raise
             record = self._start(step, state, metadata or {}, started, attempt)
-            self._inflight.append(record)
+            self._inflight.saves.append(record)
             self._last = record.stats
         return True
 
@@ -232,12 +202,11 @@ class CheckpointManager:
             )
         return client
 
-    def _start(self, step: int, state: Any, metadata: dict[str, Any], started: float, attempt: str) -> _Save:
+    def _start(self, step: int, state: Any, metadata: dict[str, Any], started: float, attempt: str) -> Save:
         named, skeleton = tree.flatten(state)
         plan = save.plan(named, self.cluster, self._chunk_bytes(), host_data=self.topology.leader)
         pieces = {self.topology.storage_id(h): p for h, p in plan.pieces.items()}  # this process's hosts
         hosts = self.topology.save_hosts(list(pieces))
-        primary = self.topology.primary
         manifest = {
             "format": layout.FORMAT,
             "step": step,
@@ -249,166 +218,73 @@ class CheckpointManager:
             "metadata": tree.json_value("metadata", metadata),
             "jax_version": jax.__version__,
         }
-        body = json.dumps(manifest).encode()
-        stats = SaveStats(step=step)
-        record = _Save(step, hosts, started, stats, attempt)
+        record = Save(step, hosts, started, SaveStats(step=step), attempt)
         try:
             self.topology.check_fits(pieces)
-            writers = self._new_writers(record, list(pieces))
+            record.writers = self._writers.for_save(list(pieces))
             record.begun = time.monotonic()
-            if primary in writers:
-                writers[primary].begin(step, body, hosts, True)  # the plan is recorded before anything else
-            others = [writers[h].begin.submit(step, body, hosts, False) for h in writers if h != primary]
-            for future in others:
-                future.result()
-
-            def send(h: int) -> save.SendStats:
-                """Host h's part, on a thread of its own (the copies share the copy threads)."""
-                check = functools.partial(self._check, record)
-                futures, sent = save.send(
-                    self.topology.host(h), writers[h], step, pieces[h], self.pool, check, self._copiers
-                )
-                for future in futures:
-                    future.result()
-                writers[h].finish(step, sent.pieces)
-                return sent
-
-            for future in [self._senders.submit(send, h) for h in writers]:
-                sent = future.result()
-                stats.bytes += sent.bytes
-                stats.pieces += sent.pieces
-                stats.arena_waits += sent.arena_waits
-                stats.arena_wait_seconds += sent.arena_wait_seconds
+            self._begin(record, json.dumps(manifest).encode())
+            self._send(record, pieces)
         except Exception as e:
-            error = e if isinstance(e, CheckpointError) else _save_failed(step, f"{type(e).__name__}: {e}")
-            self._abort(record, str(error))
+            error = e if isinstance(e, CheckpointError) else save_failed(step, f"{type(e).__name__}: {e}")
+            self._inflight.abort(record, str(error))
             for h in pieces:  # the committing sidecar and the other processes stop waiting at once
-                self._mark_failed(record, h, str(error))
-            self._forget(record)
+                self._inflight.mark_failed(record, h, str(error))
+            self._inflight.forget(record)
             if error is e:
                 raise
             raise error from e
-        stats.blocked_seconds = time.monotonic() - started
+        record.stats.blocked_seconds = time.monotonic() - started
         return record
+
+    def _begin(self, record: Save, manifest: bytes) -> None:
+        """Every writer of this process learns the step's plan; the primary's first, so the
+        plan is recorded before anything else is written."""
+        writers, primary = record.writers, self.topology.primary
+        if primary in writers:
+            writers[primary].begin(record.step, manifest, record.hosts, True)
+        others = [
+            writers[h].begin.submit(record.step, manifest, record.hosts, False)
+            for h in writers
+            if h != primary
+        ]
+        for future in others:
+            future.result()
+
+    def _send(self, record: Save, pieces: dict[int, list[Piece]]) -> None:
+        """Copies every host's pieces into its arena and hands them to its writer, one thread
+        per host (the copies share the copy threads); adds up what it cost."""
+        step, stats = record.step, record.stats
+
+        def send(h: int) -> save.SendStats:
+            check = functools.partial(self._inflight.wait_hosts, record, 0.0)  # raises once the save failed
+            writer = record.writers[h]
+            futures, sent = save.send(
+                self.topology.host(h), writer, step, pieces[h], self.pool, check, self._copiers
+            )
+            for future in futures:
+                future.result()
+            if not sent.finished:
+                writer.finish(step, sent.pieces)
+            return sent
+
+        for future in [self._senders.submit(send, h) for h in record.writers]:
+            sent = future.result()
+            stats.bytes += sent.bytes
+            stats.pieces += sent.pieces
+            stats.arena_waits += sent.arena_waits
+            stats.arena_wait_seconds += sent.arena_wait_seconds
 
     def wait(self, timeout: float | None = None) -> None:
         """Blocks until every save so far is committed (durable); raises if one failed."""
         with self._lock:
-            self._reap()
-            while self._inflight:
-                self._wait_one(self._inflight[0], timeout)
+            self._inflight.wait_all(timeout)
 
     def stats(self) -> dict[str, Any]:
         """The last save's and restore's figures (see `SaveStats`)."""
         with self._lock:
-            self._reap(raise_errors=False)
+            self._inflight.reap(raise_errors=False)
             return {"save": asdict(self._last), "restore": asdict(self._restore_stats)}
-
-    def _wait_one(self, record: _Save, timeout: float | None) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            if self._poll(record, wait=0.5):
-                return
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"step {record.step} is not committed after {timeout} s")
-
-    def _reap(self, raise_errors: bool = True) -> None:
-        """Drops saves that ended; raises the first failure not reported yet (once)."""
-        while self._inflight:
-            try:
-                if not self._poll(self._inflight[0], wait=0.0):
-                    break
-            except CheckpointError as e:
-                self._unreported.append(e)
-        if raise_errors and self._unreported:
-            raise self._unreported.pop(0)
-
-    def _poll(self, record: _Save, wait: float) -> bool:
-        """True once `record` is committed (and forgets it); raises CheckpointError if it failed."""
-        primary = self.topology.primary
-        try:
-            status = self._check(record)
-            if primary not in status:
-                return self._poll_commit(record, status, wait)
-            if status[primary]["state"] != "committed" and wait:
-                status[primary] = self._status(record, primary, wait)
-        except CheckpointError:
-            self._forget(record)
-            raise
-        if status[primary]["state"] == "committed":
-            # The writer's clock: from begin() to the commit marker (retention not included).
-            record.stats.durable_seconds = record.begun - record.started + status[primary]["seconds"]
-            record.stats.hosts = status
-            self._forget(record)
-            return True
-        return False
-
-    def _poll_commit(self, record: _Save, status: dict[int, dict[str, Any]], wait: float) -> bool:
-        """Multi-controller, not process 0: once this process's part is durable, the commit
-        marker (or another host's failure marker) in storage tells how the save ended."""
-        if all(s["state"] == "done" for s in status.values()):
-            if self.steps.is_committed_by(record.step, record.attempt):
-                record.stats.durable_seconds = time.monotonic() - record.started
-                record.stats.hosts = status
-                self._forget(record)
-                return True
-            failure = self.steps.failure(record.step, record.attempt)
-            if failure is not None:
-                raise _save_failed(record.step, failure)
-            if time.monotonic() - record.started > self.options.commit_timeout:
-                raise CheckpointError(
-                    f"step {record.step} was not committed within commit_timeout "
-                    f"({self.options.commit_timeout:.0f} s) of this process's part: is process 0 alive?"
-                )
-            time.sleep(min(wait, 0.2))
-        elif wait:
-            self._status(record, next(iter(record.writers)), wait)
-        return False
-
-    def _status(self, record: _Save, h: int, wait: float) -> dict[str, Any]:
-        """Host h's writer's status of the save (waiting up to `wait` s for it to end); a lost
-        host fails the save (aborted, marked, raised as CheckpointError)."""
-        try:
-            status: dict[str, Any] = record.writers[h].status(record.step, wait)
-            return status
-        except (HostLostError, ColocarError) as e:
-            self._abort(record, f"host {h} was lost: {e}")
-            self._mark_failed(record, h, f"host {h} was lost mid-save: {e}")
-            raise _save_failed(
-                record.step,
-                f"host {h} ({self.topology.host(h).name}) was lost mid-save ({e}); the step will not be "
-                "committed, earlier steps are intact",
-            ) from e
-
-    def _check(self, record: _Save) -> dict[int, dict[str, Any]]:
-        """This process's hosts' status of the save; raises (and aborts it) when one failed."""
-        status: dict[int, dict[str, Any]] = {}
-        for h in list(record.writers):
-            status[h] = self._status(record, h, 0.0)
-            if status[h]["state"] == "failed":
-                self._abort(record, status[h]["error"])
-                raise _save_failed(record.step, status[h]["error"])
-        return status
-
-    def _forget(self, record: _Save) -> None:
-        """The save ended: its writers are no longer needed."""
-        if record in self._inflight:
-            self._inflight.remove(record)
-        for writer in record.writers.values():
-            try:
-                writer.close()
-                writer.delete()
-            except Exception:
-                pass  # a lost sidecar took its writer with it
-        record.writers = {}
-
-    def _abort(self, record: _Save, reason: str) -> None:
-        """Tells the writers to drop the step (best effort: some may be gone)."""
-        for writer in record.writers.values():
-            try:
-                writer.abort(record.step, reason)
-            except Exception:
-                pass
 
     # --- restoring ----------------------------------------------------------------------------
     def restore(self, step: int | None = None, target: Any = None, *, keys: list[str] | None = None) -> Any:
@@ -472,34 +348,6 @@ class CheckpointManager:
             self.max_chunk_bytes = self.topology.chunk_bytes()
         return self.max_chunk_bytes
 
-    def _new_writers(self, record: _Save, own: list[int]) -> dict[int, Any]:
-        """A detached writer per host of this process for this save, made in parallel: it
-        outlives this process long enough to commit (commit_timeout), and is deleted once the
-        save ended (also when making another host's failed: they are in `record.writers`)."""
-        ttl = self.options.commit_timeout + 600
-        name = f"colocar.checkpoint/{self._id}/{record.step}"
-        made = {}
-        for h in own:
-            new = _Writer.on(self.topology.host(h), name=name, ttl=ttl)
-            made[h] = self._senders.submit(new, self.storage.url, h, self.options)
-        failures = []
-        for h, future in made.items():
-            try:
-                record.writers[h] = future.result()
-            except Exception as e:
-                failures.append(e)
-        if failures:
-            raise failures[0]
-        return record.writers
-
-    def _mark_failed(self, record: _Save, host: int, error: str) -> None:
-        """Tells the committing sidecar (and other processes) at once that a host's part is
-        lost (best effort)."""
-        try:
-            self.steps.mark_failed(record.step, host, record.attempt, error)
-        except Exception:
-            pass
-
     def _install_preemption_handler(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             raise CheckpointError("save_on_preemption needs the manager to be created in the main thread")
@@ -514,7 +362,7 @@ class CheckpointManager:
         return self._preempted
 
     def close(self) -> None:
-        """Waits for saves in flight, then releases the lease and the writers."""
+        """Waits for saves in flight, then releases the lease and deletes the writers."""
         if self._closed:
             return
         try:
@@ -522,8 +370,9 @@ class CheckpointManager:
         finally:
             self._closed = True
             self._lease.release()
-            for record in list(self._inflight):
-                self._forget(record)
+            for record in list(self._inflight.saves):
+                self._inflight.forget(record)
+            self._writers.close()
             self._senders.shutdown(wait=False)
             self._copiers.shutdown(wait=False)
             if self._previous_handler is not None:

@@ -157,6 +157,7 @@ class SendStats:
     pieces: int = 0
     arena_waits: int = 0  # pieces that found the arena full
     arena_wait_seconds: float = 0.0
+    finished: bool = False  # the writer was told the total with the last pieces (no `finish`)
 
 
 def _groups(pieces: Iterator[Piece], limit: int = BATCH_BYTES) -> Iterator[list[Piece]]:
@@ -207,7 +208,8 @@ def send(
     futures (each completes once the writer queued its blocks) and the stats.
 
     When the arena has room for all of them, the writer gets them in one call after the last
-    copy: the copies (on `copiers`) then have the cores to themselves. Otherwise they go in
+    copy, which also tells it they were all (`stats.finished`): the copies (on `copiers`) then
+    have the cores to themselves. Otherwise they go in
     BATCH_BYTES groups as blocks free up; `check()` raises when the save failed meanwhile (so a
     full arena never waits on a dead save). A host without shared memory gets the pieces
     uploaded by the write calls, a group per call."""
@@ -224,7 +226,10 @@ def send(
     items = []
     for group in _groups(_prefetched(pieces), PREFETCH_BYTES):
         items += _items(group, [blocks.pop() for _ in group], copiers, stats)
-    return [writer.write.submit(step, items)] if items else [], stats
+    if not items:
+        return [], stats
+    stats.finished = True
+    return [writer.write.submit(step, items, len(items))], stats
 
 
 def _items(

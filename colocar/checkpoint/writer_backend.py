@@ -1,12 +1,15 @@
 """The checkpoint writer: a detached object in each sidecar (runs in the sidecar).
 
+One writer per manager and host serves every save of that manager, as one job per step.
 The controller copies each shard into an arena block and hands the block's view to
 `write`; the writer stores it with tensorstore on its own threads (bounded concurrency) and
-drops the view, which frees the block, once the write is durable. After `finish`, the host
-writes its done marker. The primary writer (host 0's) also holds the step's plan from `begin`
-on, so the commit does not depend on the trainer: it writes the manifest, keeps the step's
-heartbeat fresh, waits for every planned host's done marker, writes the commit marker last
-(create-only), then applies retention and removes debris of crashed saves.
+drops the view, which frees the block, once the write is durable. After `finish` (or the last
+`write` naming the total), the host writes its done marker. The primary writer (host 0's) also
+holds the step's plan from `begin` on, so the commit does not depend on the trainer: it writes
+the manifest, keeps the step's heartbeat fresh, waits for every planned host's done marker,
+writes the commit marker last (create-only), then applies retention and removes debris of
+crashed saves. `wait` is a long-poll: it returns when the step's job ended on this host (or
+after its timeout).
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ class _Job:
     pieces_written: int = 0
     bytes_written: int = 0
     pending: int = 0
+    reported: bool = False  # the controller saw the job's end (see `wait`)
     started: float = field(default_factory=time.monotonic)
     finished: float = 0.0
     stores: dict[int, Any] = field(default_factory=dict)
@@ -86,7 +90,7 @@ class _Job:
 
 
 class CheckpointWriter:
-    """One per host and save, created detached: it outlives the trainer's session."""
+    """One per manager and host, created detached: it outlives the trainer's session."""
 
     def __init__(self, url: str, host: int, options: WriterOptions):
         self.url = url
@@ -114,14 +118,19 @@ class CheckpointWriter:
             old = self._jobs.get(step)
             if old is not None and old.state not in TERMINAL:
                 raise RuntimeError(f"step {step} is already being saved on host {self.host}")
+            for ended in [s for s, j in self._jobs.items() if j.reported]:
+                del self._jobs[ended]  # a long-lived writer keeps only what may still be asked
             self._jobs[step] = job
         if primary:
             threading.Thread(
                 target=self._primary, args=(job,), name=f"colocar-ckpt-commit-{step}", daemon=True
             ).start()
 
-    def write(self, step: int, pieces: list[tuple[int, list[list[int]], np.ndarray]]) -> None:
-        """Queues pieces (leaf index, [[start, stop], ...] in the global array, arena view)."""
+    def write(
+        self, step: int, pieces: list[tuple[int, list[list[int]], np.ndarray]], total: int | None = None
+    ) -> None:
+        """Queues pieces (leaf index, [[start, stop], ...] in the global array, arena view);
+        with `total`, these are the last ones, as `finish(step, total)` would say."""
         job = self._job(step)
         with job.lock:
             if job.state == "failed":
@@ -129,6 +138,8 @@ class CheckpointWriter:
             job.pending += len(pieces)
         for leaf, bounds, data in pieces:
             self._pool.submit(self._write_piece, job, leaf, bounds, data)
+        if total is not None:
+            self.finish(step, total)
 
     def finish(self, step: int, pieces: int) -> None:
         """No more pieces: `pieces` were sent in all; the host's part is durable after them."""
@@ -137,15 +148,16 @@ class CheckpointWriter:
             job.pieces_sent = pieces
             self._check_done(job)
 
-    def status(self, step: int, wait: float = 0.0) -> dict[str, Any]:
-        """The step's state on this host, waiting up to `wait` s for it to end."""
+    def wait(self, step: int, timeout: float = 0.0) -> dict[str, Any]:
+        """The step's state on this host once its job ended here (the primary's: committed or
+        failed; another host's: done or failed), or after `timeout` s. A job whose end was
+        reported is dropped at the next `begin`: the controller does not ask about it again."""
         job = self._job(step)
-        deadline = time.monotonic() + wait
+        deadline = time.monotonic() + timeout
         with job.lock:
-            while job.state not in TERMINAL and (remaining := deadline - time.monotonic()) > 0:
-                if job.state == "done" and not job.primary:
-                    break
+            while not _ended(job) and (remaining := deadline - time.monotonic()) > 0:
                 job.changed.wait(remaining)
+            job.reported = _ended(job)
             return {
                 "state": job.state,
                 "error": job.error,
@@ -345,3 +357,9 @@ class CheckpointWriter:
             if s not in active and s not in committed:
                 if self.steps.is_abandoned(s, self.options.stale_seconds, latest):
                     self.storage.delete_tree(layout.step_dir(s))
+
+
+def _ended(job: _Job) -> bool:
+    """Nothing more happens to the job on this host: the primary's is committed or failed,
+    another host's is done (its part is durable) or failed."""
+    return job.state in (("committed", "failed") if job.primary else ("done", "failed"))
