@@ -200,6 +200,19 @@ def test_retention_listing_and_delete(cluster, tmp_path):
     assert [h.stats()["objects"] for h in cluster.hosts] == objects  # the writers are gone
 
 
+def test_a_save_costs_one_begin_write_and_wait_per_host(cluster, mngr):
+    """The manager's writers outlive a save and `wait` is a long-poll: a steady-state save of
+    a tree with shards on both hosts costs each sidecar three calls: `begin`, one `write` that
+    also gives the total, and one `wait` that returns when the host's part ended."""
+    mngr.save(1, make_state(1))  # the first save makes the writers
+    mngr.wait()
+    calls = sum(h.stats()["calls"] for h in cluster.hosts)
+    mngr.save(2, make_state(2))
+    mngr.wait()
+    assert sum(h.stats()["calls"] for h in cluster.hosts) - calls == 2 * 3
+    assert mngr.all_steps() == [1, 2]
+
+
 def test_uncommitted_steps_are_never_restored_and_debris_is_removed(cluster, mngr):
     state = make_state(6)
     mngr.save(1, state)
