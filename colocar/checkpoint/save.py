@@ -209,10 +209,10 @@ def send(
 
     When the arena has room for all of them, the writer gets them in one call after the last
     copy, which also tells it they were all (`stats.finished`): the copies (on `copiers`) then
-    have the cores to themselves. Otherwise they go in
-    BATCH_BYTES groups as blocks free up; `check()` raises when the save failed meanwhile (so a
-    full arena never waits on a dead save). A host without shared memory gets the pieces
-    uploaded by the write calls, a group per call."""
+    have the cores to themselves. Otherwise they go in BATCH_BYTES groups as blocks free up;
+    `check()` raises when the save failed meanwhile (so a full arena never waits on a dead
+    save). A host without shared memory gets the pieces uploaded by the write calls, a group
+    per call."""
     conn = host.connection
     stats = SendStats()
     if not conn.shm:
