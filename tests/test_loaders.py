@@ -226,6 +226,30 @@ def test_a_lost_wake_up_is_made_up_by_the_pumps_look_at_the_board(two_hosts):
         assert got == [expected_labels(k, num_epochs=None) for k in range(1, 5)]
 
 
+@pytest.mark.parametrize("path", ["feed", "calls"])
+def test_a_released_batch_gives_its_slots_back_at_once_and_cannot_be_read(two_hosts, grpc_cluster, path):
+    """`it.release(batch)`: the batch's slots come back although the program still holds the
+    batch (a 2-slot ring with both batches held goes on), reading it raises instead of showing
+    later data, and a numpy view taken from it before keeps its slot and its values."""
+    c = two_hosts.make_current() if path == "feed" else grpc_cluster
+    with loaders.load(config(prefetch=2, num_epochs=None), c, starve_timeout=20) as it:
+        assert bool(it._fed) == (path == "feed")
+        first, second = next(it), next(it)  # every slot of the 2-slot rings, both still held
+        it.release(first)
+        with pytest.raises(RuntimeError, match="deleted"):
+            np.asarray(first["x"])
+        third = next_in_time(it)  # needs the released batch's slots: it would starve without
+        shard = second["x"].addressable_shards[0].data
+        view = np.asarray(shard)  # on the feed path, the slot's memory itself
+        assert view.ctypes.data == shard.unsafe_buffer_pointer()
+        values = view.copy()
+        del shard
+        it.release(second)
+        got = [next_in_time(it) for _ in range(4)]  # the ring turns; `view` keeps its slot
+        np.testing.assert_array_equal(view, values)
+        assert [third, *got] == [expected_labels(k, num_epochs=None) for k in range(2, 7)]
+
+
 def test_batches_come_by_calls_when_the_controller_does_not_map_the_arena(grpc_cluster):
     """Without shared memory each batch is a call (its slot copied over gRPC); a 2-slot ring
     refills as each call's slot is let go in the sidecar, many times over; a bad record's error

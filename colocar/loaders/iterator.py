@@ -260,6 +260,24 @@ class DataIterator:
             )
         return batch
 
+    def release(self, batch: dict[str, jax.Array]) -> None:
+        """Gives a batch back now, instead of when the program drops its last reference.
+
+        Deletes the batch's arrays (reading one afterwards raises "Array has been deleted")
+        and returns the slots nothing else reads any more at once, without waiting for Python's
+        garbage collector: useful when a reference to the batch lingers (a loop variable, a
+        logged dict) while the ring needs its slots. The rule that frees a slot is unchanged:
+        anything still built on its memory (a numpy view from `np.asarray`, a computation in
+        flight) keeps it until that goes too, so a released batch never yields wrong values.
+        Dropping the batch (the default) gives it back as well; `release` is only sooner.
+        """
+        for array in batch.values():
+            if isinstance(array, jax.Array):
+                array.delete()
+        if self._collect_garbage is None:
+            gc.collect(1)  # JAX's deferred releases of the deleted buffers' views
+        self._free_dropped_slots()
+
     def get_state(self) -> dict[str, Any]:
         """JSON-able position: resuming from it yields exactly the batches that would come next."""
         c = self.config
