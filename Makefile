@@ -23,7 +23,7 @@ test: $(STAMP) lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: $(STAMP)
-	$(PY) -m ruff check colocar tests benchmarks examples
+	$(PY) -m ruff check colocar tests examples
 	$(PY) -m mypy
 
 bench: $(STAMP)

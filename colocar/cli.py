@@ -20,12 +20,7 @@ def main(argv: list[str] | None = None) -> None:
 
         sidecar_main(rest)
     elif command == "bench":
-        import pathlib
-
-        root = pathlib.Path(__file__).resolve().parent.parent
-        if (root / "benchmarks").is_dir() and str(root) not in sys.path:
-            sys.path.insert(0, str(root))
-        from benchmarks.run import main as bench_main
+        from colocar.bench.run import main as bench_main
 
         bench_main(rest)
     elif command == "ckpt":
@@ -39,3 +34,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         print(f"colocar: unknown command {command!r} (sidecar, bench, ckpt, k8s)", file=sys.stderr)
         sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

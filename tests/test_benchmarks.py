@@ -7,6 +7,7 @@ cleans up, and reports the keys RESULTS.md and the CLI promise, with positive va
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -48,6 +49,8 @@ REQUIRED = {
     ),
 }
 
+TEXT: dict = {"capture_output": True, "text": True, "timeout": 300}
+
 
 def _bench(name: str) -> dict:
     done = subprocess.run(
@@ -87,3 +90,43 @@ def test_bench_quick_json(name: str) -> None:
         for key in ("transfer", "compute"):
             for system in ("grain", "colocar1", "colocar2"):
                 assert len(result[f"{key}_{system}_bps_per_round"]) == 3
+
+
+def test_bench_runs_from_an_installed_wheel(tmp_path) -> None:
+    """`colocar bench` needs nothing but the package: a wheel built from the repository holds
+    the benchmark modules, and `colocar bench` run from that wheel alone (its folder on
+    PYTHONPATH, a working directory outside the repository) lists them and runs one (rpc: its
+    sidecar and its peer processes import colocar from the wheel too)."""
+    import shutil
+    import zipfile
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(root / name, src / name)
+    shutil.copytree(root / "colocar", src / "colocar", ignore=shutil.ignore_patterns("__pycache__"))
+    build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q"]
+    done = subprocess.run([*build, str(src), "-w", str(tmp_path / "dist")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (wheel,) = (tmp_path / "dist").glob("colocar-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for module in ("run", *sorted(REQUIRED)):
+        assert f"colocar/bench/{module}.py" in names, sorted(n for n in names if "bench" in n)
+    installed = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(installed)  # a pure-Python wheel: what pip install --target lays out
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(installed)
+    where = subprocess.run(
+        [sys.executable, "-c", "import colocar; print(colocar.__file__)"], env=env, cwd=tmp_path, **TEXT
+    )
+    assert where.stdout.strip() == str(installed / "colocar" / "__init__.py"), where
+    cli = [sys.executable, "-m", "colocar.cli", "bench"]
+    listing = subprocess.run([*cli, "--help"], env=env, cwd=tmp_path, **TEXT)
+    assert listing.returncode == 0, listing.stderr[-3000:]
+    assert all(name in listing.stdout for name in REQUIRED), listing.stdout
+    done = subprocess.run([*cli, "rpc", "--quick", "--json", "--repeats", "1"], env=env, cwd=tmp_path, **TEXT)
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["quick"] is True and all(result[key] > 0 for key in REQUIRED["rpc"]), result

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 import jax.numpy as jnp
 import numpy as np
@@ -192,6 +193,61 @@ def test_a_full_ring_asks_for_signals_and_goes_on_as_slots_come_back(two_hosts):
             got.append(labels(next(it)))
             wait_for(lambda: all(feed._board[WAITING] == 1 for feed in feeds), "the rings to fill again")
         assert got == [expected_labels(k, num_epochs=None) for k in range(1, 7)]
+
+
+def next_in_time(it, seconds=30.0):
+    """The next batch's labels, or a failure after `seconds` (a thread: a stuck feed waits forever)."""
+    got = []
+    thread = threading.Thread(target=lambda: got.append(labels(next(it))), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert got, f"no batch within {seconds} s"
+    return got[0]
+
+
+def test_a_lost_wake_up_is_made_up_by_the_pumps_look_at_the_board(two_hosts):
+    """The board has no memory fence ("Ordering" in shm/ring.py), so the controller may read the
+    ring's flag as down after the ring raised it, give its slots back without the wake-up byte,
+    and the pump, which looked before they came back, waits. Here the controller really reads
+    the flag down (it is lowered just before the controller gives the slots back): the pump's
+    periodic look at the board (RECHECK_SECONDS) still finds them, and the pipeline goes on."""
+    from colocar.shm.ring import WAITING
+
+    c = two_hosts.make_current()
+    with loaders.load(config(prefetch=2, num_epochs=None), c) as it:
+        held = next(it)
+        feeds = it._fed
+        assert len(feeds) == 2  # the controller maps both arenas: batches come over feeds
+        wait_for(lambda: all(feed._board[WAITING] == 1 for feed in feeds), "both rings to wait")
+        for feed in feeds:
+            feed._board[WAITING] = 0  # the flag as a controller without a fence may see it
+        del held  # its slots go back on the next call, silently
+        got = [next_in_time(it) for _ in range(4)]  # the 2-slot rings need the silent returns
+        assert got == [expected_labels(k, num_epochs=None) for k in range(1, 5)]
+
+
+@pytest.mark.parametrize("path", ["feed", "calls"])
+def test_a_released_batch_gives_its_slots_back_at_once_and_cannot_be_read(two_hosts, grpc_cluster, path):
+    """`it.release(batch)`: the batch's slots come back although the program still holds the
+    batch (a 2-slot ring with both batches held goes on), reading it raises instead of showing
+    later data, and a numpy view taken from it before keeps its slot and its values."""
+    c = two_hosts.make_current() if path == "feed" else grpc_cluster
+    with loaders.load(config(prefetch=2, num_epochs=None), c, starve_timeout=20) as it:
+        assert bool(it._fed) == (path == "feed")
+        first, second = next(it), next(it)  # every slot of the 2-slot rings, both still held
+        it.release(first)
+        with pytest.raises(RuntimeError, match="deleted"):
+            np.asarray(first["x"])
+        third = next_in_time(it)  # needs the released batch's slots: it would starve without
+        shard = second["x"].addressable_shards[0].data
+        view = np.asarray(shard)  # on the feed path, the slot's memory itself
+        assert view.ctypes.data == shard.unsafe_buffer_pointer()
+        values = view.copy()
+        del shard
+        it.release(second)
+        got = [next_in_time(it) for _ in range(4)]  # the ring turns; `view` keeps its slot
+        np.testing.assert_array_equal(view, values)
+        assert [third, *got] == [expected_labels(k, num_epochs=None) for k in range(2, 7)]
 
 
 def test_batches_come_by_calls_when_the_controller_does_not_map_the_arena(grpc_cluster):

@@ -512,3 +512,39 @@ def test_slot_ring_lends_slots_given_back_on_its_board(shm_dir):
     finally:
         ring.close()
         arena.close()
+
+
+def test_slot_ring_finds_a_slot_given_back_without_a_signal_at_its_next_look(shm_dir):
+    """The board has no memory fence ("Ordering" in shm/ring.py): a borrower may read the flag
+    as down although the ring's user already waits, and give a slot back with no signal. Nothing
+    wakes the user then, but its next look (`try_acquire`, which it makes while it waits) finds
+    the slot. And a return counts for one lending only: a slot lent again stays lent until the
+    borrower bumps its counter again, whatever it did before."""
+    from colocar.shm import ndarray_view
+    from colocar.shm.ring import WAITING, board_words
+    from colocar.sidecar.blocks import SidecarArena
+
+    arena = SidecarArena(shm_dir, MiB, label="lostsignal")
+    ring = arena.ring(2, 4096)
+    board = ndarray_view(arena.arena, ring.board_block.offset, (board_words(2),), np.int64)  # the borrower's
+    woken = threading.Event()
+    arena.allocator.add_release_listener(woken.set)
+    try:
+        first, second = ring.try_acquire(), ring.try_acquire()
+        assert ring.lend(first) and ring.lend(second)
+        assert ring.try_acquire(urgent=True) is None and board[WAITING] == 1  # the user waits
+        woken.clear()
+        board[1 + second] += 1  # given back; the borrower read the flag as down: no `reclaim_lent`
+        assert not woken.wait(0.2)  # nothing tells the user...
+        assert ring.try_acquire(urgent=True) == second  # ...its next look finds the slot
+        assert board[WAITING] == 0
+
+        assert ring.lend(second)  # lent a second time; the board still counts one return
+        assert ring.try_acquire(urgent=True) is None and ring.in_use() == 2
+        board[1 + second] += 1
+        assert ring.try_acquire(urgent=True) == second
+    finally:
+        arena.allocator.remove_release_listener(woken.set)
+        ring.close()
+        ring.return_lent()
+        arena.close()

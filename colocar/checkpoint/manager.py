@@ -193,9 +193,9 @@ class CheckpointManager:
     @staticmethod
     def _kv() -> Any:
         """JAX's distributed key-value store (Orbax uses it too; no public API offers one)."""
-        from jax._src import distributed
+        from colocar.jax_compat import distributed_client
 
-        client = distributed.global_state.client
+        client = distributed_client()
         if client is None:
             raise CheckpointError(
                 "several JAX processes but no jax.distributed client: call jax.distributed.initialize()"

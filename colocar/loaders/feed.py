@@ -21,7 +21,7 @@ import numpy as np
 from colocar.controller_bridge.cluster import Host
 from colocar.errors import HostLostError
 from colocar.shm import ndarray_view
-from colocar.shm.ring import FENCE, WAITING, board_words
+from colocar.shm.ring import WAITING, board_words, store_load_hint
 
 from .layout import SlotLayout
 from .pump import MESSAGE, PipelineError
@@ -110,7 +110,9 @@ class _Feed:
 
     def flush(self) -> None:
         """Gives the pending slots back on the ring's board; signals the sidecar only if its
-        ring waits for a slot, or once closed (its pipeline is stopped: nothing else looks)."""
+        ring waits for a slot, or once closed (its pipeline is stopped: nothing else looks).
+        A flag read too early (no fence orders it after the counters, see `shm.ring`) loses
+        the signal; the pump's periodic look at the board finds the slots anyway."""
         while self._pending and self._send_lock.acquire(blocking=False):
             try:
                 board, n = self._board, 0
@@ -118,8 +120,7 @@ class _Feed:
                     board[1 + self._pending.popleft()] += 1
                     n += 1
                 self._outstanding -= n
-                with FENCE:  # the board's words are stored before the flag is read
-                    pass
+                store_load_hint()  # best effort: see "Ordering" in shm/ring.py
                 if self._closed or board[WAITING]:
                     try:
                         self._sock.sendall(b"\x01")

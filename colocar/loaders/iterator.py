@@ -20,6 +20,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from colocar import jax_compat
 from colocar.controller_bridge import colocated, colocated_class
 from colocar.controller_bridge.cluster import Cluster, Host
 
@@ -38,17 +39,6 @@ def _slot_holder(view: np.ndarray) -> Any:
 
 
 RemoteLoaderHost = colocated_class(LoaderHost)
-
-
-def _jax_collect_garbage() -> Any:
-    """JAX's release of the Python objects its freed buffers held (numpy arrays a CPU buffer
-    aliased), which it defers to garbage-collection callbacks; None if this JAX has none."""
-    try:
-        from jax._src.lib import _jax
-
-        return _jax.collect_garbage
-    except (ImportError, AttributeError):
-        return None
 
 
 @colocated
@@ -120,7 +110,7 @@ class DataIterator:
         self._targets = [device for _, _, placed in self._plan for device, _ in placed]
         self._put_order = self._batched_put_order()
         self._puts = self._batched_puts()
-        self._collect_garbage = _jax_collect_garbage()
+        self._collect_garbage = jax_compat.collect_garbage()
         self.wait_seconds = 0.0
         self.batches = 0
         self._recent: list[tuple[list[weakref.ref], list[weakref.ref]]] = []  # without collect_garbage
@@ -138,19 +128,15 @@ class DataIterator:
         ]
         self._fed = [feed for feed in self._feeds if feed is not None]
 
-    def _batched_put_order(self) -> tuple[dict[str, list[int]], Any] | None:
+    def _batched_put_order(self) -> tuple[dict[str, list[int]], jax_compat.BatchedPut] | None:
         """How `__next__` can put a field's per-device views in one call, or None (device_put).
 
         JAX's `batched_device_put` takes one view per addressable device of the sharding, in its
         order; it is internal API, so any mismatch (devices, dtypes JAX would convert, another
         JAX version) falls back to the public path.
         """
-        try:  # the C++ behind jax._src.interpreters.pxla.batched_device_put, minus its checks
-            from jax._src.lib import xla_client
-
-            batched_device_put = xla_client.batched_device_put
-            _ = jax.core.ShapedArray
-        except (ImportError, AttributeError):
+        batched = jax_compat.batched_put()
+        if batched is None:
             return None
         devices = self._targets
         position = {d: i for i, d in enumerate(devices)}
@@ -158,23 +144,23 @@ class DataIterator:
         for name, (_, dtype) in self.fields.items():
             if jax.dtypes.canonicalize_dtype(np.dtype(dtype)) != np.dtype(dtype):
                 return None
-            wanted = list(getattr(self.shardings[name], "_addressable_device_assignment", ()))
+            wanted = jax_compat.sharding_device_order(self.shardings[name]) or []
             if len(position) != len(devices) or set(wanted) != set(devices) or len(wanted) != len(devices):
                 return None
             orders[name] = [position[d] for d in wanted]
-        return orders, batched_device_put
+        return orders, batched
 
     def _batched_puts(self) -> list[tuple[str, Any, Any, list[int] | None, list[Any]]]:
         """Per field, for the batched put: (name, aval, sharding, order of the views or None
         when it is the placed order, devices in that order)."""
         if self._put_order is None:
             return []
-        orders, _ = self._put_order
+        orders, batched = self._put_order
         B = self.config.global_batch_size
         puts = []
         for name, (shape, dtype) in self.fields.items():
             order = orders[name]
-            aval = jax.core.ShapedArray((B, *shape), np.dtype(dtype))
+            aval = batched.aval((B, *shape), np.dtype(dtype))
             as_placed = order == list(range(len(order)))
             devices = [self._targets[i] for i in order]
             puts.append((name, aval, self.shardings[name], None if as_placed else order, devices))
@@ -248,7 +234,7 @@ class DataIterator:
             # One batched put per field builds the global array from its per-device views
             # (aliased on CPU, as with device_put): ~10x less CPU than device_put of each view
             # and make_array_from_single_device_arrays.
-            put = self._put_order[1]
+            put = self._put_order[1].put
             for name, aval, sharding, order, devices in self._puts:
                 views = pieces[name]
                 if order is not None:
@@ -273,6 +259,24 @@ class DataIterator:
                 ([weakref.ref(a) for a in batch.values()], [weakref.ref(_slot_holder(s)) for s in slots])
             )
         return batch
+
+    def release(self, batch: dict[str, jax.Array]) -> None:
+        """Gives a batch back now, instead of when the program drops its last reference.
+
+        Deletes the batch's arrays (reading one afterwards raises "Array has been deleted")
+        and returns the slots nothing else reads any more at once, without waiting for Python's
+        garbage collector: useful when a reference to the batch lingers (a loop variable, a
+        logged dict) while the ring needs its slots. The rule that frees a slot is unchanged:
+        anything still built on its memory (a numpy view from `np.asarray`, a computation in
+        flight) keeps it until that goes too, so a released batch never yields wrong values.
+        Dropping the batch (the default) gives it back as well; `release` is only sooner.
+        """
+        for array in batch.values():
+            if isinstance(array, jax.Array):
+                array.delete()
+        if self._collect_garbage is None:
+            gc.collect(1)  # JAX's deferred releases of the deleted buffers' views
+        self._free_dropped_slots()
 
     def get_state(self) -> dict[str, Any]:
         """JSON-able position: resuming from it yields exactly the batches that would come next."""

@@ -25,7 +25,10 @@ from typing import Any
 
 from .worker import receive_message, send_message
 
-RECHECK_SECONDS = 0.05  # a pump waiting for a slot reads the board this often, should a signal be lost
+# A pump waiting for a slot reads the board this often: the controller's signal that it gave a
+# slot back can be lost (the board has no memory fence, see "Ordering" in shm/ring.py), and
+# this look is what finds the slot then. Not an optimisation: the protocol relies on it.
+RECHECK_SECONDS = 0.05
 
 # sidecar -> controller: (bytes of a pickled tail, batch number, slot, bad records so far); a
 # batch has no tail (the common message, no pickling), "end" and "error" carry one.

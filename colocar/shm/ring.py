@@ -13,6 +13,30 @@ A consumer in another process that maps the arena can instead borrow slots (`len
 them back through the ring's **board**, a few int64 words in the arena: it bumps the slot's
 word, and signals the ring (`reclaim_lent`) only while its user waits for a slot, which the
 board's first word says. A batch then costs the consumer no message at all while the ring has free slots.
+
+Ordering. The board is plain int64 words in shared memory, read and written by two processes
+with no fence between them (Python has none that is portable): each word has one writer (the
+flag: the ring; word 1 + i: the borrower) and aligned 8-byte stores and loads are atomic on
+x86-64 and AArch64, but a store may become visible to the other process after a later load.
+The protocol is correct in any order:
+
+* A slot is never reused early. The ring frees a lent slot only when it reads the slot's
+  counter at or above the number of times it lent it; the borrower bumps the counter only
+  after it let go of the slot (its reads of the slot are over by then: JAX frees a buffer only
+  after the computations reading it signalled completion, through its own locks, which order
+  those reads before what follows). A counter never runs ahead of the slot's returns, so a late
+  or early view of any word can only delay the slot, never free it while the borrower reads it.
+* A returned slot is never lost for good. The flag handshake (ring: raise the flag, then look
+  at the counters; borrower: bump a counter, then read the flag) is the store-then-load pattern
+  that needs a store-load fence: without one both sides may read the old values, and the
+  borrower gives the slot back without signalling while the ring, having looked, waits. The
+  ring's user therefore must look again while it waits (`try_acquire` at least every few
+  milliseconds: the loaders' pump does every `RECHECK_SECONDS`), so a lost signal costs one
+  such delay. A stale flag read as raised costs one needless signal.
+
+`store_load_hint` narrows the window where it can: on x86 acquiring a lock is a locked
+instruction, a full barrier, so no signal is lost there; elsewhere (ARM: GH200/Grace, Axion)
+it promises nothing, and nothing depends on it.
 """
 
 from __future__ import annotations
@@ -27,7 +51,15 @@ from .allocator import Allocator, Block
 _ids = iter(range(1, 1 << 62))
 
 WAITING = 0  # board word: 1 while the user waits for a slot; then word 1 + i counts slot i's returns
-FENCE = threading.Lock()  # `with FENCE: pass` is a full memory barrier (a locked instruction) on x86
+_HINT = threading.Lock()
+
+
+def store_load_hint() -> None:
+    """Best effort, between a board store and a board load: a full barrier on x86 (a lock's
+    acquire is a locked instruction), no promise elsewhere. See "Ordering" above: the
+    protocol's correctness does not depend on it."""
+    with _HINT:
+        pass
 
 
 def board_words(slots: int) -> int:
@@ -104,7 +136,9 @@ class SlotRing:
 
         Not `urgent` (the caller still has work queued): a borrower gives slots back on the
         board without signalling, and the caller looks again when it likes. Urgent and none
-        free: the board asks the borrower to signal (`reclaim_lent`) each slot it gives back.
+        free: the board asks the borrower to signal (`reclaim_lent`) each slot it gives back;
+        a signal can still be lost (see "Ordering"), so a caller that waits calls again
+        within a bounded time, which finds the slot.
         """
         with self._lock:
             if self._closed:
@@ -112,8 +146,7 @@ class SlotRing:
             i = self._take_free()
             if i is None and urgent:  # from now on a borrower that gives a slot back signals
                 self._board[WAITING] = 1
-                with FENCE:
-                    pass
+                store_load_hint()
                 i = self._take_free()  # ...so look again for one given back before
             if i is not None:
                 self._board[WAITING] = 0

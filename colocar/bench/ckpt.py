@@ -78,6 +78,8 @@ from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
 
+from colocar.bench import child_env  # noqa: E402
+
 MiB = 1 << 20
 LAYERS = 16
 HOSTS = 2
@@ -180,22 +182,18 @@ class _Memory:
     """The training process's side of the sampler: samples by time window."""
 
     def __init__(self) -> None:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-        env = {**os.environ, "PYTHONPATH": path}
         self._proc = subprocess.Popen(
             [
                 sys.executable,
                 "-c",
-                "from benchmarks.ckpt import _sampler_main; _sampler_main()",
+                "from colocar.bench.ckpt import _sampler_main; _sampler_main()",
                 str(os.getpid()),
                 str(SAMPLE_SECONDS),
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
-            env=env,
-            cwd=root,
+            env=child_env(),
         )
         self._samples: list[list[float]] = []
 
@@ -294,7 +292,9 @@ class _System:
 
     def save(self, k: int) -> None: ...
     def wait(self) -> None: ...
-    def path(self, k: int) -> str: ...
+    def path(self, k: int) -> str:
+        raise NotImplementedError
+
     def restore(self, k: int) -> Any: ...
     def delete(self, k: int) -> None: ...
 

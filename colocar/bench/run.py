@@ -1,4 +1,4 @@
-"""`colocar bench NAME [--json] [--quick] [--repeats N]` (also `python -m benchmarks.run NAME`).
+"""`colocar bench NAME [--json] [--quick] [--repeats N]` (also `python -m colocar.bench.run NAME`).
 
 Runs one benchmark module's `run(quick, repeats) -> dict`, prints a table and, with --json,
 the result as one JSON object on the last line of stdout.
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     # The controller side runs JAX on the CPU (the transfer benchmark uses device_put there).
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    module = importlib.import_module(f"benchmarks.{args.name}")
+    module = importlib.import_module(f"colocar.bench.{args.name}")
     repeats = args.repeats if args.repeats is not None else DEFAULT_REPEATS[args.name]
     if repeats < 1:
         raise SystemExit("--repeats must be >= 1")

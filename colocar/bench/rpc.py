@@ -8,12 +8,11 @@ round's percentile. The peers run in separate processes, like the sidecar:
   handler returns the request; no (de)serializers on either side (bytes in, bytes out).
 * `socket`: a TCP ping-pong (TCP_NODELAY) of a small message; the floor for any loopback RPC.
 
-`python -m benchmarks.rpc grpc-server|socket-server` runs a peer (it prints its port).
+`python -m colocar.bench.rpc grpc-server|socket-server` runs a peer (it prints its port).
 """
 
 from __future__ import annotations
 
-import os
 import socket
 import statistics
 import subprocess
@@ -23,9 +22,10 @@ from collections.abc import Callable
 from concurrent import futures
 from typing import Any
 
+from colocar.bench import child_env
+
 PAYLOAD = b"x" * 64
 METHOD = "/colocar.bench.Echo/Echo"
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # --- peers (run in their own processes) ----------------------------------------------------
@@ -66,17 +66,14 @@ def _serve_socket() -> None:
 
 
 class Peer:
-    """A peer process started with `python -m benchmarks.rpc KIND`; stops when closed."""
+    """A peer process started with `python -m colocar.bench.rpc KIND`; stops when closed."""
 
     def __init__(self, kind: str):
-        path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
-        env = {**os.environ, "PYTHONPATH": path}
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.rpc", kind],
+            [sys.executable, "-m", "colocar.bench.rpc", kind],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            env=env,
-            cwd=ROOT,
+            env=child_env(),
         )
         assert self.process.stdout is not None
         line = self.process.stdout.readline()
@@ -165,7 +162,7 @@ def run(quick: bool, repeats: int) -> dict:
             host = cluster.hosts[0]
             colocar_call = remote_noop.on(host)
             assert host.connection.link is not None, "expected the local link on the same host"
-            token = open(cluster.token_file).read()
+            token = open(cluster.token_file).read()  # type: ignore[attr-defined]
             remote = colocar.connect([host.address], token=token, shm=False)  # as from another host
             grpc_call = remote_noop.on(remote.hosts[0])
             clients = {
@@ -195,7 +192,7 @@ def run(quick: bool, repeats: int) -> dict:
     def median(name: str, i: int) -> float:
         return round(statistics.median(p[i] for p in per_round[name]), 1)
 
-    result = {
+    result: dict[str, Any] = {
         "benchmark": "rpc",
         "quick": quick,
         "rounds": rounds,
@@ -226,5 +223,5 @@ if __name__ == "__main__":
     elif kind == "socket-server":
         _serve_socket()
     else:
-        print("usage: python -m benchmarks.rpc {grpc-server,socket-server}  (peers of `colocar bench rpc`)")
+        print("usage: python -m colocar.bench.rpc {grpc-server,socket-server}  (`colocar bench rpc` peers)")
         sys.exit(2)

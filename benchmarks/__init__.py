@@ -1,1 +1,0 @@
-"""colocar benchmarks: each module has `run(quick, repeats) -> dict`; see `benchmarks.run`."""

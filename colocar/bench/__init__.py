@@ -1,0 +1,17 @@
+"""colocar benchmarks: each module has `run(quick, repeats) -> dict`; see `colocar.bench.run`.
+
+They ship inside the package, so `colocar bench NAME` works wherever colocar is installed;
+the figures and how they were measured are in `benchmarks/RESULTS.md` of the repository.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def child_env() -> dict[str, str]:
+    """The environment for a helper process of a benchmark: this process's, with the folder
+    that holds the `colocar` package first on PYTHONPATH, so the child imports the same copy."""
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path}
