@@ -4,7 +4,8 @@ Built on `multiprocess` (dill pickling) with the forkserver start method: the si
 threads, so it never forks itself. Each worker maps the arena (see `worker_main`); this side
 allocates blocks on the worker's behalf under a per-task owner, so whatever the worker does,
 blocks it did not return are freed when the task ends, and a worker that dies mid-call costs a
-clear error and a fresh worker, never a leak.
+clear error and a fresh worker, never a leak. A call its controller cancels (see `cancels`) is
+stopped the same way: its worker is killed and replaced.
 """
 
 from __future__ import annotations
@@ -21,12 +22,17 @@ import multiprocess
 from colocar.protocol import colocar_pb2 as pb
 from colocar.shm import ArenaFullError
 
+from . import cancels
 from .blocks import SidecarArena
 from .func_backend import MAX_CACHED_CODE, CodeNotFound
 
 
 class WorkerDiedError(RuntimeError):
     """The worker process running the call exited (killed, crashed, out of memory)."""
+
+
+class WorkerCancelledError(WorkerDiedError):
+    """The call's controller cancelled it: its worker process was killed (a new one replaces it)."""
 
 
 class _Process:
@@ -51,6 +57,12 @@ class _Process:
         if self.process.is_alive():
             self.process.kill()
             self.process.join(timeout=5)
+        self.conn.close()
+
+    def kill(self) -> None:
+        """Ends the process now (it is busy in user code and would not read a stop message)."""
+        self.process.kill()
+        self.process.join(timeout=5)
         self.conn.close()
 
 
@@ -97,8 +109,11 @@ class WorkerPool:
                 return worker
         return self._idle.get()
 
-    def _discard(self, worker: _Process) -> None:
-        worker.stop()
+    def _discard(self, worker: _Process, kill: bool = False) -> None:
+        if kill:
+            worker.kill()
+        else:
+            worker.stop()
         with self._lock:
             self._started -= 1
             self._all.remove(worker)
@@ -120,6 +135,7 @@ class WorkerPool:
         for block_id in request.consume_blocks:
             arena.allocator.release(block_id, session_id)
         worker = self._acquire()
+        token = cancels.current()
         try:
             worker.conn.send(
                 (
@@ -132,7 +148,7 @@ class WorkerPool:
                 )
             )
             while True:
-                message = self._receive(worker)
+                message = self._receive(worker, token)
                 kind = message[0]
                 if kind == "alloc":
                     try:
@@ -160,6 +176,9 @@ class WorkerPool:
                     self._idle.put(worker)
                     error = pb.RemoteError(exception=pickled, type=type_name, message=text, traceback=tb)
                     return pb.CallReply(error=error)
+        except WorkerCancelledError:
+            self._discard(worker, kill=True)
+            raise
         except WorkerDiedError:
             self._discard(worker)
             raise
@@ -167,10 +186,16 @@ class WorkerPool:
             arena.allocator.release_owner(owner)
 
     @staticmethod
-    def _receive(worker: _Process) -> Any:
+    def _receive(worker: _Process, token: cancels.CancelToken | None) -> Any:
+        """The worker's next message; raises if it died, or if the call was cancelled."""
         while True:
+            if token is not None and token.cancelled:
+                raise WorkerCancelledError(
+                    f"the call was cancelled by its caller: its worker process (pid "
+                    f"{worker.process.pid}) was stopped; a new worker takes the next call"
+                )
             try:
-                if worker.conn.poll(0.5):
+                if worker.conn.poll(0.2):
                     return worker.conn.recv()
             except (EOFError, OSError):
                 pass
