@@ -3,6 +3,11 @@
 Runs in the controller. The code travels once per sidecar: calls carry its hash, and a
 NOT_FOUND answer (new or restarted sidecar) makes the call go again with the code. Results are
 decoded in the thread that asks for them, never in gRPC's callback threads.
+
+A call its caller stops waiting for (an interrupt such as Ctrl-C, its timeout, `cancel()`) is
+abandoned: it raises, its lane moves on, and the sidecar is told to cancel it (see
+`HostConnection`); a later call never sees its reply. A generator's stream cut short by an
+interrupt is closed.
 """
 
 from __future__ import annotations
@@ -18,7 +23,9 @@ from colocar.errors import ColocarError, RemoteError, RemoteTraceback
 from colocar.protocol import colocar_pb2 as pb
 from colocar.protocol import serialization
 
-from .connection import HostConnection
+from .connection import HostConnection, LaneFuture
+
+_TAKEN = pb.CallReply()  # a reply being decoded, or decoded: it is never decoded twice
 
 
 class ShippedCode:
@@ -60,7 +67,7 @@ class Call:
         self.code = code
         self.timeout = timeout
         self._keepalive = keepalive
-        self._future: Future | None = None
+        self._future: LaneFuture | None = None
         self._reply: pb.CallReply | None = None
 
     @classmethod
@@ -94,6 +101,7 @@ class Call:
             consume_blocks=consumed,
             object_name=object_name,
             object_ttl_seconds=object_ttl,
+            call_id=conn.next_call_id(),
         )
         return cls(conn, request, code, timeout, keepalive)
 
@@ -110,7 +118,8 @@ class Call:
             self.conn.known_code.add(self.request.code_hash)
 
     def _call_sync(self) -> pb.CallReply:
-        """The reply, resending the code if the sidecar does not know it; raises our errors."""
+        """The reply, resending the code if the sidecar does not know it; raises our errors.
+        Cut short by its timeout or an interrupt, the call is cancelled on the sidecar."""
         conn = self.conn
         try:
             try:
@@ -120,7 +129,13 @@ class Call:
                     raise
                 reply = conn.sync("Call", self._with_code(True), self.timeout)
         except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                conn.cancel_soon(self.request.call_id)
             raise conn.translate(e, f"call of {self.request.name}") from None
+        except BaseException as e:
+            if not isinstance(e, Exception):  # an interrupt
+                conn.cancel_soon(self.request.call_id)
+            raise
         self._sent()
         return reply
 
@@ -160,6 +175,8 @@ class Call:
                         if not force and _is_code_miss(e):
                             attempt(True)
                             return
+                        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                            conn.cancel_soon(self.request.call_id)
                         outer.set_exception(conn.translate(e, f"call of {self.request.name}"))
                         return
                     except BaseException as e:  # cancelled
@@ -173,12 +190,25 @@ class Call:
             attempt(False)
             return outer
 
-        self._future = conn.submit(send)
+        self._future = conn.submit(send, unsent=self._unsent)
         self._future.add_done_callback(self._release_keepalive)  # blocks held for the call only
         return CallFuture(self)
 
     def _release_keepalive(self, _: Future) -> None:
         self._keepalive = []
+
+    def _unsent(self) -> None:
+        """Cancelled before it was sent: the blocks allocated for its arguments go back."""
+        self.conn.release_soon(self.request.consume_blocks)
+
+    def abandon(self) -> bool:
+        """Gives up on a started call (see the module docstring); False if it had completed."""
+        future = self._future
+        if future is None or not future.abandon():
+            return False
+        if not future.cancelled():  # it was sent (not cancelled while queued): the sidecar may run it
+            self.conn.cancel_soon(self.request.call_id)
+        return True
 
     def result(self, timeout: float | None = None) -> Any:
         if self._reply is None:
@@ -186,10 +216,15 @@ class Call:
             self._reply = self._future.result(timeout)
             self._keepalive = []
         reply = self._reply
+        if reply is _TAKEN:
+            raise ColocarError(
+                f"the result of {self.request.name} was lost: an interrupt came while it was decoded"
+            )
         if reply.HasField("error"):
             raise rebuild_exception(reply.error, self.conn.name)
         if self.request.kind == pb.CallRequest.NEW_OBJECT:
             return reply.object_id
+        self._reply = _TAKEN  # its blocks become views now: decoding twice could read freed ones
         return self.conn.decode(reply.result)
 
 
@@ -207,9 +242,15 @@ class CallFuture:
         return self._call.conn.name
 
     def result(self, timeout: float | None = None) -> Any:
+        """The call's value; an interrupt while waiting abandons the call (see `cancel`)."""
         with self._lock:
             if not self._decoded:
-                self._value = self._call.result(timeout)
+                try:
+                    self._value = self._call.result(timeout)
+                except BaseException as e:
+                    if not isinstance(e, Exception):
+                        self._call.abandon()
+                    raise
                 self._decoded = True
             return self._value
 
@@ -225,8 +266,10 @@ class CallFuture:
         return f is None or f.done()
 
     def cancel(self) -> bool:
-        f = self._call._future
-        return f is not None and f.cancel()
+        """Cancels the call, even a running one: it raises CancelledError, the next call on its
+        lane goes at once, and the sidecar stops it (a worker process) or lets it run out
+        unobserved (a thread). False if it had completed."""
+        return self._call.abandon()
 
     def add_done_callback(self, fn: Callable[[CallFuture], None]) -> None:
         f = self._call._future
@@ -272,13 +315,30 @@ class RemoteIterator:
         self._name = request.name
         self._closed = False
         self._finished = False  # the server sent `done` or an error
+        self._interrupted = False
 
     def __iter__(self) -> Iterator[Any]:
         return self
 
     def __next__(self) -> Any:
+        """The next item; an interrupt closes the stream in the background (an item may have
+        been in hand, and its credit not yet given back), so later calls raise."""
+        if self._interrupted:
+            raise ColocarError(
+                f"the stream of {self._name} on {self._conn.name} was closed by an interrupt; "
+                "call the generator again for a new one"
+            )
         if self._closed:
             raise StopIteration
+        try:
+            return self._next()
+        except BaseException as e:
+            if not isinstance(e, Exception) and not self._closed:
+                self._interrupted = True
+                threading.Thread(target=self.close, name="colocar-stream-close", daemon=True).start()
+            raise
+
+    def _next(self) -> Any:
         try:
             reply = next(self._responses)
         except StopIteration:

@@ -166,14 +166,24 @@ class ArrayCallFuture:
         )
         self._layouts: dict[int, list[arrays.HostLayout]] = {}
         self._futures: list[tuple[Host, CallFuture]] = []
+        try:
+            self._start(fn, leaves, treedef, array_positions)
+        except BaseException:  # an interrupt (or a failure) before all started: none goes on
+            self.cancel()
+            raise
+
+    def _start(self, fn: ColocatedFunction, leaves: list[Any], treedef: Any, positions: list[int]) -> None:
+        """Stages each host's blocks and starts its call."""
+        options = fn._options
+        name = fn._code.name
         for host in self._hosts:
             host_leaves = list(leaves)
             layouts = []
             if options.per_device_shards:
-                for i in array_positions:
+                for i in positions:
                     host_leaves[i] = arrays.per_device(leaves[i], host.devices)
             else:
-                for i in array_positions:
+                for i in positions:
                     x = leaves[i]
                     layout = arrays.host_layout(x.sharding, x.shape, host.devices, f"argument of {name}")
                     if layout is None:
@@ -182,8 +192,8 @@ class ArrayCallFuture:
                             "has; place all array arguments on the same devices"
                         )
                     layouts.append(layout)
-                blocks = self._stage(host, [leaves[i] for i in array_positions], layouts)
-                for i, block in zip(array_positions, blocks, strict=True):
+                blocks = self._stage(host, [leaves[i] for i in positions], layouts)
+                for i, block in zip(positions, blocks, strict=True):
                     host_leaves[i] = block
             self._layouts[host.index] = layouts
             host_args, host_kwargs = jax.tree_util.tree_unflatten(treedef, host_leaves)
@@ -201,14 +211,22 @@ class ArrayCallFuture:
             arrays.gather(x, layout, block)
         return blocks
 
+    def cancel(self) -> bool:
+        """Cancels the call on every host (see `CallFuture.cancel`); False if none was running."""
+        return any([future.cancel() for _, future in self._futures])
+
     def result(self) -> Any:
+        """The global result; an interrupt while waiting cancels the call on every host."""
         errors = []
         results = []
         for host, future in self._futures:
             try:
                 results.append((host, future.result()))
-            except BaseException as e:  # noqa: BLE001 - the first error is raised after all finished
+            except Exception as e:  # noqa: BLE001 - the first error is raised after all finished
                 errors.append(e)
+            except BaseException:
+                self.cancel()
+                raise
         if errors:
             raise errors[0]
         if self._fn._options.per_device_shards:

@@ -3,7 +3,8 @@
 Each controller thread gets its own Unix socket to the sidecar, opened on first use, so a
 thread's synchronous calls keep their order and never wait on another thread's. A wait for a
 reply wakes every `poll` seconds to see whether the heartbeat declared the host lost (a stopped
-sidecar never answers); a timed-out or broken socket is closed and reopened for the next call.
+sidecar never answers). A call cut short (an interrupt, its deadline) retires its socket: the
+next call opens a fresh one, so no reply can ever answer the wrong request.
 """
 
 from __future__ import annotations
@@ -35,6 +36,29 @@ class LinkError(grpc.RpcError):
 
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class _Frame:
+    """A reply frame as far as it was read, so that a drain can finish a read cut short."""
+
+    __slots__ = ("data", "length")
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.length = -1  # of the body, once the header was read
+
+    def missing(self) -> int:
+        if self.length < 0 and len(self.data) >= 4:
+            (self.length,) = link.LENGTH.unpack(self.data[:4])
+            if self.length > link.MAX_FRAME:
+                raise link.LinkClosed(f"reply frame of {self.length} bytes exceeds {link.MAX_FRAME}")
+        return (4 if self.length < 0 else 4 + self.length) - len(self.data)
+
+    def add(self, chunk: bytes) -> None:
+        self.data += chunk
+
+    def body(self) -> bytes:
+        return bytes(self.data[4:])
 
 
 class LinkClient:
@@ -77,49 +101,88 @@ class LinkClient:
         self._local.sock = sock
         return sock
 
-    def _drop(self) -> None:
-        sock = getattr(self._local, "sock", None)
-        self._local.sock = None
-        if sock is not None:
-            with self._lock:
-                if sock in self._sockets:
-                    self._sockets.remove(sock)
-            sock.close()
+    def _forget(self, sock: socket.socket) -> None:
+        """Closes a socket this client will not use again."""
+        with self._lock:
+            if sock in self._sockets:
+                self._sockets.remove(sock)
+        sock.close()
 
-    def call(self, method: str, request: Any, reply_type: Any, timeout: float | None) -> Any:
-        """One unary call; raises LinkError (with gRPC status codes) like a stub would."""
+    def call(
+        self,
+        method: str,
+        request: Any,
+        reply_type: Any,
+        timeout: float | None,
+        abandoned: Callable[[Any], None] | None = None,
+    ) -> Any:
+        """One unary call; raises LinkError (with gRPC status codes) like a stub would.
+
+        The thread's socket is taken for the call and given back only once the whole reply was
+        read: a call cut short by anything (an interrupt, any exception, its deadline) leaves
+        the thread without a socket, so the next call opens a fresh one and can never read
+        this call's reply. The reply is still read, in the background, and handed to
+        `abandoned` (which frees what it carries), unless the link broke.
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
+        frame = _Frame()
+        sock = None
+        sent = False
         try:
             sock = self._socket(10.0 if timeout is None else max(0.05, min(10.0, timeout)))
+            self._local.sock = None  # taken: back only after a complete reply
             link.send_request(sock, method, request.SerializeToString())
-            frame = self._receive(sock, deadline)
-        except LinkError:
-            self._drop()
-            raise
+            sent = True
+            self._read_frame(sock, frame, deadline)
         except TimeoutError:  # no answer to the connection's hello within the deadline
-            self._drop()
+            self._give_up(sock, None)
             raise LinkError(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer on the local link") from None
         except (OSError, link.LinkClosed) as e:
-            self._drop()
+            self._give_up(sock, None)
             raise LinkError(grpc.StatusCode.UNAVAILABLE, f"local link broke: {e}") from None
-        status, body = link.parse_reply(frame)
+        except LinkError as e:
+            timed_out = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            self._give_up(sock, (frame, reply_type, abandoned) if sent and timed_out else None)
+            raise
+        except BaseException:  # an interrupt: the reply may still come
+            self._give_up(sock, (frame, reply_type, abandoned) if sent else None)
+            raise
+        self._local.sock = sock
+        status, body = link.parse_reply(frame.body())
         if status != 0:
             raise LinkError(_CODES.get(status, grpc.StatusCode.UNKNOWN), body.decode(errors="replace"))
         return reply_type.FromString(body)
 
-    def _receive(self, sock: socket.socket, deadline: float | None) -> bytes:
-        (length,) = link.LENGTH.unpack(self._read(sock, 4, deadline))
-        if length > link.MAX_FRAME:
-            raise link.LinkClosed(f"reply frame of {length} bytes exceeds {link.MAX_FRAME}")
-        return self._read(sock, length, deadline)
+    def _give_up(self, sock: socket.socket | None, drain: tuple[_Frame, Any, Any] | None) -> None:
+        """Retires the socket of a call cut short; with `drain`, its reply is read first."""
+        if sock is None:
+            return
+        if drain is None or drain[2] is None:
+            self._forget(sock)
+            return
+        threading.Thread(
+            target=self._drain, args=(sock, *drain), name="colocar-link-drain", daemon=True
+        ).start()
 
-    def _read(self, sock: socket.socket, n: int, deadline: float | None) -> bytes:
-        """n bytes; waits in `poll` slices, giving up when the host is lost or the deadline passed."""
-        buffer = bytearray()
+    def _drain(self, sock: socket.socket, frame: _Frame, reply_type: Any, abandoned: Any) -> None:
+        """Background: reads the reply of an abandoned call and hands it over, then closes."""
+        try:
+            self._read_frame(sock, frame, None)
+            status, body = link.parse_reply(frame.body())
+            if status == 0:
+                abandoned(reply_type.FromString(body))
+        except Exception:  # noqa: BLE001 - a lost link: the session's lease frees what it held
+            pass
+        finally:
+            self._forget(sock)
+
+    def _read_frame(self, sock: socket.socket, frame: _Frame, deadline: float | None) -> None:
+        """Reads the rest of `frame`; waits in `poll` slices, giving up when the host is lost or
+        the deadline passed."""
         last_look = False
-        while len(buffer) < n:
+        while (need := frame.missing()) > 0:
             try:
-                chunk = sock.recv(min(n - len(buffer), 1 << 20))
+                chunk = sock.recv(min(need, 1 << 20))
             except TimeoutError:
                 if last_look:
                     raise LinkError(
@@ -134,10 +197,9 @@ class LinkClient:
                 continue
             if not chunk:
                 raise link.LinkClosed("link closed by the sidecar")
-            buffer += chunk
+            frame.add(chunk)
         if last_look:
             sock.settimeout(self._poll)
-        return bytes(buffer)
 
     def close(self) -> None:
         with self._lock:
