@@ -100,14 +100,21 @@ class WorkerPool:
     def __len__(self) -> int:
         return sum(p.process.is_alive() for p in self._all)
 
-    def _acquire(self) -> _Process:
-        with self._lock:
-            if self._idle.empty() and self._started < self.size:
-                self._started += 1
-                worker = _Process(self._ctx, self._arena)
-                self._all.append(worker)
-                return worker
-        return self._idle.get()
+    def _acquire(self, token: cancels.CancelToken | None) -> _Process:
+        """An idle worker, or a new one while the pool has room (again after a worker was
+        discarded); gives up if the call is cancelled meanwhile."""
+        while True:
+            with self._lock:
+                if self._idle.empty() and self._started < self.size:
+                    self._started += 1
+                    worker = _Process(self._ctx, self._arena)
+                    self._all.append(worker)
+                    return worker
+            try:
+                return self._idle.get(timeout=0.2)
+            except queue.Empty:
+                if token is not None and token.cancelled:
+                    raise WorkerCancelledError("the call was cancelled by its caller before it ran") from None
 
     def _discard(self, worker: _Process, kill: bool = False) -> None:
         if kill:
@@ -134,9 +141,10 @@ class WorkerPool:
             arena.allocator.acquire(block.id, owner)
         for block_id in request.consume_blocks:
             arena.allocator.release(block_id, session_id)
-        worker = self._acquire()
         token = cancels.current()
+        worker = None
         try:
+            worker = self._acquire(token)
             worker.conn.send(
                 (
                     "call",
@@ -176,11 +184,9 @@ class WorkerPool:
                     self._idle.put(worker)
                     error = pb.RemoteError(exception=pickled, type=type_name, message=text, traceback=tb)
                     return pb.CallReply(error=error)
-        except WorkerCancelledError:
-            self._discard(worker, kill=True)
-            raise
-        except WorkerDiedError:
-            self._discard(worker)
+        except WorkerDiedError as e:
+            if worker is not None:  # None: cancelled while waiting for one
+                self._discard(worker, kill=isinstance(e, WorkerCancelledError))
             raise
         finally:
             arena.allocator.release_owner(owner)
