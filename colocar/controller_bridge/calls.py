@@ -12,7 +12,10 @@ interrupt is closed.
 
 from __future__ import annotations
 
+import contextlib
+import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
@@ -68,6 +71,8 @@ class Call:
         self.timeout = timeout
         self._keepalive = keepalive
         self._future: LaneFuture | None = None
+        self._consumed = list(request.consume_blocks)  # ours to free until the request is sent
+        self._claim_lock = threading.Lock()
         self._reply: pb.CallReply | None = None
 
     @classmethod
@@ -90,25 +95,35 @@ class Call:
         conn.check_alive()
         label = name or (code.name if code else method)
         payload, consumed, keepalive = conn.encode((args, kwargs), what=f"the arguments of {label}")
-        request = pb.CallRequest(
-            session_id=conn.session_id,
-            kind=kind,
-            args=payload,
-            object_id=object_id,
-            method=method,
-            processes=processes,
-            name=label,
-            consume_blocks=consumed,
-            object_name=object_name,
-            object_ttl_seconds=object_ttl,
-            call_id=conn.next_call_id(),
-        )
-        return cls(conn, request, code, timeout, keepalive)
+        try:
+            request = pb.CallRequest(
+                session_id=conn.session_id,
+                kind=kind,
+                args=payload,
+                object_id=object_id,
+                method=method,
+                processes=processes,
+                name=label,
+                consume_blocks=consumed,
+                object_name=object_name,
+                object_ttl_seconds=object_ttl,
+                call_id=conn.next_call_id(),
+            )
+            return cls(conn, request, code, timeout, keepalive)
+        except BaseException:  # interrupted: no call will consume the blocks
+            conn.release_soon(consumed)
+            raise
 
     def _with_code(self, force: bool) -> pb.CallRequest:
+        """The request, with the code unless the sidecar has it; a failure (an unpicklable
+        function, an interrupt) means the call is never sent."""
         if self.code is None:
             return self.request
-        code_hash, code = self.code.pickled()
+        try:
+            code_hash, code = self.code.pickled()
+        except BaseException:
+            self._unsent()
+            raise
         self.request.code_hash = code_hash
         self.request.code = code if force or code_hash not in self.conn.known_code else b""
         return self.request
@@ -123,11 +138,11 @@ class Call:
         conn = self.conn
         try:
             try:
-                reply = conn.sync("Call", self._with_code(False), self.timeout)
+                reply = conn.sync("Call", self._with_code(False), self.timeout, self._unsent)
             except grpc.RpcError as e:
                 if not _is_code_miss(e):
                     raise
-                reply = conn.sync("Call", self._with_code(True), self.timeout)
+                reply = conn.sync("Call", self._with_code(True), self.timeout, self._unsent)
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 conn.cancel_soon(self.request.call_id)
@@ -146,9 +161,13 @@ class Call:
             return self.start().result()
         try:
             self._reply = self._call_sync()
+            return self.result()
+        except BaseException as e:
+            if not isinstance(e, Exception):
+                self.drop_reply()
+            raise
         finally:
             self._keepalive = []
-        return self.result()
 
     def start(self) -> CallFuture:
         """Queues the call behind this thread's earlier calls to the host; returns its future.
@@ -198,8 +217,10 @@ class Call:
         self._keepalive = []
 
     def _unsent(self) -> None:
-        """Cancelled before it was sent: the blocks allocated for its arguments go back."""
-        self.conn.release_soon(self.request.consume_blocks)
+        """Never sent (cancelled while queued, interrupted or failed before its request left):
+        the blocks allocated for its arguments go back, once."""
+        blocks, self._consumed = self._consumed, []
+        self.conn.release_soon(blocks)
 
     def abandon(self) -> bool:
         """Gives up on a started call (see the module docstring); False if it had completed."""
@@ -210,21 +231,38 @@ class Call:
             self.conn.cancel_soon(self.request.call_id)
         return True
 
+    def drop_reply(self) -> None:
+        """After an interrupt while the completed call's result was taken: frees the reply's
+        blocks unless its decoding began (then its views own them)."""
+        future = self._future
+        with self._claim_lock:
+            reply = self._reply
+            if reply is None and future is not None and future.done() and not future.cancelled():
+                reply = future.result() if future.exception() is None else None
+            if reply is None or reply is _TAKEN:
+                return
+            self._reply = _TAKEN
+        self.conn.discard_reply(reply)
+
     def result(self, timeout: float | None = None) -> Any:
         if self._reply is None:
             assert self._future is not None
-            self._reply = self._future.result(timeout)
+            reply = self._future.result(timeout)
+            with self._claim_lock:
+                if self._reply is None:
+                    self._reply = reply
             self._keepalive = []
         reply = self._reply
+        if reply is not _TAKEN and reply.HasField("error"):
+            raise rebuild_exception(reply.error, self.conn.name)
+        if reply is not _TAKEN and self.request.kind == pb.CallRequest.NEW_OBJECT:
+            return reply.object_id
+        with self._claim_lock:  # decoded once, or dropped: never both (a block released twice
+            reply, self._reply = self._reply, _TAKEN  # could free memory that a view still reads)
         if reply is _TAKEN:
             raise ColocarError(
-                f"the result of {self.request.name} was lost: an interrupt came while it was decoded"
+                f"the result of {self.request.name} was dropped: an interrupt came as it arrived"
             )
-        if reply.HasField("error"):
-            raise rebuild_exception(reply.error, self.conn.name)
-        if self.request.kind == pb.CallRequest.NEW_OBJECT:
-            return reply.object_id
-        self._reply = _TAKEN  # its blocks become views now: decoding twice could read freed ones
         return self.conn.decode(reply.result)
 
 
@@ -249,7 +287,7 @@ class CallFuture:
                     self._value = self._call.result(timeout)
                 except BaseException as e:
                     if not isinstance(e, Exception):
-                        self._call.abandon()
+                        self.give_up()
                     raise
                 self._decoded = True
             return self._value
@@ -270,6 +308,12 @@ class CallFuture:
         lane goes at once, and the sidecar stops it (a worker process) or lets it run out
         unobserved (a thread). False if it had completed."""
         return self._call.abandon()
+
+    def give_up(self) -> None:
+        """After an interrupt: cancels the call, or frees its reply if it had come (nobody will
+        read it); a later `result()` raises."""
+        if not self._call.abandon():
+            self._call.drop_reply()
 
     def add_done_callback(self, fn: Callable[[CallFuture], None]) -> None:
         f = self._call._future
@@ -299,30 +343,38 @@ def rebuild_exception(error: pb.RemoteError, host: str) -> BaseException:
 
 
 class RemoteIterator:
-    """Items of a remote generator, streamed with flow control (at most `prefetch` in flight)."""
+    """Items of a remote generator, streamed with flow control (at most `prefetch` in flight).
+
+    A thread of its own reads the gRPC stream into a queue: a gRPC read cut short by an
+    interrupt breaks the stream for good, a wait on a queue does not. An interrupt while the
+    program takes an item still closes the stream (the item may have been in hand, its credit
+    not yet given back), in the background, and later `next()` calls say so.
+    """
 
     def __init__(
         self, conn: HostConnection, request: pb.CallRequest, code: ShippedCode | None, prefetch: int = 2
     ):
-        import queue
-
         self._conn = conn
         if code is not None:  # a function (a method needs no code: its object is there)
             request.code_hash, request.code = code.pickled()
         self._requests: queue.Queue = queue.Queue()
         self._requests.put(pb.StreamRequest(call=request, credits=max(1, prefetch)))
         self._responses = conn.stub.Stream(iter(self._requests.get, None), metadata=conn.metadata)
+        self._replies: queue.SimpleQueue = queue.SimpleQueue()
+        # the reader holds no reference to self, so that a dropped iterator is collected
+        threading.Thread(
+            target=_read_stream, args=(self._responses, self._replies), name="colocar-stream", daemon=True
+        ).start()
         self._name = request.name
         self._closed = False
         self._finished = False  # the server sent `done` or an error
         self._interrupted = False
+        self._in_hand: Any = None  # a reply taken from the queue and not yet decoded
 
     def __iter__(self) -> Iterator[Any]:
         return self
 
     def __next__(self) -> Any:
-        """The next item; an interrupt closes the stream in the background (an item may have
-        been in hand, and its credit not yet given back), so later calls raise."""
         if self._interrupted:
             raise ColocarError(
                 f"the stream of {self._name} on {self._conn.name} was closed by an interrupt; "
@@ -339,16 +391,13 @@ class RemoteIterator:
             raise
 
     def _next(self) -> Any:
-        try:
-            reply = next(self._responses)
-        except StopIteration:
+        reply = self._in_hand = self._replies.get()  # an interrupt from here on: close() frees it
+        if not isinstance(reply, pb.CallReply):
             self._finished = True
             self.close()
-            raise ColocarError(f"stream of {self._name} on {self._conn.name} ended early") from None
-        except grpc.RpcError as e:
-            self._finished = True
-            self.close()
-            raise self._conn.translate(e, f"stream of {self._name}") from None
+            if reply is None:
+                raise ColocarError(f"stream of {self._name} on {self._conn.name} ended early")
+            raise self._conn.translate(reply, f"stream of {self._name}")
         if reply.HasField("error") or reply.done:
             self._finished = True
             self.close()
@@ -356,6 +405,7 @@ class RemoteIterator:
                 raise rebuild_exception(reply.error, self._conn.name)
             raise StopIteration
         self._requests.put(pb.StreamRequest(credits=1))
+        self._in_hand = None  # from here on its views own its blocks
         return self._conn.decode(reply.result)
 
     def close(self, timeout: float = 10.0) -> None:
@@ -367,19 +417,21 @@ class RemoteIterator:
         if self._closed:
             return
         self._closed = True
+        held, self._in_hand = self._in_hand, None
+        if isinstance(held, pb.CallReply):  # an interrupt came as it was taken
+            self._conn.discard_reply(held)
         if not self._finished:
             self._requests.put(pb.StreamRequest(stop=True))
-            timer = threading.Timer(timeout, self._responses.cancel)
-            timer.start()
-            try:
-                for reply in self._responses:
-                    if reply.done or reply.HasField("error"):
-                        break
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    reply = self._replies.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    break
+                if not isinstance(reply, pb.CallReply) or reply.done or reply.HasField("error"):
+                    break
+                with contextlib.suppress(ColocarError):
                     self._conn.decode(reply.result)  # dropped at once: its blocks go back
-            except (grpc.RpcError, ColocarError):
-                pass
-            finally:
-                timer.cancel()
         self._requests.put(None)
         self._responses.cancel()
 
@@ -388,3 +440,14 @@ class RemoteIterator:
             self._closed = True
             self._requests.put(None)
             self._responses.cancel()
+
+
+def _read_stream(responses: Any, replies: queue.SimpleQueue) -> None:
+    """Background: the stream's replies into `replies`, then None (ended) or the RpcError."""
+    try:
+        for reply in responses:
+            replies.put(reply)
+    except grpc.RpcError as e:
+        replies.put(e)
+        return
+    replies.put(None)

@@ -260,14 +260,27 @@ class HostConnection:
                 )
             return self._link_executor
 
-    def sync(self, method: str, request: Any, timeout: float | None = None) -> Any:
+    def sync(
+        self,
+        method: str,
+        request: Any,
+        timeout: float | None = None,
+        unsent: Callable[[], None] | None = None,
+    ) -> Any:
         """A unary call, over the local link when there is one, else gRPC; raises grpc.RpcError.
 
-        A wait cut short (an interrupt, the timeout) leaves the reply to `discard_reply`."""
+        A wait cut short (an interrupt, the timeout) leaves the reply to `discard_reply`;
+        `unsent` runs if the call certainly never reached the sidecar."""
         link = self.link
         if link is not None and method in LINK_METHODS:
-            return link.call(method, request, LINK_METHODS[method][1], timeout, self.discard_reply)
-        rpc = getattr(self.stub, method).future(request, metadata=self.metadata)
+            return link.call(method, request, LINK_METHODS[method][1], timeout, self.discard_reply, unsent)
+        try:
+            stub = getattr(self.stub, method)
+        except BaseException:
+            if unsent is not None:
+                unsent()
+            raise
+        rpc = stub.future(request, metadata=self.metadata)
         try:
             return rpc.result(timeout)
         except grpc.FutureTimeoutError:

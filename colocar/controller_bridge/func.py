@@ -169,7 +169,7 @@ class ArrayCallFuture:
         try:
             self._start(fn, leaves, treedef, array_positions)
         except BaseException:  # an interrupt (or a failure) before all started: none goes on
-            self.cancel()
+            self._give_up()
             raise
 
     def _start(self, fn: ColocatedFunction, leaves: list[Any], treedef: Any, positions: list[int]) -> None:
@@ -211,9 +211,10 @@ class ArrayCallFuture:
             arrays.gather(x, layout, block)
         return blocks
 
-    def cancel(self) -> bool:
-        """Cancels the call on every host (see `CallFuture.cancel`); False if none was running."""
-        return any([future.cancel() for _, future in self._futures])
+    def _give_up(self) -> None:
+        """After an interrupt: the call is given up on every host (see `CallFuture.give_up`)."""
+        for _, future in self._futures:
+            future.give_up()
 
     def result(self) -> Any:
         """The global result; an interrupt while waiting cancels the call on every host."""
@@ -225,7 +226,7 @@ class ArrayCallFuture:
             except Exception as e:  # noqa: BLE001 - the first error is raised after all finished
                 errors.append(e)
             except BaseException:
-                self.cancel()
+                self._give_up()
                 raise
         if errors:
             raise errors[0]
