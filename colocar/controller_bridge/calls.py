@@ -355,10 +355,14 @@ class RemoteIterator:
         self, conn: HostConnection, request: pb.CallRequest, code: ShippedCode | None, prefetch: int = 2
     ):
         self._conn = conn
-        if code is not None:  # a function (a method needs no code: its object is there)
-            request.code_hash, request.code = code.pickled()
-        self._requests: queue.Queue = queue.Queue()
-        self._requests.put(pb.StreamRequest(call=request, credits=max(1, prefetch)))
+        try:
+            if code is not None:  # a function (a method needs no code: its object is there)
+                request.code_hash, request.code = code.pickled()
+            self._requests: queue.Queue = queue.Queue()
+            self._requests.put(pb.StreamRequest(call=request, credits=max(1, prefetch)))
+        except BaseException:  # never sent: the blocks of its arguments go back
+            conn.release_soon(request.consume_blocks)
+            raise
         self._responses = conn.stub.Stream(iter(self._requests.get, None), metadata=conn.metadata)
         self._replies: queue.SimpleQueue = queue.SimpleQueue()
         # the reader holds no reference to self, so that a dropped iterator is collected
@@ -420,26 +424,44 @@ class RemoteIterator:
         held, self._in_hand = self._in_hand, None
         if isinstance(held, pb.CallReply):  # an interrupt came as it was taken
             self._conn.discard_reply(held)
-        if not self._finished:
-            self._requests.put(pb.StreamRequest(stop=True))
-            deadline = time.monotonic() + timeout
-            while True:
-                try:
-                    reply = self._replies.get(timeout=max(0.0, deadline - time.monotonic()))
-                except queue.Empty:
-                    break
-                if not isinstance(reply, pb.CallReply) or reply.done or reply.HasField("error"):
-                    break
-                with contextlib.suppress(ColocarError):
-                    self._conn.decode(reply.result)  # dropped at once: its blocks go back
-        self._requests.put(None)
-        self._responses.cancel()
+        _stop_stream(self._conn, self._requests, self._replies, self._responses, timeout, self._finished)
 
     def __del__(self) -> None:
-        if not getattr(self, "_closed", True):  # dropped without close(): cancel, do not block
+        if not getattr(self, "_closed", True):  # dropped without close(): stop it, do not block
             self._closed = True
-            self._requests.put(None)
-            self._responses.cancel()
+            args = (self._conn, self._requests, self._replies, self._responses, 10.0, self._finished)
+            try:
+                threading.Thread(
+                    target=_stop_stream, args=args, name="colocar-stream-close", daemon=True
+                ).start()
+            except RuntimeError:  # the interpreter is exiting: no thread, no draining
+                self._responses.cancel()
+
+
+def _stop_stream(
+    conn: HostConnection,
+    requests: queue.Queue,
+    replies: queue.SimpleQueue,
+    responses: Any,
+    timeout: float,
+    finished: bool,
+) -> None:
+    """Asks the sidecar to end a stream, and receives and drops the items already on their way
+    (their blocks go back now, not when the session ends); cancels it after `timeout` s."""
+    if not finished:
+        requests.put(pb.StreamRequest(stop=True))
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                reply = replies.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if not isinstance(reply, pb.CallReply) or reply.done or reply.HasField("error"):
+                break
+            with contextlib.suppress(ColocarError):
+                conn.decode(reply.result)
+    requests.put(None)
+    responses.cancel()
 
 
 def _read_stream(responses: Any, replies: queue.SimpleQueue) -> None:
