@@ -294,6 +294,9 @@ def _every_rpc(stub: pb_grpc.SidecarStub, session_id: str) -> dict[str, Callable
         ),
         "Logs": lambda md: next(stub.Logs(pb.SessionRef(session_id=sid), metadata=md, timeout=t)),
         "PollLogs": lambda md: stub.PollLogs(pb.LogPoll(session_id=sid), metadata=md, timeout=t),
+        "Cancel": lambda md: stub.Cancel(
+            pb.CancelRequest(session_id=sid, call_ids=[1]), metadata=md, timeout=t
+        ),
         "Stats": lambda md: stub.Stats(pb.Empty(), metadata=md, timeout=t),
     }
 

@@ -3,11 +3,19 @@
 Runs in the controller. The code travels once per sidecar: calls carry its hash, and a
 NOT_FOUND answer (new or restarted sidecar) makes the call go again with the code. Results are
 decoded in the thread that asks for them, never in gRPC's callback threads.
+
+A call its caller stops waiting for (an interrupt such as Ctrl-C, its timeout, `cancel()`) is
+abandoned: it raises, its lane moves on, and the sidecar is told to cancel it (see
+`HostConnection`); a later call never sees its reply. A generator's stream cut short by an
+interrupt is closed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
@@ -18,7 +26,9 @@ from colocar.errors import ColocarError, RemoteError, RemoteTraceback
 from colocar.protocol import colocar_pb2 as pb
 from colocar.protocol import serialization
 
-from .connection import HostConnection
+from .connection import HostConnection, LaneFuture
+
+_TAKEN = pb.CallReply()  # a reply being decoded, or decoded: it is never decoded twice
 
 
 class ShippedCode:
@@ -60,7 +70,9 @@ class Call:
         self.code = code
         self.timeout = timeout
         self._keepalive = keepalive
-        self._future: Future | None = None
+        self._future: LaneFuture | None = None
+        self._consumed = list(request.consume_blocks)  # ours to free until the request is sent
+        self._claim_lock = threading.Lock()
         self._reply: pb.CallReply | None = None
 
     @classmethod
@@ -83,24 +95,35 @@ class Call:
         conn.check_alive()
         label = name or (code.name if code else method)
         payload, consumed, keepalive = conn.encode((args, kwargs), what=f"the arguments of {label}")
-        request = pb.CallRequest(
-            session_id=conn.session_id,
-            kind=kind,
-            args=payload,
-            object_id=object_id,
-            method=method,
-            processes=processes,
-            name=label,
-            consume_blocks=consumed,
-            object_name=object_name,
-            object_ttl_seconds=object_ttl,
-        )
-        return cls(conn, request, code, timeout, keepalive)
+        try:
+            request = pb.CallRequest(
+                session_id=conn.session_id,
+                kind=kind,
+                args=payload,
+                object_id=object_id,
+                method=method,
+                processes=processes,
+                name=label,
+                consume_blocks=consumed,
+                object_name=object_name,
+                object_ttl_seconds=object_ttl,
+                call_id=conn.next_call_id(),
+            )
+            return cls(conn, request, code, timeout, keepalive)
+        except BaseException:  # interrupted: no call will consume the blocks
+            conn.release_soon(consumed)
+            raise
 
     def _with_code(self, force: bool) -> pb.CallRequest:
+        """The request, with the code unless the sidecar has it; a failure (an unpicklable
+        function, an interrupt) means the call is never sent."""
         if self.code is None:
             return self.request
-        code_hash, code = self.code.pickled()
+        try:
+            code_hash, code = self.code.pickled()
+        except BaseException:
+            self._unsent()
+            raise
         self.request.code_hash = code_hash
         self.request.code = code if force or code_hash not in self.conn.known_code else b""
         return self.request
@@ -110,17 +133,24 @@ class Call:
             self.conn.known_code.add(self.request.code_hash)
 
     def _call_sync(self) -> pb.CallReply:
-        """The reply, resending the code if the sidecar does not know it; raises our errors."""
+        """The reply, resending the code if the sidecar does not know it; raises our errors.
+        Cut short by its timeout or an interrupt, the call is cancelled on the sidecar."""
         conn = self.conn
         try:
             try:
-                reply = conn.sync("Call", self._with_code(False), self.timeout)
+                reply = conn.sync("Call", self._with_code(False), self.timeout, self._unsent)
             except grpc.RpcError as e:
                 if not _is_code_miss(e):
                     raise
-                reply = conn.sync("Call", self._with_code(True), self.timeout)
+                reply = conn.sync("Call", self._with_code(True), self.timeout, self._unsent)
         except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                conn.cancel_soon(self.request.call_id)
             raise conn.translate(e, f"call of {self.request.name}") from None
+        except BaseException as e:
+            if not isinstance(e, Exception):  # an interrupt
+                conn.cancel_soon(self.request.call_id)
+            raise
         self._sent()
         return reply
 
@@ -131,9 +161,13 @@ class Call:
             return self.start().result()
         try:
             self._reply = self._call_sync()
+            return self.result()
+        except BaseException as e:
+            if not isinstance(e, Exception):
+                self.drop_reply()
+            raise
         finally:
             self._keepalive = []
-        return self.result()
 
     def start(self) -> CallFuture:
         """Queues the call behind this thread's earlier calls to the host; returns its future.
@@ -160,6 +194,8 @@ class Call:
                         if not force and _is_code_miss(e):
                             attempt(True)
                             return
+                        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                            conn.cancel_soon(self.request.call_id)
                         outer.set_exception(conn.translate(e, f"call of {self.request.name}"))
                         return
                     except BaseException as e:  # cancelled
@@ -173,23 +209,60 @@ class Call:
             attempt(False)
             return outer
 
-        self._future = conn.submit(send)
+        self._future = conn.submit(send, unsent=self._unsent)
         self._future.add_done_callback(self._release_keepalive)  # blocks held for the call only
         return CallFuture(self)
 
     def _release_keepalive(self, _: Future) -> None:
         self._keepalive = []
 
+    def _unsent(self) -> None:
+        """Never sent (cancelled while queued, interrupted or failed before its request left):
+        the blocks allocated for its arguments go back, once."""
+        blocks, self._consumed = self._consumed, []
+        self.conn.release_soon(blocks)
+
+    def abandon(self) -> bool:
+        """Gives up on a started call (see the module docstring); False if it had completed."""
+        future = self._future
+        if future is None or not future.abandon():
+            return False
+        if not future.cancelled():  # it was sent (not cancelled while queued): the sidecar may run it
+            self.conn.cancel_soon(self.request.call_id)
+        return True
+
+    def drop_reply(self) -> None:
+        """After an interrupt while the completed call's result was taken: frees the reply's
+        blocks unless its decoding began (then its views own them)."""
+        future = self._future
+        with self._claim_lock:
+            reply = self._reply
+            if reply is None and future is not None and future.done() and not future.cancelled():
+                reply = future.result() if future.exception() is None else None
+            if reply is None or reply is _TAKEN:
+                return
+            self._reply = _TAKEN
+        self.conn.discard_reply(reply)
+
     def result(self, timeout: float | None = None) -> Any:
         if self._reply is None:
             assert self._future is not None
-            self._reply = self._future.result(timeout)
+            reply = self._future.result(timeout)
+            with self._claim_lock:
+                if self._reply is None:
+                    self._reply = reply
             self._keepalive = []
         reply = self._reply
-        if reply.HasField("error"):
+        if reply is not _TAKEN and reply.HasField("error"):
             raise rebuild_exception(reply.error, self.conn.name)
-        if self.request.kind == pb.CallRequest.NEW_OBJECT:
+        if reply is not _TAKEN and self.request.kind == pb.CallRequest.NEW_OBJECT:
             return reply.object_id
+        with self._claim_lock:  # decoded once, or dropped: never both (a block released twice
+            reply, self._reply = self._reply, _TAKEN  # could free memory that a view still reads)
+        if reply is _TAKEN:
+            raise ColocarError(
+                f"the result of {self.request.name} was dropped: an interrupt came as it arrived"
+            )
         return self.conn.decode(reply.result)
 
 
@@ -207,9 +280,15 @@ class CallFuture:
         return self._call.conn.name
 
     def result(self, timeout: float | None = None) -> Any:
+        """The call's value; an interrupt while waiting abandons the call (see `cancel`)."""
         with self._lock:
             if not self._decoded:
-                self._value = self._call.result(timeout)
+                try:
+                    self._value = self._call.result(timeout)
+                except BaseException as e:
+                    if not isinstance(e, Exception):
+                        self.give_up()
+                    raise
                 self._decoded = True
             return self._value
 
@@ -225,8 +304,16 @@ class CallFuture:
         return f is None or f.done()
 
     def cancel(self) -> bool:
-        f = self._call._future
-        return f is not None and f.cancel()
+        """Cancels the call, even a running one: it raises CancelledError, the next call on its
+        lane goes at once, and the sidecar stops it (a worker process) or lets it run out
+        unobserved (a thread). False if it had completed."""
+        return self._call.abandon()
+
+    def give_up(self) -> None:
+        """After an interrupt: cancels the call, or frees its reply if it had come (nobody will
+        read it); a later `result()` raises."""
+        if not self._call.abandon():
+            self._call.drop_reply()
 
     def add_done_callback(self, fn: Callable[[CallFuture], None]) -> None:
         f = self._call._future
@@ -256,39 +343,65 @@ def rebuild_exception(error: pb.RemoteError, host: str) -> BaseException:
 
 
 class RemoteIterator:
-    """Items of a remote generator, streamed with flow control (at most `prefetch` in flight)."""
+    """Items of a remote generator, streamed with flow control (at most `prefetch` in flight).
+
+    A thread of its own reads the gRPC stream into a queue: a gRPC read cut short by an
+    interrupt breaks the stream for good, a wait on a queue does not. An interrupt while the
+    program takes an item still closes the stream (the item may have been in hand, its credit
+    not yet given back), in the background, and later `next()` calls say so.
+    """
 
     def __init__(
         self, conn: HostConnection, request: pb.CallRequest, code: ShippedCode | None, prefetch: int = 2
     ):
-        import queue
-
         self._conn = conn
-        if code is not None:  # a function (a method needs no code: its object is there)
-            request.code_hash, request.code = code.pickled()
-        self._requests: queue.Queue = queue.Queue()
-        self._requests.put(pb.StreamRequest(call=request, credits=max(1, prefetch)))
+        try:
+            if code is not None:  # a function (a method needs no code: its object is there)
+                request.code_hash, request.code = code.pickled()
+            self._requests: queue.Queue = queue.Queue()
+            self._requests.put(pb.StreamRequest(call=request, credits=max(1, prefetch)))
+        except BaseException:  # never sent: the blocks of its arguments go back
+            conn.release_soon(request.consume_blocks)
+            raise
         self._responses = conn.stub.Stream(iter(self._requests.get, None), metadata=conn.metadata)
+        self._replies: queue.SimpleQueue = queue.SimpleQueue()
+        # the reader holds no reference to self, so that a dropped iterator is collected
+        threading.Thread(
+            target=_read_stream, args=(self._responses, self._replies), name="colocar-stream", daemon=True
+        ).start()
         self._name = request.name
         self._closed = False
         self._finished = False  # the server sent `done` or an error
+        self._interrupted = False
+        self._in_hand: Any = None  # a reply taken from the queue and not yet decoded
 
     def __iter__(self) -> Iterator[Any]:
         return self
 
     def __next__(self) -> Any:
+        if self._interrupted:
+            raise ColocarError(
+                f"the stream of {self._name} on {self._conn.name} was closed by an interrupt; "
+                "call the generator again for a new one"
+            )
         if self._closed:
             raise StopIteration
         try:
-            reply = next(self._responses)
-        except StopIteration:
+            return self._next()
+        except BaseException as e:
+            if not isinstance(e, Exception) and not self._closed:
+                self._interrupted = True
+                threading.Thread(target=self.close, name="colocar-stream-close", daemon=True).start()
+            raise
+
+    def _next(self) -> Any:
+        reply = self._in_hand = self._replies.get()  # an interrupt from here on: close() frees it
+        if not isinstance(reply, pb.CallReply):
             self._finished = True
             self.close()
-            raise ColocarError(f"stream of {self._name} on {self._conn.name} ended early") from None
-        except grpc.RpcError as e:
-            self._finished = True
-            self.close()
-            raise self._conn.translate(e, f"stream of {self._name}") from None
+            if reply is None:
+                raise ColocarError(f"stream of {self._name} on {self._conn.name} ended early")
+            raise self._conn.translate(reply, f"stream of {self._name}")
         if reply.HasField("error") or reply.done:
             self._finished = True
             self.close()
@@ -296,6 +409,7 @@ class RemoteIterator:
                 raise rebuild_exception(reply.error, self._conn.name)
             raise StopIteration
         self._requests.put(pb.StreamRequest(credits=1))
+        self._in_hand = None  # from here on its views own its blocks
         return self._conn.decode(reply.result)
 
     def close(self, timeout: float = 10.0) -> None:
@@ -307,24 +421,55 @@ class RemoteIterator:
         if self._closed:
             return
         self._closed = True
-        if not self._finished:
-            self._requests.put(pb.StreamRequest(stop=True))
-            timer = threading.Timer(timeout, self._responses.cancel)
-            timer.start()
-            try:
-                for reply in self._responses:
-                    if reply.done or reply.HasField("error"):
-                        break
-                    self._conn.decode(reply.result)  # dropped at once: its blocks go back
-            except (grpc.RpcError, ColocarError):
-                pass
-            finally:
-                timer.cancel()
-        self._requests.put(None)
-        self._responses.cancel()
+        held, self._in_hand = self._in_hand, None
+        if isinstance(held, pb.CallReply):  # an interrupt came as it was taken
+            self._conn.discard_reply(held)
+        _stop_stream(self._conn, self._requests, self._replies, self._responses, timeout, self._finished)
 
     def __del__(self) -> None:
-        if not getattr(self, "_closed", True):  # dropped without close(): cancel, do not block
+        if not getattr(self, "_closed", True):  # dropped without close(): stop it, do not block
             self._closed = True
-            self._requests.put(None)
-            self._responses.cancel()
+            args = (self._conn, self._requests, self._replies, self._responses, 10.0, self._finished)
+            try:
+                threading.Thread(
+                    target=_stop_stream, args=args, name="colocar-stream-close", daemon=True
+                ).start()
+            except RuntimeError:  # the interpreter is exiting: no thread, no draining
+                self._responses.cancel()
+
+
+def _stop_stream(
+    conn: HostConnection,
+    requests: queue.Queue,
+    replies: queue.SimpleQueue,
+    responses: Any,
+    timeout: float,
+    finished: bool,
+) -> None:
+    """Asks the sidecar to end a stream, and receives and drops the items already on their way
+    (their blocks go back now, not when the session ends); cancels it after `timeout` s."""
+    if not finished:
+        requests.put(pb.StreamRequest(stop=True))
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                reply = replies.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if not isinstance(reply, pb.CallReply) or reply.done or reply.HasField("error"):
+                break
+            with contextlib.suppress(ColocarError):
+                conn.decode(reply.result)
+    requests.put(None)
+    responses.cancel()
+
+
+def _read_stream(responses: Any, replies: queue.SimpleQueue) -> None:
+    """Background: the stream's replies into `replies`, then None (ended) or the RpcError."""
+    try:
+        for reply in responses:
+            replies.put(reply)
+    except grpc.RpcError as e:
+        replies.put(e)
+        return
+    replies.put(None)

@@ -6,12 +6,18 @@ and the block transport: the sidecar's arena mapped here when it is reachable (s
 shm dir; detected by attaching and checking the arena's nonce), else chunked gRPC streams.
 
 Calls from one controller thread to one host run in program order: each (thread, host) pair has
-a lane, and a call is sent only when the lane's previous call has completed.
+a lane, and a call is sent only when the lane's previous call has completed or was abandoned.
+
+A call cut short (an interrupt, a timeout, `future.cancel()`) is abandoned: its lane goes on at
+once, the sidecar is asked to cancel it, and its reply, if one still comes, is read in the
+background and freed (`discard_reply`), never handed to another call.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
+import itertools
 import os
 import socket
 import sys
@@ -19,7 +25,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, InvalidStateError, ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -48,7 +54,7 @@ from colocar.shm import (
 )
 from colocar.shm.reclaim import Reclaimer
 
-from .link_client import LinkClient
+from .link_client import LinkClient, LinkError
 
 CHUNK_BYTES = 1 << 20
 MiB = 1 << 20
@@ -81,11 +87,49 @@ def channel_options(heartbeat_seconds: float) -> list[tuple[str, Any]]:
     ]
 
 
+class LaneFuture(Future):
+    """The future of a call in its lane (see `HostConnection.submit`).
+
+    `abandon()` gives up on a call that was sent: the future raises CancelledError and the
+    lane's next call goes at once. The lane moves on once per call, whichever comes first.
+    """
+
+    def __init__(self, send: Callable[[], Any], unsent: Callable[[], None] | None):
+        super().__init__()
+        self.send = send
+        self.unsent = unsent  # runs if the call is cancelled before it was sent
+        self.next: Callable[[], None] = lambda: None
+        self._moved_on = threading.Lock()
+
+    def move_lane_on(self) -> None:
+        if self._moved_on.acquire(blocking=False):
+            self.next()
+
+    def abandon(self) -> bool:
+        """Cancels a queued call, or resolves a running one as cancelled and frees its lane;
+        False if it had finished."""
+        if self.cancel():
+            return True
+        if not settle(self.set_exception, CancelledError("the call was abandoned")):
+            return False
+        self.move_lane_on()
+        return True
+
+
+def settle(set_outcome: Callable[[Any], None], value: Any) -> bool:
+    """Sets a future's outcome; False if it already had one (an abandoned call's late reply)."""
+    try:
+        set_outcome(value)
+    except InvalidStateError:
+        return False
+    return True
+
+
 class _Lane:
     __slots__ = ("pending", "busy")
 
     def __init__(self) -> None:
-        self.pending: collections.deque[tuple[Callable[[], Any], Future]] = collections.deque()
+        self.pending: collections.deque[LaneFuture] = collections.deque()
         self.busy = False
 
 
@@ -132,6 +176,7 @@ class HostConnection:
         self._views_lock = threading.Lock()
         self._lanes: dict[int, _Lane] = {}
         self._lanes_lock = threading.Lock()
+        self._call_ids = itertools.count(1)
         self._reclaimer = Reclaimer(self._release, name=f"colocar-release-{name}")
         self._closed = False
         try:
@@ -216,12 +261,69 @@ class HostConnection:
                 )
             return self._link_executor
 
-    def sync(self, method: str, request: Any, timeout: float | None = None) -> Any:
-        """A unary call, over the local link when there is one, else gRPC; raises grpc.RpcError."""
+    def sync(
+        self,
+        method: str,
+        request: Any,
+        timeout: float | None = None,
+        unsent: Callable[[], None] | None = None,
+    ) -> Any:
+        """A unary call, over the local link when there is one, else gRPC; raises grpc.RpcError.
+
+        A wait cut short (an interrupt, the timeout) leaves the reply to `discard_reply`;
+        `unsent` runs if the call certainly never reached the sidecar."""
         link = self.link
         if link is not None and method in LINK_METHODS:
-            return link.call(method, request, LINK_METHODS[method][1], timeout)
-        return getattr(self.stub, method)(request, metadata=self.metadata, timeout=timeout)
+            return link.call(method, request, LINK_METHODS[method][1], timeout, self.discard_reply, unsent)
+        try:
+            stub = getattr(self.stub, method)
+        except BaseException:
+            if unsent is not None:
+                unsent()
+            raise
+        rpc = stub.future(request, metadata=self.metadata)
+        try:
+            return rpc.result(timeout)
+        except grpc.FutureTimeoutError:
+            rpc.add_done_callback(self._discard_rpc)
+            raise LinkError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded") from None
+        except grpc.RpcError:
+            raise
+        except BaseException:
+            rpc.add_done_callback(self._discard_rpc)
+            raise
+
+    def _discard_rpc(self, rpc: Any) -> None:
+        try:
+            reply = rpc.result()
+        except Exception:  # noqa: BLE001 - a failed call carries nothing
+            return
+        self.discard_reply(reply)
+
+    def discard_reply(self, reply: Any) -> None:
+        """Frees what the reply of an abandoned call carries: its blocks, a new remote object."""
+        if isinstance(reply, pb.CallReply):
+            blocks: Any = reply.result.blocks
+            if reply.object_id:
+                self.delete_object_soon(reply.object_id, self.generation)
+        elif isinstance(reply, pb.AllocateReply):
+            blocks = reply.blocks
+        else:
+            return
+        for desc in blocks:
+            self._reclaimer.push(("block", desc.id, desc.offset))
+
+    def release_soon(self, block_ids: Any) -> None:
+        """Gives back blocks leased to the session that no call and no view holds."""
+        for block_id in block_ids:
+            self._reclaimer.push(("block", block_id, -1))
+
+    def next_call_id(self) -> int:
+        return next(self._call_ids)
+
+    def cancel_soon(self, call_id: int) -> None:
+        """Asks the sidecar, in the background, to cancel a call this controller gave up on."""
+        self._reclaimer.push(("cancel", call_id, 0))
 
     def _connect_error(self, e: grpc.RpcError) -> ColocarError:
         code, details = e.code(), e.details()
@@ -293,16 +395,18 @@ class HostConnection:
         except grpc.RpcError as e:
             raise self.translate(e, method) from None
 
-    def submit(self, send: Callable[[], Any]) -> Future:
-        """Runs `send()` (which starts an RPC and returns a grpc future) after this thread's
-        earlier calls to this host; the returned future resolves to the RPC's reply."""
-        future: Future = Future()
+    def submit(self, send: Callable[[], Any], unsent: Callable[[], None] | None = None) -> LaneFuture:
+        """Runs `send()` (which starts an RPC and returns a future of its reply) after this
+        thread's earlier calls to this host have completed or were abandoned; the returned
+        future resolves to the reply. `unsent` runs if the call is cancelled while queued."""
+        future = LaneFuture(send, unsent)
         key = threading.get_ident()
         with self._lanes_lock:
             lane = self._lanes.get(key)
             if lane is None:
                 lane = self._lanes[key] = _Lane()
-            lane.pending.append((send, future))
+            future.next = functools.partial(self._pump, key, lane)
+            lane.pending.append(future)
             if lane.busy:
                 return future
             lane.busy = True
@@ -315,29 +419,37 @@ class HostConnection:
         return lane is None or not lane.busy
 
     def _pump(self, key: int, lane: _Lane) -> None:
-        with self._lanes_lock:
-            if not lane.pending:
-                lane.busy = False
-                if self._lanes.get(key) is lane:
-                    del self._lanes[key]
-                return
-            send, future = lane.pending.popleft()
-        if not future.set_running_or_notify_cancel():
-            self._pump(key, lane)
-            return
+        """Sends the lane's next call; the lane moves on when it completes or is abandoned."""
+        while True:
+            with self._lanes_lock:
+                if not lane.pending:
+                    lane.busy = False
+                    if self._lanes.get(key) is lane:
+                        del self._lanes[key]
+                    return
+                future = lane.pending.popleft()
+            if future.set_running_or_notify_cancel():
+                break
+            if future.unsent is not None:
+                future.unsent()
         try:
-            rpc = send()
+            rpc = future.send()
         except BaseException as e:
-            future.set_exception(e)
-            self._pump(key, lane)
+            settle(future.set_exception, e)
+            future.move_lane_on()
+            if not isinstance(e, Exception):
+                raise  # an interrupt of the thread that sends: it is that thread's to handle
             return
 
         def done(rpc_future: Any) -> None:
             try:
-                future.set_result(rpc_future.result())
+                reply = rpc_future.result()
             except BaseException as e:
-                future.set_exception(e)
-            self._pump(key, lane)
+                settle(future.set_exception, e)
+            else:
+                if not settle(future.set_result, reply):
+                    self.discard_reply(reply)
+            future.move_lane_on()
 
         rpc.add_done_callback(done)
 
@@ -396,6 +508,7 @@ class HostConnection:
     def _release(self, items: list[tuple[str, int, int]]) -> None:
         """Background: tells the sidecar which blocks and objects we no longer hold."""
         blocks = []
+        cancels = [ident for kind, ident, _ in items if kind == "cancel"]
         with self._views_lock:
             for kind, ident, extra in items:
                 if kind == "block":
@@ -405,6 +518,8 @@ class HostConnection:
         if self._closed or self.lost is not None:
             return
         try:
+            if cancels:
+                self.sync("Cancel", pb.CancelRequest(session_id=self.session_id, call_ids=cancels), 30)
             if blocks:
                 self.sync("Release", pb.ReleaseRequest(session_id=self.session_id, block_ids=blocks), 30)
             for kind, ident, generation in items:
@@ -437,10 +552,15 @@ class HostConnection:
                 fresh.append(i)
         consumed = []
         if self.shm and fresh:
-            for i, desc in zip(fresh, self.allocate([arrays[i].nbytes for i in fresh]), strict=True):
-                copy_into(self.arena, desc.offset, arrays[i])  # type: ignore[arg-type]
-                descs[i] = desc
-                consumed.append(desc.id)
+            allocated = self.allocate([arrays[i].nbytes for i in fresh])
+            try:
+                for i, desc in zip(fresh, allocated, strict=True):
+                    copy_into(self.arena, desc.offset, arrays[i])  # type: ignore[arg-type]
+                    descs[i] = desc
+                    consumed.append(desc.id)
+            except BaseException:  # interrupted: no call will consume them
+                self.release_soon(d.id for d in allocated)
+                raise
         else:
             for i in fresh:
                 descs[i] = self.upload(arrays[i])

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -173,8 +172,8 @@ class ArrayCallFuture:
         try:
             for host in self._hosts:
                 self._futures.append((host, self._start(host, leaves, array_positions, treedef)))
-        except BaseException:
-            _drain([future for _, future in self._futures])  # the call failed on a later host
+        except BaseException:  # an interrupt, or a failure on a later host: none goes on
+            self._give_up()
             raise
 
     def _start(self, host: Host, leaves: list[Any], array_positions: list[int], treedef: Any) -> CallFuture:
@@ -214,14 +213,23 @@ class ArrayCallFuture:
             arrays.gather(x, layout, block)
         return blocks
 
+    def _give_up(self) -> None:
+        """After an interrupt: the call is given up on every host (see `CallFuture.give_up`)."""
+        for _, future in self._futures:
+            future.give_up()
+
     def result(self) -> Any:
+        """The global result; an interrupt while waiting cancels the call on every host."""
         errors = []
         results = []
         for host, future in self._futures:
             try:
                 results.append((host, future.result()))
-            except BaseException as e:  # noqa: BLE001 - the first error is raised after all finished
+            except Exception as e:  # noqa: BLE001 - the first error is raised after all finished
                 errors.append(e)
+            except BaseException:
+                self._give_up()
+                raise
         if errors:
             raise errors[0]
         if self._fn._options.per_device_shards:
@@ -272,16 +280,6 @@ class ArrayCallFuture:
         in_box = self._layouts[host0.index][0].shape if self._layouts[host0.index] else first.shape
         shape = arrays.infer_output_shape(first.shape, in_box, np.asarray(values[0]).shape, what)
         return arrays.assemble(shape, np.asarray(values[0]).dtype, first.sharding, blocks, what)
-
-
-def _drain(futures: list[CallFuture]) -> None:
-    """Reads and drops, in a thread of its own (they may still run), the results of host calls
-    whose array call failed on another host: so their result blocks go back to the arena now,
-    not when the session ends."""
-    if futures:
-        threading.Thread(
-            target=lambda: [f.exception() for f in futures], name="colocar-drain", daemon=True
-        ).start()
 
 
 def _equal(a: Any, b: Any) -> bool:

@@ -3,7 +3,8 @@
 Each controller thread gets its own Unix socket to the sidecar, opened on first use, so a
 thread's synchronous calls keep their order and never wait on another thread's. A wait for a
 reply wakes every `poll` seconds to see whether the heartbeat declared the host lost (a stopped
-sidecar never answers); a timed-out or broken socket is closed and reopened for the next call.
+sidecar never answers). A call cut short (an interrupt, its deadline) retires its socket: the
+next call opens a fresh one, so no reply can ever answer the wrong request.
 """
 
 from __future__ import annotations
@@ -35,6 +36,31 @@ class LinkError(grpc.RpcError):
 
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class _Frame:
+    """A reply frame being read, so that a drain can finish a read an interrupt cut short.
+
+    Bytes are only ever consumed by `recv_into` this frame's buffer, once the header was
+    peeked: an interrupt after a `recv_into` returned loses its count, never its bytes, and the
+    drain recovers the count from what is left before the end of the stream.
+    """
+
+    __slots__ = ("buffer", "taken")
+
+    def __init__(self) -> None:
+        self.buffer: bytearray | None = None  # header and body, allocated once the header is seen
+        self.taken = 0  # bytes of `buffer` known to be received
+
+    def open(self, header: bytes) -> None:
+        (length,) = link.LENGTH.unpack(header)
+        if length > link.MAX_FRAME:
+            raise link.LinkClosed(f"reply frame of {length} bytes exceeds {link.MAX_FRAME}")
+        self.buffer = bytearray(4 + length)
+
+    def body(self) -> bytes:
+        assert self.buffer is not None
+        return bytes(self.buffer[4:])
 
 
 class LinkClient:
@@ -77,49 +103,132 @@ class LinkClient:
         self._local.sock = sock
         return sock
 
-    def _drop(self) -> None:
-        sock = getattr(self._local, "sock", None)
-        self._local.sock = None
-        if sock is not None:
-            with self._lock:
-                if sock in self._sockets:
-                    self._sockets.remove(sock)
-            sock.close()
+    def _forget(self, sock: socket.socket) -> None:
+        """Closes a socket this client will not use again."""
+        with self._lock:
+            if sock in self._sockets:
+                self._sockets.remove(sock)
+        sock.close()
 
-    def call(self, method: str, request: Any, reply_type: Any, timeout: float | None) -> Any:
-        """One unary call; raises LinkError (with gRPC status codes) like a stub would."""
+    def call(
+        self,
+        method: str,
+        request: Any,
+        reply_type: Any,
+        timeout: float | None,
+        abandoned: Callable[[Any], None] | None = None,
+        unsent: Callable[[], None] | None = None,
+    ) -> Any:
+        """One unary call; raises LinkError (with gRPC status codes) like a stub would.
+
+        The thread's socket is taken for the call and given back only once the whole reply was
+        read: a call cut short by anything (an interrupt, any exception, its deadline) leaves
+        the thread without a socket, so the next call opens a fresh one and can never read
+        this call's reply. The reply is still read, in the background, and handed to
+        `abandoned` (which frees what it carries), unless the link broke. `unsent` runs if the
+        call fails before a byte of its request was sent: the sidecar never saw it.
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
+        frame = _Frame()
+        sock = None
+        sending = sent = False
         try:
-            sock = self._socket(10.0 if timeout is None else max(0.05, min(10.0, timeout)))
-            link.send_request(sock, method, request.SerializeToString())
-            frame = self._receive(sock, deadline)
-        except LinkError:
-            self._drop()
+            try:
+                sock = self._socket(10.0 if timeout is None else max(0.05, min(10.0, timeout)))
+                self._local.sock = None  # taken: back only after a complete reply
+                data = request.SerializeToString()
+                sending = True
+                link.send_request(sock, method, data)
+                sent = True
+                self._read_frame(sock, frame, deadline)
+            except TimeoutError:  # no answer to the connection's hello within the deadline
+                self._give_up(sock, None)
+                raise LinkError(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer on the local link") from None
+            except (OSError, link.LinkClosed) as e:
+                self._give_up(sock, None)
+                raise LinkError(grpc.StatusCode.UNAVAILABLE, f"local link broke: {e}") from None
+            except LinkError as e:
+                timed_out = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                self._give_up(sock, (frame, reply_type, abandoned) if sent and timed_out else None)
+                raise
+            except BaseException:  # an interrupt: the reply may still come (sendall checks for
+                # signals after sending: an interrupted send may have sent it all)
+                self._give_up(sock, (frame, reply_type, abandoned) if sending else None)
+                raise
+        except BaseException:
+            if not sending and unsent is not None:
+                unsent()
             raise
-        except TimeoutError:  # no answer to the connection's hello within the deadline
-            self._drop()
-            raise LinkError(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer on the local link") from None
-        except (OSError, link.LinkClosed) as e:
-            self._drop()
-            raise LinkError(grpc.StatusCode.UNAVAILABLE, f"local link broke: {e}") from None
-        status, body = link.parse_reply(frame)
+        self._local.sock = sock
+        status, body = link.parse_reply(frame.body())
         if status != 0:
             raise LinkError(_CODES.get(status, grpc.StatusCode.UNKNOWN), body.decode(errors="replace"))
         return reply_type.FromString(body)
 
-    def _receive(self, sock: socket.socket, deadline: float | None) -> bytes:
-        (length,) = link.LENGTH.unpack(self._read(sock, 4, deadline))
-        if length > link.MAX_FRAME:
-            raise link.LinkClosed(f"reply frame of {length} bytes exceeds {link.MAX_FRAME}")
-        return self._read(sock, length, deadline)
+    def _give_up(self, sock: socket.socket | None, drain: tuple[_Frame, Any, Any] | None) -> None:
+        """Retires the socket of a call cut short; with `drain`, its reply is read first."""
+        if sock is None:
+            return
+        if drain is None or drain[2] is None:
+            self._forget(sock)
+            return
+        threading.Thread(
+            target=self._drain, args=(sock, *drain), name="colocar-link-drain", daemon=True
+        ).start()
 
-    def _read(self, sock: socket.socket, n: int, deadline: float | None) -> bytes:
-        """n bytes; waits in `poll` slices, giving up when the host is lost or the deadline passed."""
-        buffer = bytearray()
+    def _drain(self, sock: socket.socket, frame: _Frame, reply_type: Any, abandoned: Any) -> None:
+        """Background: reads the reply of an abandoned call and hands it over, then closes.
+
+        Our end stops sending first: the sidecar answers a request it received whole, then
+        sees the end of the stream and closes (a request cut short is never run). So the
+        stream ends with this reply, and the bytes an interrupted `recv_into` put in the
+        frame's buffer uncounted are the ones missing from what is left."""
+        try:
+            sock.shutdown(socket.SHUT_WR)
+            while frame.buffer is None:
+                self._peek_header(sock, frame, None)
+            rest = bytearray()
+            while chunk := self._patiently(sock, lambda: sock.recv(1 << 20), None):
+                rest += chunk
+            uncounted = len(frame.buffer) - frame.taken - len(rest)
+            if uncounted < 0:
+                raise link.LinkClosed("the abandoned reply does not match its frame")
+            frame.buffer[frame.taken + uncounted :] = rest
+            status, body = link.parse_reply(frame.body())
+            if status == 0:
+                abandoned(reply_type.FromString(body))
+        except Exception:  # noqa: BLE001 - a lost link: the session's lease frees what it held
+            pass
+        finally:
+            self._forget(sock)
+
+    def _read_frame(self, sock: socket.socket, frame: _Frame, deadline: float | None) -> None:
+        """Reads the rest of `frame`, giving up when the host is lost or the deadline passed."""
+        while frame.buffer is None:
+            self._peek_header(sock, frame, deadline)
+        view = memoryview(frame.buffer)
+        while frame.taken < len(view):
+            n = self._patiently(sock, lambda: sock.recv_into(view[frame.taken :]), deadline)
+            if not n:
+                raise link.LinkClosed("link closed by the sidecar")
+            frame.taken += n
+
+    def _peek_header(self, sock: socket.socket, frame: _Frame, deadline: float | None) -> None:
+        """Opens the frame once its whole header is there (peeked: nothing is consumed)."""
+        header = self._patiently(sock, lambda: sock.recv(4, socket.MSG_PEEK), deadline)
+        if not header:
+            raise link.LinkClosed("link closed by the sidecar")
+        if len(header) < 4:
+            time.sleep(0.0005)  # the rest of the header is on its way
+            return
+        frame.open(header)
+
+    def _patiently(self, sock: socket.socket, receive: Callable[[], Any], deadline: float | None) -> Any:
+        """receive(), retried in `poll` slices while the host is alive and the deadline is ahead."""
         last_look = False
-        while len(buffer) < n:
+        while True:
             try:
-                chunk = sock.recv(min(n - len(buffer), 1 << 20))
+                value = receive()
             except TimeoutError:
                 if last_look:
                     raise LinkError(
@@ -132,12 +241,9 @@ class LinkClient:
                 if deadline is not None and time.monotonic() > deadline:
                     raise LinkError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded") from None
                 continue
-            if not chunk:
-                raise link.LinkClosed("link closed by the sidecar")
-            buffer += chunk
-        if last_look:
-            sock.settimeout(self._poll)
-        return bytes(buffer)
+            if last_look:
+                sock.settimeout(self._poll)
+            return value
 
     def close(self) -> None:
         with self._lock:

@@ -86,7 +86,7 @@ class BlockDesc(_message.Message):
     def __init__(self, id: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class CallRequest(_message.Message):
-    __slots__ = ("session_id", "kind", "code_hash", "code", "args", "object_id", "method", "processes", "name", "consume_blocks", "object_name", "object_ttl_seconds")
+    __slots__ = ("session_id", "kind", "code_hash", "code", "args", "object_id", "method", "processes", "name", "consume_blocks", "object_name", "object_ttl_seconds", "call_id")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         FUNCTION: _ClassVar[CallRequest.Kind]
@@ -107,6 +107,7 @@ class CallRequest(_message.Message):
     CONSUME_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     OBJECT_NAME_FIELD_NUMBER: _ClassVar[int]
     OBJECT_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     kind: CallRequest.Kind
     code_hash: bytes
@@ -119,7 +120,16 @@ class CallRequest(_message.Message):
     consume_blocks: _containers.RepeatedScalarFieldContainer[int]
     object_name: str
     object_ttl_seconds: float
-    def __init__(self, session_id: _Optional[str] = ..., kind: _Optional[_Union[CallRequest.Kind, str]] = ..., code_hash: _Optional[bytes] = ..., code: _Optional[bytes] = ..., args: _Optional[_Union[Payload, _Mapping]] = ..., object_id: _Optional[int] = ..., method: _Optional[str] = ..., processes: _Optional[bool] = ..., name: _Optional[str] = ..., consume_blocks: _Optional[_Iterable[int]] = ..., object_name: _Optional[str] = ..., object_ttl_seconds: _Optional[float] = ...) -> None: ...
+    call_id: int
+    def __init__(self, session_id: _Optional[str] = ..., kind: _Optional[_Union[CallRequest.Kind, str]] = ..., code_hash: _Optional[bytes] = ..., code: _Optional[bytes] = ..., args: _Optional[_Union[Payload, _Mapping]] = ..., object_id: _Optional[int] = ..., method: _Optional[str] = ..., processes: _Optional[bool] = ..., name: _Optional[str] = ..., consume_blocks: _Optional[_Iterable[int]] = ..., object_name: _Optional[str] = ..., object_ttl_seconds: _Optional[float] = ..., call_id: _Optional[int] = ...) -> None: ...
+
+class CancelRequest(_message.Message):
+    __slots__ = ("session_id", "call_ids")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CALL_IDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    call_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., call_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RemoteError(_message.Message):
     __slots__ = ("exception", "type", "message", "traceback")
@@ -248,7 +258,7 @@ class PoolStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., reserved: _Optional[int] = ..., used: _Optional[int] = ..., peak: _Optional[int] = ..., blocks: _Optional[int] = ..., largest_free: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("calls", "errors", "latency_p50_us", "latency_p99_us", "sessions", "objects", "in_flight", "pools", "uptime_seconds", "worker_processes")
+    __slots__ = ("calls", "errors", "latency_p50_us", "latency_p99_us", "sessions", "objects", "in_flight", "pools", "uptime_seconds", "worker_processes", "abandoned_calls")
     CALLS_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     LATENCY_P50_US_FIELD_NUMBER: _ClassVar[int]
@@ -259,6 +269,7 @@ class StatsReply(_message.Message):
     POOLS_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     WORKER_PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    ABANDONED_CALLS_FIELD_NUMBER: _ClassVar[int]
     calls: int
     errors: int
     latency_p50_us: float
@@ -269,4 +280,5 @@ class StatsReply(_message.Message):
     pools: _containers.RepeatedCompositeFieldContainer[PoolStats]
     uptime_seconds: float
     worker_processes: int
-    def __init__(self, calls: _Optional[int] = ..., errors: _Optional[int] = ..., latency_p50_us: _Optional[float] = ..., latency_p99_us: _Optional[float] = ..., sessions: _Optional[int] = ..., objects: _Optional[int] = ..., in_flight: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., worker_processes: _Optional[int] = ...) -> None: ...
+    abandoned_calls: int
+    def __init__(self, calls: _Optional[int] = ..., errors: _Optional[int] = ..., latency_p50_us: _Optional[float] = ..., latency_p99_us: _Optional[float] = ..., sessions: _Optional[int] = ..., objects: _Optional[int] = ..., in_flight: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., worker_processes: _Optional[int] = ..., abandoned_calls: _Optional[int] = ...) -> None: ...

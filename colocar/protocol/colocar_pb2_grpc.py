@@ -104,6 +104,11 @@ class SidecarStub:
                 request_serializer=colocar__pb2.Empty.SerializeToString,
                 response_deserializer=colocar__pb2.StatsReply.FromString,
                 _registered_method=True)
+        self.Cancel = channel.unary_unary(
+                '/colocar.v1.Sidecar/Cancel',
+                request_serializer=colocar__pb2.CancelRequest.SerializeToString,
+                response_deserializer=colocar__pb2.Empty.FromString,
+                _registered_method=True)
 
 
 class SidecarServicer:
@@ -204,6 +209,16 @@ class SidecarServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Cancel(self, request, context):
+        """Stops calls of the session whose caller gave up on them (an interrupt, a timeout,
+        future.cancel()): a call in a worker process is stopped (its worker is replaced); one in a
+        thread cannot be, and counts in StatsReply.abandoned_calls until it ends. Its reply, if
+        any, is an error and its result's blocks are freed. A call not yet seen never runs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SidecarServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -276,6 +291,11 @@ def add_SidecarServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=colocar__pb2.Empty.FromString,
                     response_serializer=colocar__pb2.StatsReply.SerializeToString,
+            ),
+            'Cancel': grpc.unary_unary_rpc_method_handler(
+                    servicer.Cancel,
+                    request_deserializer=colocar__pb2.CancelRequest.FromString,
+                    response_serializer=colocar__pb2.Empty.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -656,6 +676,33 @@ class Sidecar:
             '/colocar.v1.Sidecar/Stats',
             colocar__pb2.Empty.SerializeToString,
             colocar__pb2.StatsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Cancel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/colocar.v1.Sidecar/Cancel',
+            colocar__pb2.CancelRequest.SerializeToString,
+            colocar__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,

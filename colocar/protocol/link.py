@@ -35,6 +35,7 @@ _SERVED = (
     "Disconnect",
     "Keepalive",
     "PollLogs",
+    "Cancel",
 )
 _SERVICE = pb.DESCRIPTOR.services_by_name["Sidecar"]
 METHODS: dict[str, tuple[Any, Any]] = {

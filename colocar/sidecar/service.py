@@ -31,6 +31,7 @@ from colocar.shm import ArenaFullError, UnknownBlockError
 from . import logs
 from .auth import token_matches
 from .blocks import BoundsError, SidecarArena
+from .cancels import CallRegistry, cancellable
 from .func_backend import CodeCache, CodeLoadError, CodeNotFound, remote_error
 from .objects import ObjectTable, UnknownObjectError
 from .sessions import Session, SessionTable
@@ -73,6 +74,7 @@ class SidecarService(pb_grpc.SidecarServicer):
         self.stats = Stats()
         self.objects = ObjectTable()
         self.code = CodeCache()
+        self.cancels = CallRegistry()
         self.sessions = SessionTable(config.lease_seconds, self._session_ended)
         # Tokens of a SimpleQueue bound concurrent calls (cheaper than a Semaphore per call).
         self._call_slots: queue.SimpleQueue[None] = queue.SimpleQueue()
@@ -163,6 +165,7 @@ class SidecarService(pb_grpc.SidecarServicer):
         return pb.Empty()
 
     # --- calls -----------------------------------------------------------------------------
+    @cancellable
     def Call(self, request: pb.CallRequest, context: grpc.ServicerContext) -> pb.CallReply:
         session = self._session(request.session_id, context)
         started = self.stats.begin()
@@ -176,6 +179,12 @@ class SidecarService(pb_grpc.SidecarServicer):
             return reply
         finally:
             self.stats.end(started, failed=reply is None or reply.HasField("error"))
+
+    def Cancel(self, request: pb.CancelRequest, context: grpc.ServicerContext) -> pb.Empty:
+        """Stops the named calls of the session (see `cancels`)."""
+        session = self._session(request.session_id, context)
+        self.cancels.cancel(session.id, list(request.call_ids))
+        return pb.Empty()
 
     def _target(self, session: Session, request: pb.CallRequest, context: grpc.ServicerContext) -> Any:
         """The function, class or bound method a request names."""
@@ -469,6 +478,7 @@ class SidecarService(pb_grpc.SidecarServicer):
             pools=pools,
             uptime_seconds=time.monotonic() - self.stats.started,
             worker_processes=len(self.workers) if self.workers else 0,
+            abandoned_calls=self.cancels.abandoned(),
         )
 
     def stop(self) -> None:

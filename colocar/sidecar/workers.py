@@ -5,7 +5,8 @@ threads, so it never forks itself. Each worker maps the arena (see `worker_main`
 allocates blocks on the worker's behalf under a per-task owner, so whatever the worker does,
 blocks it did not return are freed when the task ends (unless its views outlive the call: those
 stay leased for the worker, see `worker_main`), and a worker that dies mid-call costs a clear
-error and a fresh worker, never a leak.
+error and a fresh worker, never a leak. A call its controller cancels (see `cancels`) is
+stopped the same way: its worker is killed and replaced.
 """
 
 from __future__ import annotations
@@ -22,12 +23,17 @@ import multiprocess
 from colocar.protocol import colocar_pb2 as pb
 from colocar.shm import ArenaFullError, UnknownBlockError
 
+from . import cancels
 from .blocks import SidecarArena
 from .func_backend import MAX_CACHED_CODE, CodeNotFound
 
 
 class WorkerDiedError(RuntimeError):
     """The worker process running the call exited (killed, crashed, out of memory)."""
+
+
+class WorkerCancelledError(WorkerDiedError):
+    """The call's controller cancelled it: its worker process was killed (a new one replaces it)."""
 
 
 class _Process:
@@ -53,6 +59,12 @@ class _Process:
         if self.process.is_alive():
             self.process.kill()
             self.process.join(timeout=5)
+        self.conn.close()
+
+    def kill(self) -> None:
+        """Ends the process now (it is busy in user code and would not read a stop message)."""
+        self.process.kill()
+        self.process.join(timeout=5)
         self.conn.close()
 
 
@@ -90,17 +102,27 @@ class WorkerPool:
     def __len__(self) -> int:
         return sum(p.process.is_alive() for p in self._all)
 
-    def _acquire(self) -> _Process:
-        with self._lock:
-            if self._idle.empty() and self._started < self.size:
-                self._started += 1
-                worker = _Process(self._ctx, self._arena)
-                self._all.append(worker)
-                return worker
-        return self._idle.get()
+    def _acquire(self, token: cancels.CancelToken | None) -> _Process:
+        """An idle worker, or a new one while the pool has room (again after a worker was
+        discarded); gives up if the call is cancelled meanwhile."""
+        while True:
+            with self._lock:
+                if self._idle.empty() and self._started < self.size:
+                    self._started += 1
+                    worker = _Process(self._ctx, self._arena)
+                    self._all.append(worker)
+                    return worker
+            try:
+                return self._idle.get(timeout=0.2)
+            except queue.Empty:
+                if token is not None and token.cancelled:
+                    raise WorkerCancelledError("the call was cancelled by its caller before it ran") from None
 
-    def _discard(self, worker: _Process) -> None:
-        worker.stop()
+    def _discard(self, worker: _Process, kill: bool = False) -> None:
+        if kill:
+            worker.kill()
+        else:
+            worker.stop()
         self._arena.allocator.release_owner(worker.owner)
         with self._lock:
             self._started -= 1
@@ -122,8 +144,10 @@ class WorkerPool:
             arena.allocator.acquire(block.id, owner)
         for block_id in request.consume_blocks:
             arena.allocator.release(block_id, session_id)
-        worker = self._acquire()
+        token = cancels.current()
+        worker = None
         try:
+            worker = self._acquire(token)
             worker.conn.send(
                 (
                     "call",
@@ -135,7 +159,7 @@ class WorkerPool:
                 )
             )
             while True:
-                message = self._receive(worker)
+                message = self._receive(worker, token)
                 kind = message[0]
                 if kind == "alloc":
                     try:
@@ -165,8 +189,9 @@ class WorkerPool:
                     self._idle.put(worker)
                     error = pb.RemoteError(exception=pickled, type=type_name, message=text, traceback=tb)
                     return pb.CallReply(error=error)
-        except WorkerDiedError:
-            self._discard(worker)
+        except WorkerDiedError as e:
+            if worker is not None:  # None: cancelled while waiting for one
+                self._discard(worker, kill=isinstance(e, WorkerCancelledError))
             raise
         finally:
             arena.allocator.release_owner(owner)
@@ -183,10 +208,16 @@ class WorkerPool:
                 pass
 
     @staticmethod
-    def _receive(worker: _Process) -> Any:
+    def _receive(worker: _Process, token: cancels.CancelToken | None) -> Any:
+        """The worker's next message; raises if it died, or if the call was cancelled."""
         while True:
+            if token is not None and token.cancelled:
+                raise WorkerCancelledError(
+                    f"the call was cancelled by its caller: its worker process (pid "
+                    f"{worker.process.pid}) was stopped; a new worker takes the next call"
+                )
             try:
-                if worker.conn.poll(0.5):
+                if worker.conn.poll(0.2):
                     return worker.conn.recv()
             except (EOFError, OSError):
                 pass
