@@ -22,7 +22,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import MiB
 from helpers import wait_for
 from jax.experimental import colocated_python as reference
 from jax.sharding import NamedSharding
@@ -30,6 +29,8 @@ from jax.sharding import PartitionSpec as P
 
 import colocar
 from colocar.shm import ArenaFullError
+
+MiB = 1 << 20
 
 SMALL_ARENA = 4 * MiB
 
