@@ -175,23 +175,33 @@ def test_a_batch_held_across_close_stays_valid_then_frees_its_slots(two_hosts):
     wait_for(lambda: used() == baseline, "the held batch's slots to be freed")
 
 
+def rings_wait(feeds) -> bool:
+    from colocar.shm.ring import WAITING
+
+    return all(feed._board[WAITING] == 1 for feed in feeds)
+
+
+def hold_until_both_rings_wait(it):
+    """Holds the first batch until both hosts' 2-slot rings wait for a slot; (batch, feeds)."""
+    held = next(it)
+    feeds = it._fed
+    assert len(feeds) == 2  # the controller maps both arenas: batches come over feeds
+    wait_for(lambda: rings_wait(feeds), "both rings to wait")
+    return held, feeds
+
+
 def test_a_full_ring_asks_for_signals_and_goes_on_as_slots_come_back(two_hosts):
     """While every worker has work queued, slots come back on the ring's board unannounced;
     once a worker idles for want of a slot (the consumer is slower), the board's flag asks the
     controller to signal each slot it gives back, and the pipeline goes on in order."""
-    from colocar.shm.ring import WAITING
-
     c = two_hosts.make_current()
     with loaders.load(config(prefetch=2, num_epochs=None), c) as it:
-        held = next(it)
-        feeds = it._fed
-        assert len(feeds) == 2  # the controller maps both arenas: batches come over feeds
-        wait_for(lambda: all(feed._board[WAITING] == 1 for feed in feeds), "both rings to wait")
+        held, feeds = hold_until_both_rings_wait(it)
         del held
         got = []
         for _ in range(6):
             got.append(labels(next(it)))
-            wait_for(lambda: all(feed._board[WAITING] == 1 for feed in feeds), "the rings to fill again")
+            wait_for(lambda: rings_wait(feeds), "the rings to fill again")
         assert got == [expected_labels(k, num_epochs=None) for k in range(1, 7)]
 
 
@@ -215,10 +225,7 @@ def test_a_lost_wake_up_is_made_up_by_the_pumps_look_at_the_board(two_hosts):
 
     c = two_hosts.make_current()
     with loaders.load(config(prefetch=2, num_epochs=None), c) as it:
-        held = next(it)
-        feeds = it._fed
-        assert len(feeds) == 2  # the controller maps both arenas: batches come over feeds
-        wait_for(lambda: all(feed._board[WAITING] == 1 for feed in feeds), "both rings to wait")
+        held, feeds = hold_until_both_rings_wait(it)
         for feed in feeds:
             feed._board[WAITING] = 0  # the flag as a controller without a fence may see it
         del held  # its slots go back on the next call, silently
