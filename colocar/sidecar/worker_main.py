@@ -94,12 +94,13 @@ class _Worker:
         np.copyto(target.reshape(array.shape), array, casting="no")
         return block_id
 
-    def sink(self, ids: list[int], shared: list[tuple[int, weakref.ref | None]]) -> Any:
+    def sink(self, ids: list[int], shared: list[tuple[int, weakref.ref | None, int]]) -> Any:
         def put(array: np.ndarray) -> int:
             found = block_of(array)
-            known = self.task_blocks.get(found[1]) if found and found[0] is self.arena else None
+            offset = found[1] if found and found[0] is self.arena else -1
+            known = self.task_blocks.get(offset)
             if known is not None and known[1] == array.nbytes:
-                shared.append((len(ids), reach(array)))
+                shared.append((len(ids), reach(array), offset))
                 ids.append(known[0])
             else:
                 ids.append(self.copy(array))
@@ -107,12 +108,11 @@ class _Worker:
 
         return put
 
-    def unshare(self, ids: list[int], shared: list[tuple[int, weakref.ref | None]]) -> None:
+    def unshare(self, ids: list[int], shared: list[tuple[int, weakref.ref | None, int]]) -> None:
         """Copies result blocks that an array of this process still reaches (the function kept
         it): the caller's `jax.Array` must never change. Call after dropping the result."""
-        for index, view in shared:
+        for index, view, offset in shared:
             if view is not None and view() is not None:
-                offset = next(o for o, (i, _) in self.task_blocks.items() if i == ids[index])
                 nbytes = self.task_blocks[offset][1]
                 ids[index] = self.copy(np.frombuffer(self.arena.buffer(offset, nbytes), np.uint8))
 
@@ -152,7 +152,7 @@ class _Worker:
                 log.close_line()
                 sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
             ids: list[int] = []
-            shared: list[tuple[int, weakref.ref | None]] = []
+            shared: list[tuple[int, weakref.ref | None, int]] = []
             data = serialization.dumps(result, self.sink(ids, shared), what=f"result of {name}")
             del args, kwargs, result
             self.unshare(ids, shared)
