@@ -8,11 +8,18 @@ import subprocess
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import colocar
 
 DEADLINE = 30.0
+PROGRAMS = Path(__file__).resolve().parent / "programs"
+
+
+def program(name: str) -> str:
+    """The path of tests/programs/<name>.py: a program a test runs as `sys.executable <path> args`."""
+    return str(PROGRAMS / f"{name}.py")
 
 
 def wait_for(predicate: Callable[[], Any], what: str, timeout: float = DEADLINE) -> Any:
