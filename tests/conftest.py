@@ -26,7 +26,7 @@ atexit.register(shutil.rmtree, SHM_DIR, True)  # also when pytest stops before t
 MiB = 1 << 20
 TEST_ARENA = 64 * MiB
 # Fixtures shared by several test files live in plugin modules next to this file.
-pytest_plugins = ["security_fixtures"]
+pytest_plugins = ["security_fixtures", "loader_config_fixtures"]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

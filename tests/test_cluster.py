@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import psutil
 import pytest
+from helpers import program
 
 import colocar
 
@@ -75,21 +76,17 @@ def test_persistent_sidecars_outlive_the_cluster(shm_dir):
     assert process.returncode == 0 and not os.path.exists(arena)
 
 
-def test_sidecars_exit_with_their_controller(tmp_path):
+def test_sidecars_exit_with_their_controller():
     """A controller killed without closing its cluster leaves no sidecar and no arena behind."""
     import subprocess
     import sys
     import time
 
-    script = tmp_path / "controller.py"
-    script.write_text(
-        "import colocar, sys\n"
-        "c = colocar.local_cluster(hosts=1, arena_size=16 << 20, processes=0)\n"
-        "print(c.processes[0].pid, c.hosts[0].connection.info.arena_path, flush=True)\n"
-        "sys.stdin.read()\n"
-    )
     controller = subprocess.Popen(
-        [sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        [sys.executable, program("cluster_controller")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         sidecar_pid, arena = controller.stdout.readline().split()

@@ -9,15 +9,16 @@ import json
 import os
 import pickle
 import random
+import shutil
 import subprocess
 import sys
-import textwrap
 import threading
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from helpers import program
 
 from colocar.loaders.records import RecordError, RecordPipeline, transform_seed
 from colocar.loaders.sources import ParquetSource, RandomAccessSource, open_source
@@ -25,45 +26,15 @@ from colocar.loaders.sources import ParquetSource, RandomAccessSource, open_sour
 N_AR = 300  # ArrayRecord records: 120 in the first file, 180 in the second
 PARQUET_SIZES = ((70, 16), (53, 10))  # per file: (rows, row group size) -> 5 + 6 row groups
 
-# User code the pipelines name by "module:function"; written to a file so another process can import it.
+# User code the pipelines name by "module:function"; copied to a directory on sys.path so that
+# another process can import it too.
 USER_MODULE = "colocar_test_user_fns"
-USER_CODE = textwrap.dedent(
-    """
-    import numpy as np
-
-    def make_source():
-        return [{"x": i * i} for i in range(25)]
-
-    def make_bad_source():
-        return 42
-
-    def jitter(rec, rng):
-        return {**rec, "noise": rng.random(3), "k": int(rng.integers(0, 1 << 30))}
-
-    def double(rec):
-        return {**rec, "index": rec["index"] * 2}
-
-    def keep_even(rec):
-        return int(rec["index"]) % 2 == 0
-
-    def explode_on_7(rec):
-        if int(rec["index"]) % 10 == 7:
-            raise ValueError(f"bad record {int(rec['index'])}")
-        return rec
-
-    class Holder:
-        class Inner:
-            @staticmethod
-            def make():
-                return list(range(5))
-    """
-)
 
 
 @pytest.fixture(scope="module")
 def user_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("user")
-    (d / f"{USER_MODULE}.py").write_text(USER_CODE)
+    shutil.copy(program(f"user/{USER_MODULE}"), d / f"{USER_MODULE}.py")
     sys.path.insert(0, str(d))
     yield d
     sys.path.remove(str(d))
@@ -327,21 +298,9 @@ def test_random_map_determinism_across_processes(user_dir: Path) -> None:
     indices = [3, 150, 42, 0, 199, 77]
     here = RecordPipeline(open_source("range", n=200), [("random_map", fns.jitter)], seed=11)
     want = {i: [here[i]["k"], here[i]["noise"].tolist()] for i in range(200)}
-    script = textwrap.dedent(
-        f"""
-        import json, sys
-        import {USER_MODULE} as fns
-        from colocar.loaders.records import RecordPipeline
-        from colocar.loaders.sources import open_source
-        # Our modules import grain lazily; grain itself imports (but does not initialize) JAX when installed.
-        assert "jax" not in sys.modules and "grain" not in sys.modules
-        pipe = RecordPipeline(open_source("range", n=200), [("random_map", fns.jitter)], seed=11)
-        out = {{i: [pipe[i]["k"], pipe[i]["noise"].tolist()] for i in {indices!r}}}
-        print(json.dumps(out))
-        """
-    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(user_dir), str(Path(__file__).parents[1])])}
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
+    run = [sys.executable, program("random_map_child"), json.dumps(indices)]
+    proc = subprocess.run(run, capture_output=True, text=True, env=env, timeout=60)
     assert proc.returncode == 0, proc.stderr
     got = {int(k): v for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
     assert got == {i: want[i] for i in indices}

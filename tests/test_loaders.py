@@ -1,4 +1,8 @@
-"""Input pipelines end to end: real sidecars, worker processes, ring slots, global arrays."""
+"""Input pipelines end to end: real sidecars, worker processes, ring slots, global arrays.
+
+The tests here share one two-host cluster (`two_hosts`); those that need a cluster of their
+own, or none with shared memory, are in test_loaders_failures.py.
+"""
 
 from __future__ import annotations
 
@@ -10,69 +14,26 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import wait_for
+from loaders_helpers import (
+    B,
+    N,
+    config,
+    expected_labels,
+    explode_on_seven,
+    features,
+    labels,
+    row_values,
+    take,
+)
 
 import colocar
 from colocar import loaders
-from colocar.loaders.sampler import IndexSampler
-
-N = 100
-B = 16
-
-
-def features(record):
-    i = int(record["index"])
-    return {"x": np.full((3,), i, np.float32), "label": np.int32(i)}
-
-
-def noisy(record, rng):
-    return {**record, "noise": np.float32(rng.random())}
-
-
-def explode_on_seven(record):
-    if int(record["index"]) % 10 == 7:
-        raise ValueError("bad record")
-    return record
-
-
-def config(**overrides):
-    base = {
-        "source": {"kind": "range", "n": N},
-        "global_batch_size": B,
-        "transforms": [{"kind": "map", "fn": features}, {"kind": "random_map", "fn": noisy}],
-        "seed": 7,
-        "num_epochs": 2,
-        "prefetch": 3,
-        "workers_per_host": 1,
-    }
-    base.update(overrides)
-    return base
-
-
-def labels(batch):
-    return np.asarray(batch["label"]).tolist()
-
-
-def expected_labels(k, **overrides):
-    c = config(**overrides)
-    s = IndexSampler(
-        N, B, seed=c["seed"], num_epochs=c["num_epochs"], drop_remainder=c.get("drop_remainder", True)
-    )
-    return s.batch_indices(k).tolist()
 
 
 @pytest.fixture(scope="module")
 def two_hosts():
     with colocar.local_cluster(hosts=2, arena_size=32 << 20, processes=0) as c:
         yield c
-
-
-def take(it, n, view=lambda b: b):
-    """The next n batches through `view`; keep `view` small so the ring is not starved."""
-    return [view(next(it)) for _ in range(n)]
-
-
-def row_values(batch):
-    return labels(batch), np.asarray(batch["noise"]).tolist()
 
 
 def test_batches_are_the_sampled_records_as_global_arrays(two_hosts):
@@ -257,19 +218,6 @@ def test_a_released_batch_gives_its_slots_back_at_once_and_cannot_be_read(two_ho
         assert [third, *got] == [expected_labels(k, num_epochs=None) for k in range(2, 7)]
 
 
-def test_batches_come_by_calls_when_the_controller_does_not_map_the_arena(grpc_cluster):
-    """Without shared memory each batch is a call (its slot copied over gRPC); a 2-slot ring
-    refills as each call's slot is let go in the sidecar, many times over; a bad record's error
-    names batch, host and record as over a feed."""
-    with loaders.load(config(prefetch=2), grpc_cluster) as it:
-        assert it._fed == []
-        assert [labels(b) for b in it] == [expected_labels(k) for k in range(2 * (N // B))]
-    transforms = [{"kind": "map", "fn": explode_on_seven}, {"kind": "map", "fn": features}]
-    with loaders.load(config(transforms=transforms, shuffle=False), grpc_cluster) as it:
-        with pytest.raises(Exception, match=r"batch 0 on host0: .*record 7"):
-            next(it)
-
-
 def test_a_ring_starved_by_held_batches_raises(two_hosts):
     c = two_hosts.make_current()
     with loaders.load(config(prefetch=2, num_epochs=None), c, starve_timeout=2) as it:
@@ -305,86 +253,6 @@ def test_killed_worker_raises_in_the_iterator(two_hosts):
                 next(it)
     finally:
         it.close()
-
-
-def test_killed_sidecar_raises_host_lost():
-    with colocar.local_cluster(hosts=2, arena_size=16 << 20, processes=0, heartbeat_seconds=0.5) as c:
-        it = loaders.load(config(num_epochs=None), c)
-        next(it)
-        c.processes[1].kill()
-        with pytest.raises(colocar.HostLostError):
-            for _ in range(100):
-                next(it)
-        it.close()
-
-
-def test_hung_sidecar_raises_host_lost():
-    """A sidecar that stops answering mid-epoch (SIGSTOP) is found by the keepalives, which
-    resume once its feed goes quiet: the iterator raises instead of waiting forever."""
-    with colocar.local_cluster(hosts=2, arena_size=16 << 20, processes=0, heartbeat_seconds=0.5) as c:
-        it = loaders.load(config(num_epochs=None), c)
-        next(it)
-        c.processes[1].send_signal(signal.SIGSTOP)
-        try:
-            with pytest.raises(colocar.HostLostError, match="host1"):
-                for _ in range(100):
-                    next(it)
-        finally:
-            c.processes[1].kill()
-        it.close()
-
-
-# A training process (argv: its sidecar's address, the token file) that holds two batches, i.e.
-# two slots lent to it, says where its pipeline's workers are, and waits to be killed.
-HOLDING_CONTROLLER = """
-import os, sys
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-os.environ["JAX_PLATFORMS"] = "cpu"
-import colocar
-from colocar import loaders
-cluster = colocar.connect([sys.argv[1]], token_file=sys.argv[2], lease_seconds=2)
-config = {"source": {"kind": "range", "n": 1000}, "global_batch_size": 16, "num_epochs": None,
-          "prefetch": 3, "workers_per_host": 1}
-it = loaders.load(config, cluster)
-held = [next(it), next(it)]
-assert it._fed, "the batches should come over a feed"
-print(*it._remote[0].worker_pids(), flush=True)
-sys.stdin.readline()
-"""
-
-
-def test_a_killed_controller_gets_its_lent_slots_freed_and_workers_stopped(make_cluster):
-    """A training process killed while it holds batches (slots lent over its feed) never gives
-    them back; its sidecar frees them all and stops the pipeline's workers anyway."""
-    import subprocess
-    import sys
-
-    import psutil
-
-    sidecars = make_cluster(hosts=1, persist=True)
-    host = sidecars.hosts[0]
-    used = lambda: host.stats()["pools"]["default"]["used"]  # noqa: E731
-    baseline = used()
-    controller = subprocess.Popen(
-        [sys.executable, "-c", HOLDING_CONTROLLER, host.address, sidecars.token_file],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        line = controller.stdout.readline()
-        assert line.strip(), controller.stderr.read()[-3000:]
-        workers = [int(pid) for pid in line.split()]
-        assert used() > baseline and all(psutil.pid_exists(pid) for pid in workers)
-        controller.kill()
-        controller.wait(timeout=30)
-        wait_for(lambda: used() == baseline, "the dead controller's slots to be freed")
-        wait_for(lambda: not any(psutil.pid_exists(pid) for pid in workers), "its workers to stop")
-    finally:
-        if controller.poll() is None:
-            controller.kill()
-            controller.wait(timeout=30)
 
 
 def test_close_after_an_early_break_stops_workers_and_frees_slots(two_hosts):

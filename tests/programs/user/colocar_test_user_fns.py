@@ -1,7 +1,8 @@
 """User code that record pipelines name by "module:function".
 
 test_loader_sources.py copies this file into a temporary directory that it puts on sys.path
-(and on a child process's PYTHONPATH), as a user's own module would be.
+(and on a child process's PYTHONPATH), as a user's own module would be. It lives apart from
+the programs so that random_map_child.py imports the copy, not this file.
 """
 
 

@@ -1,0 +1,96 @@
+"""Input pipelines over lost or unmapped sidecars: batches by calls without shared memory, a
+killed or hung sidecar, and a killed controller whose lent slots must be freed.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+from helpers import program, wait_for
+from loaders_helpers import (
+    B,
+    N,
+    config,
+    expected_labels,
+    explode_on_seven,
+    features,
+    labels,
+)
+
+import colocar
+from colocar import loaders
+
+
+def test_batches_come_by_calls_when_the_controller_does_not_map_the_arena(grpc_cluster):
+    """Without shared memory each batch is a call (its slot copied over gRPC); a 2-slot ring
+    refills as each call's slot is let go in the sidecar, many times over; a bad record's error
+    names batch, host and record as over a feed."""
+    with loaders.load(config(prefetch=2), grpc_cluster) as it:
+        assert it._fed == []
+        assert [labels(b) for b in it] == [expected_labels(k) for k in range(2 * (N // B))]
+    transforms = [{"kind": "map", "fn": explode_on_seven}, {"kind": "map", "fn": features}]
+    with loaders.load(config(transforms=transforms, shuffle=False), grpc_cluster) as it:
+        with pytest.raises(Exception, match=r"batch 0 on host0: .*record 7"):
+            next(it)
+
+
+def test_killed_sidecar_raises_host_lost():
+    with colocar.local_cluster(hosts=2, arena_size=16 << 20, processes=0, heartbeat_seconds=0.5) as c:
+        it = loaders.load(config(num_epochs=None), c)
+        next(it)
+        c.processes[1].kill()
+        with pytest.raises(colocar.HostLostError):
+            for _ in range(100):
+                next(it)
+        it.close()
+
+
+def test_hung_sidecar_raises_host_lost():
+    """A sidecar that stops answering mid-epoch (SIGSTOP) is found by the keepalives, which
+    resume once its feed goes quiet: the iterator raises instead of waiting forever."""
+    with colocar.local_cluster(hosts=2, arena_size=16 << 20, processes=0, heartbeat_seconds=0.5) as c:
+        it = loaders.load(config(num_epochs=None), c)
+        next(it)
+        c.processes[1].send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(colocar.HostLostError, match="host1"):
+                for _ in range(100):
+                    next(it)
+        finally:
+            c.processes[1].kill()
+        it.close()
+
+
+def test_a_killed_controller_gets_its_lent_slots_freed_and_workers_stopped(make_cluster):
+    """A training process killed while it holds batches (slots lent over its feed) never gives
+    them back; its sidecar frees them all and stops the pipeline's workers anyway."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    sidecars = make_cluster(hosts=1, persist=True)
+    host = sidecars.hosts[0]
+    used = lambda: host.stats()["pools"]["default"]["used"]  # noqa: E731
+    baseline = used()
+    controller = subprocess.Popen(
+        [sys.executable, program("loaders_holding_controller"), host.address, sidecars.token_file],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = controller.stdout.readline()
+        assert line.strip(), controller.stderr.read()[-3000:]
+        workers = [int(pid) for pid in line.split()]
+        assert used() > baseline and all(psutil.pid_exists(pid) for pid in workers)
+        controller.kill()
+        controller.wait(timeout=30)
+        wait_for(lambda: used() == baseline, "the dead controller's slots to be freed")
+        wait_for(lambda: not any(psutil.pid_exists(pid) for pid in workers), "its workers to stop")
+    finally:
+        if controller.poll() is None:
+            controller.kill()
+            controller.wait(timeout=30)
