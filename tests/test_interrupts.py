@@ -1,21 +1,18 @@
 """Ctrl-C never shifts replies, frees the call's lane at once, and leaks nothing.
 
 Each test delivers a real SIGINT to the main thread (where Python raises KeyboardInterrupt)
-from a timer thread, at a chosen or seeded random point of a call, a future's wait, a
-generator, a loader's start-up or a checkpoint save. After each interruption the next call must
-return its own value, quickly, and at the end no arena block, remote call or process is left.
+from a timer thread, at a chosen or seeded random point of a call, a future's wait or a
+generator. After each interruption the next call must return its own value, quickly, and at
+the end no arena block, remote call or process is left. Loader start-ups and checkpoint
+saves are in test_interrupts_startup.py.
 """
 
 from __future__ import annotations
 
 import functools
-import gc
 import os
 import random
-import signal
-import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import CancelledError
 from typing import Any
 
@@ -24,118 +21,24 @@ import numpy as np
 import psutil
 import pytest
 from helpers import wait_for
+from interrupts_helpers import (
+    DEADLINE,
+    QUICK,
+    ident,
+    plus_one,
+    run_interrupted,
+    settled,
+    shifted,
+    shifted_in_worker,
+    shifted_items,
+    used,
+    wait_for_file,
+    worker_sleep,
+)
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import colocar
-from colocar import loaders
-from colocar.loaders.sampler import IndexSampler
-
-DEADLINE = 30.0
-QUICK = 10.0  # the next call after an interrupted 60 s call must end well within this
-
-
-# --- delivering the interrupt -------------------------------------------------------------------
-def run_interrupted(
-    fn: Callable[[], Any], delay: float = 0.0, when: Callable[[], bool] | None = None
-) -> tuple[bool, Any]:
-    """Runs fn() in the main thread; SIGINT reaches this thread after `delay` s (or once `when()`
-    holds) unless fn ended first. Returns (interrupted, value). A signal sent just as fn ended
-    lands here too, never in the test's next line."""
-    main = threading.main_thread().ident
-    assert threading.get_ident() == main, "interrupt tests run in the main thread"
-    lock = threading.Lock()
-    state = {"over": False, "sent": False}
-
-    def fire() -> None:
-        while when is not None and not when():
-            if state["over"]:
-                return
-            time.sleep(0.01)
-        with lock:
-            if state["over"]:
-                return
-            state["sent"] = True
-        signal.pthread_kill(main, signal.SIGINT)  # type: ignore[arg-type]
-
-    timer = threading.Timer(delay, fire)
-    try:
-        timer.start()
-        try:
-            value = fn()
-        finally:
-            with lock:
-                state["over"] = True
-            timer.cancel()
-        if state["sent"]:  # sent but not yet raised: let it land here, not in the test's next line
-            time.sleep(1.0)  # (Python drops a KeyboardInterrupt raised in a GC finalizer: then none)
-        return False, value
-    except KeyboardInterrupt:
-        return True, None
-
-
-def used(c: Any) -> list[int]:
-    """Bytes in use in each host's default pool."""
-    return [h.stats()["pools"]["default"]["used"] for h in c.hosts]
-
-
-def settled(c: Any, baseline: list[int]) -> None:
-    """Waits until nothing of the interrupted calls is left: blocks, running calls."""
-    gc.collect()
-    wait_for(lambda: used(c) == baseline, f"the arena use to return to {baseline} (now {used(c)})")
-    wait_for(
-        lambda: all(h.stats()["abandoned_calls"] == 0 and h.stats()["in_flight"] == 0 for h in c.hosts),
-        "the abandoned calls to end",
-    )
-
-
-# --- shipped code ---------------------------------------------------------------------------------
-@colocar.colocated
-def ident(x):
-    return x
-
-
-@colocar.colocated
-def wait_for_file(path, limit=60.0):
-    """Sleeps until `path` exists (at most `limit` s), then returns a value of its own."""
-    deadline = time.monotonic() + limit
-    while not os.path.exists(path) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return f"wait_for_file({os.path.basename(path)}) result"
-
-
-@colocar.colocated(processes=True)
-def worker_sleep(started, seconds):
-    """Writes its pid to `started`, then sleeps in a worker process."""
-    with open(started + ".tmp", "w") as f:
-        f.write(str(os.getpid()))
-    os.rename(started + ".tmp", started)
-    time.sleep(seconds)
-    return "worker_sleep finished"
-
-
-@colocar.colocated
-def shifted(x, k, seconds):
-    time.sleep(seconds)
-    return x + k
-
-
-@colocar.colocated(processes=True)
-def shifted_in_worker(x, k, seconds):
-    time.sleep(seconds)
-    return x + k
-
-
-@colocar.colocated
-def shifted_items(x, k, n, seconds):
-    for i in range(n):
-        time.sleep(seconds)
-        yield x + k + i
-
-
-@colocar.colocated
-def plus_one(x):
-    return x + 1
 
 
 # --- the issue's program ----------------------------------------------------------------------
@@ -319,95 +222,3 @@ def test_interrupts_at_random_points(seed, make_cluster):
 @pytest.mark.parametrize("seed", range(2, 22))
 def test_interrupts_at_random_points_many_seeds(seed, make_cluster):
     _interrupt_at_random(seed, make_cluster(hosts=2, processes=1, persist=True), cases=60)
-
-
-# --- loader start-up and checkpoint saves -------------------------------------------------------
-def features(record):
-    i = int(record["index"])
-    return {"x": np.full((3,), i, np.float32), "label": np.int32(i)}
-
-
-PIPELINE = {
-    "source": {"kind": "range", "n": 64},
-    "global_batch_size": 8,
-    "transforms": [{"kind": "map", "fn": features}],
-    "seed": 3,
-    "num_epochs": 1,
-    "workers_per_host": 1,
-}
-
-
-def first_batch_is_right(c: Any) -> None:
-    with loaders.load(PIPELINE, c) as it:
-        labels = np.asarray(next(it)["label"]).tolist()
-    assert labels == IndexSampler(64, 8, seed=3, num_epochs=1).batch_indices(0).tolist()
-
-
-def sidecar_descendants(c: Any) -> set[int]:
-    pids = set()
-    for process in c.processes:
-        for child in psutil.Process(process.pid).children(recursive=True):
-            try:
-                if child.status() != psutil.STATUS_ZOMBIE:
-                    pids.add(child.pid)
-            except psutil.Error:
-                pass
-    return pids
-
-
-def _interrupt_loader_start(seed: int, c: Any, cases: int) -> None:
-    rng = random.Random(seed)
-    first_batch_is_right(c)  # starts the forkservers: part of the baseline
-    gc.collect()
-    baseline, processes = used(c), sidecar_descendants(c)
-    for _ in range(cases):
-        interrupted, it = run_interrupted(lambda: loaders.load(PIPELINE, c), rng.uniform(0, 1.5))
-        if it is not None:
-            it.close()
-        del it
-        first_batch_is_right(c)
-    settled(c, baseline)
-    wait_for(lambda: sidecar_descendants(c) == processes, "the pipeline workers to exit")
-
-
-def test_interrupted_loader_start_up(make_cluster):
-    _interrupt_loader_start(0, make_cluster(hosts=2, processes=0, arena_size=32 << 20), cases=3)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("seed", range(1, 6))
-def test_interrupted_loader_start_up_many_seeds(seed, make_cluster):
-    _interrupt_loader_start(seed, make_cluster(hosts=2, processes=0, arena_size=32 << 20), cases=8)
-
-
-def _interrupt_saves(seed: int, c: Any, directory: str, cases: int) -> None:
-    from colocar.checkpoint import CheckpointManager
-
-    rng = random.Random(seed)
-    mesh = c.mesh(("data",))
-    sharding = NamedSharding(mesh, P("data"))
-    baseline = used(c)
-    mngr = CheckpointManager(directory, c, stale_seconds=0.5)
-    try:
-        for step in range(cases):
-            state = {"w": jax.device_put(np.full((256, 1024), step, np.float32), sharding), "step": step}
-            run_interrupted(functools.partial(mngr.save, 2 * step, state), rng.uniform(0, 0.3))
-            assert mngr.save(2 * step + 1, state)  # the next save works, and saves its own state
-            mngr.wait()
-            restored = mngr.restore(2 * step + 1, target={"w": state["w"], "step": 0})
-            assert restored["step"] == step
-            assert (np.asarray(restored["w"]) == step).all()
-            del state, restored
-    finally:
-        mngr.close()
-    settled(c, baseline)
-
-
-def test_interrupted_checkpoint_saves(make_cluster, tmp_path):
-    _interrupt_saves(0, make_cluster(hosts=2, processes=0, arena_size=32 << 20), str(tmp_path / "c"), 3)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("seed", range(1, 6))
-def test_interrupted_checkpoint_saves_many_seeds(seed, make_cluster, tmp_path):
-    _interrupt_saves(seed, make_cluster(hosts=2, processes=0, arena_size=32 << 20), str(tmp_path / "c"), 8)
