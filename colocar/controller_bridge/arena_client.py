@@ -134,6 +134,8 @@ class ArenaClient(payload.BlockSpace):
 
     def decode(self, reply: pb.Payload) -> Any:
         """Unpickles a result; arrays become views of the arena (or downloads, unmapped)."""
+        if not reply.blocks:
+            return payload.decode(reply.pickle, (), self.view)
         descs = list(reply.blocks)
         used: set[int] = set()
         mapped = self.arena is not None

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
@@ -96,17 +95,20 @@ class BlockSpace:
         return np.frombuffer(self.arena.buffer(desc.offset, desc.nbytes), np.uint8)
 
 
-@dataclass
 class Encoded:
     """An encoded value: its payload; which of its blocks were allocated for it (`fresh`) and
     which are shared, with the reach of the sharing view (`shared`, see `hand_over`); and, when
     asked for, the arrays it references (the controller keeps them until the call completed,
-    so that a release of a block it shares cannot overtake the call)."""
+    so that a release of a block it shares cannot overtake the call). A plain class: a call
+    without arrays pays for little more than its pickle."""
 
-    payload: pb.Payload
-    fresh: list[int] = field(default_factory=list)
-    shared: list[tuple[int, weakref.ref | None]] = field(default_factory=list)
-    arrays: list[np.ndarray] = field(default_factory=list)
+    __slots__ = ("payload", "fresh", "shared", "arrays")
+
+    def __init__(self, payload: pb.Payload):
+        self.payload = payload
+        self.fresh: list[int] = []
+        self.shared: list[tuple[int, weakref.ref | None]] = []
+        self.arrays: list[np.ndarray] = []
 
     def fresh_ids(self) -> list[int]:
         blocks = self.payload.blocks
@@ -201,6 +203,9 @@ def decode(
     dtype)`. `used` collects the indices referenced (the blocks no array took are the
     caller's to give back)."""
 
+    if not blocks:  # the common small call: no closure to build
+        return serialization.loads(data, _no_blocks)
+
     def source(index: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         if not 0 <= index < len(blocks):
             raise BoundsError(f"array reference {index} but only {len(blocks)} blocks sent")
@@ -209,3 +214,7 @@ def decode(
         return view(blocks[index], shape, dtype)
 
     return serialization.loads(data, source)
+
+
+def _no_blocks(index: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    raise BoundsError(f"array reference {index} but only 0 blocks sent")

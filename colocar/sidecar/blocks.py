@@ -127,6 +127,8 @@ class SidecarArena:
     def hand_over(self, encoded: Encoded, owner: str, timeout: float = 0.0) -> pb.Payload:
         """The payload to send, once the caller dropped its references to the encoded value
         (see `protocol.payload.hand_over`: shared blocks this process still reaches are copied)."""
+        if not encoded.shared:  # nothing to decide (most calls): no space to build
+            return encoded.payload
         return payload.hand_over(_Leases(self, owner, timeout), encoded)
 
     def discard(self, encoded: Encoded, owner: str) -> None:
