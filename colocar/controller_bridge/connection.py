@@ -146,7 +146,6 @@ class HostConnection:
         self.name = name
         self.lease_seconds = lease_seconds
         self.heartbeat_seconds = heartbeat_seconds
-        self.alloc_timeout = alloc_timeout
         self._token = token or ""
         self.metadata = ((TOKEN_METADATA_KEY, self._token),)
         self.link: LinkClient | None = None
@@ -453,6 +452,15 @@ class HostConnection:
     @property
     def shm(self) -> bool:
         return self.arenas.mapped
+
+    @property
+    def alloc_timeout(self) -> float:
+        """How long an allocation waits for room by default (seconds); settable."""
+        return self.arenas.alloc_timeout
+
+    @alloc_timeout.setter
+    def alloc_timeout(self, seconds: float) -> None:
+        self.arenas.alloc_timeout = seconds
 
     def empty(
         self, specs: list[tuple[tuple[int, ...], np.dtype]], pool: str = "", timeout: float | None = None
