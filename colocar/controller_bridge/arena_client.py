@@ -41,11 +41,11 @@ class ArenaClient(payload.BlockSpace):
     def __init__(
         self,
         session_id: str,
-        *,
         want_shm: bool,
         alloc_timeout: float,
         unary: Callable[[str, Any, float | None], Any],
         stream: Callable[[str, Callable[[Any, Any], Any], bool], Any],
+        *,
         release_soon: Callable[[Iterable[int]], None],
     ):
         self.session_id = session_id

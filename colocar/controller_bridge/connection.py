@@ -161,13 +161,9 @@ class HostConnection:
         self.unresponsive = False  # no answer at all, not even a refusal
         self.generation = 0  # bumped at every (re)connect: remote objects of older ones are gone
         self.known_code: set[bytes] = set()
+        stream = functools.partial(run_stream, self.stub, self.metadata, self.check_alive, self.translate)
         self.arenas = ArenaClient(
-            self.session_id,
-            want_shm=shm,
-            alloc_timeout=alloc_timeout,
-            unary=self.unary,
-            stream=functools.partial(run_stream, self.stub, self.metadata, self.check_alive, self.translate),
-            release_soon=self.release_soon,
+            self.session_id, shm, alloc_timeout, self.unary, stream, release_soon=self.release_soon
         )
         self._lanes: dict[int, _Lane] = {}
         self._lanes_lock = threading.Lock()
