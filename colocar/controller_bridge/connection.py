@@ -2,8 +2,8 @@
 
 Runs in the controller (device owner). One `HostConnection` per sidecar holds the gRPC channel,
 the session (renewed by the cluster's heartbeat), the set of code hashes the sidecar already has,
-and the block transport: the sidecar's arena mapped here when it is reachable (same host, same
-shm dir; detected by attaching and checking the arena's nonce), else chunked gRPC streams.
+and its arena client (`arena_client.py`): the sidecar's arena mapped here when it is reachable
+(same host, same shm dir), else chunked gRPC streams.
 
 Calls from one controller thread to one host run in program order: each (thread, host) pair has
 a lane, and a call is sent only when the lane's previous call has completed or was abandoned.
@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import CancelledError, Future, InvalidStateError, ThreadPoolExecutor
 from typing import Any
 
@@ -40,23 +40,15 @@ from colocar.errors import (
 )
 from colocar.protocol import colocar_pb2 as pb
 from colocar.protocol import colocar_pb2_grpc as pb_grpc
-from colocar.protocol import serialization, versions
+from colocar.protocol import versions
 from colocar.protocol.link import METHODS as LINK_METHODS
 from colocar.protocol.tokens import TOKEN_METADATA_KEY
-from colocar.shm import (
-    Arena,
-    ArenaFullError,
-    ShmUnavailableError,
-    block_of,
-    copy_into,
-    holds,
-    ndarray_view,
-)
+from colocar.shm import Arena, ArenaFullError
 from colocar.shm.reclaim import Reclaimer
 
+from .arena_client import ArenaClient, run_stream
 from .link_client import LinkClient, LinkError
 
-CHUNK_BYTES = 1 << 20
 MiB = 1 << 20
 LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 LINK_THREADS = 16  # futures in flight at once over one host's local link
@@ -154,7 +146,6 @@ class HostConnection:
         self.name = name
         self.lease_seconds = lease_seconds
         self.heartbeat_seconds = heartbeat_seconds
-        self.alloc_timeout = alloc_timeout
         self._token = token or ""
         self.metadata = ((TOKEN_METADATA_KEY, self._token),)
         self.link: LinkClient | None = None
@@ -170,10 +161,10 @@ class HostConnection:
         self.unresponsive = False  # no answer at all, not even a refusal
         self.generation = 0  # bumped at every (re)connect: remote objects of older ones are gone
         self.known_code: set[bytes] = set()
-        self._want_shm = shm
-        self.arena: Arena | None = None
-        self._views: dict[int, int] = {}  # offset -> block id of arena views we hold
-        self._views_lock = threading.Lock()
+        stream = functools.partial(run_stream, self.stub, self.metadata, self.check_alive, self.translate)
+        self.arenas = ArenaClient(
+            self.session_id, shm, alloc_timeout, self.unary, stream, release_soon=self.release_soon
+        )
         self._lanes: dict[int, _Lane] = {}
         self._lanes_lock = threading.Lock()
         self._call_ids = itertools.count(1)
@@ -235,11 +226,7 @@ class HostConnection:
         self.known_code.clear()
         self.lost = None
         self.unresponsive = False
-        if self._want_shm and (self.arena is None or self.arena.nonce != reply.arena_nonce):
-            try:
-                self.arena = Arena.attach(reply.arena_path, reply.arena_size, reply.arena_nonce)
-            except ShmUnavailableError:
-                self.arena = None  # another host or another shm dir: bytes go through gRPC
+        self.arenas.attach(reply)
         if self.link is not None:
             self.link.close()
             self.link = None
@@ -453,53 +440,43 @@ class HostConnection:
 
         rpc.add_done_callback(done)
 
-    # --- arrays ----------------------------------------------------------------------------
+    # --- arrays (see arena_client.py) -----------------------------------------------------
+    @property
+    def arena(self) -> Arena | None:
+        return self.arenas.arena
+
     @property
     def shm(self) -> bool:
-        return self.arena is not None
+        return self.arenas.mapped
 
-    def own_block(self, array: np.ndarray) -> pb.BlockDesc | None:
-        """The block, if `array` is exactly one of our views of this sidecar's arena."""
-        found = block_of(array)
-        if found is None or found[0] is not self.arena:
-            return None
-        with self._views_lock:
-            block_id = self._views.get(found[1])
-        return None if block_id is None else pb.BlockDesc(id=block_id, offset=found[1], nbytes=found[2])
+    @property
+    def alloc_timeout(self) -> float:
+        """How long an allocation waits for room by default (seconds); settable."""
+        return self.arenas.alloc_timeout
 
-    def _view(self, desc: pb.BlockDesc, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        assert self.arena is not None
-        with self._views_lock:
-            self._views[desc.offset] = desc.id
-        block_id, offset = desc.id, desc.offset
-
-        def release() -> None:
-            self._reclaimer.push(("block", block_id, offset))
-
-        return ndarray_view(self.arena, desc.offset, shape, dtype, on_release=release)
+    @alloc_timeout.setter
+    def alloc_timeout(self, seconds: float) -> None:
+        self.arenas.alloc_timeout = seconds
 
     def empty(
         self, specs: list[tuple[tuple[int, ...], np.dtype]], pool: str = "", timeout: float | None = None
     ) -> list[np.ndarray]:
-        """Staging arrays in the sidecar's arena (shm only), one Allocate for all of them;
-        passing them to a call copies nothing."""
-        for _, dtype in specs:  # before allocating: nothing to give back
-            if not holds(dtype):
-                raise TypeError(f"dtype {np.dtype(dtype)} cannot live in the arena; use np.empty")
-        sizes = [int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize for shape, dtype in specs]
-        descs = self.allocate(sizes, pool, timeout)
-        return [
-            self._view(d, tuple(shape), np.dtype(dtype))
-            for d, (shape, dtype) in zip(descs, specs, strict=True)
-        ]
+        return self.arenas.empty(specs, pool, timeout)
 
     def allocate(self, sizes: list[int], pool: str = "", timeout: float | None = None) -> list[pb.BlockDesc]:
-        """Blocks leased to this session; waits up to `timeout` s (default: alloc_timeout) for room."""
-        timeout = self.alloc_timeout if timeout is None else timeout
-        request = pb.AllocateRequest(
-            session_id=self.session_id, sizes=sizes, pool=pool, timeout_seconds=timeout
-        )
-        return list(self.unary("Allocate", request, timeout=timeout + 30).blocks)
+        return self.arenas.allocate(sizes, pool, timeout)
+
+    def encode(self, value: Any, what: str) -> tuple[pb.Payload, list[int], list[np.ndarray]]:
+        return self.arenas.encode(value, what)
+
+    def decode(self, payload: pb.Payload) -> Any:
+        return self.arenas.decode(payload)
+
+    def upload(self, array: np.ndarray) -> pb.BlockDesc:
+        return self.arenas.upload(array)
+
+    def download(self, desc: pb.BlockDesc, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        return self.arenas.download(desc, shape, dtype)
 
     def delete_object_soon(self, object_id: int, generation: int) -> None:
         """Deletes a remote object in the background (called from handle finalizers)."""
@@ -507,14 +484,8 @@ class HostConnection:
 
     def _release(self, items: list[tuple[str, int, int]]) -> None:
         """Background: tells the sidecar which blocks and objects we no longer hold."""
-        blocks = []
+        blocks = [ident for kind, ident, _ in items if kind == "block"]
         cancels = [ident for kind, ident, _ in items if kind == "cancel"]
-        with self._views_lock:
-            for kind, ident, extra in items:
-                if kind == "block":
-                    blocks.append(ident)
-                    if self._views.get(extra) == ident:
-                        del self._views[extra]
         if self._closed or self.lost is not None:
             return
         try:
@@ -527,96 +498,6 @@ class HostConnection:
                     self.sync("DeleteObject", pb.ObjectRef(session_id=self.session_id, object_id=ident), 30)
         except grpc.RpcError:
             pass  # the session's lease frees them if the sidecar cannot be told
-
-    def encode(self, value: Any, what: str) -> tuple[pb.Payload, list[int], list[np.ndarray]]:
-        """Pickles call arguments; large arrays go to arena blocks (or uploads).
-
-        Returns the payload, the block ids the call consumes (allocated for it here), and the
-        arrays it references, which the caller keeps alive until the call completed (so that
-        a Release of a block we hold cannot overtake the call).
-        """
-        arrays: list[np.ndarray] = []
-
-        def sink(array: np.ndarray) -> int:
-            arrays.append(array)
-            return len(arrays) - 1
-
-        data = serialization.dumps(value, sink, what=what)
-        if not arrays:
-            return pb.Payload(pickle=data), [], []
-        descs: list[pb.BlockDesc | None] = [None] * len(arrays)
-        fresh = []
-        for i, array in enumerate(arrays):
-            descs[i] = self.own_block(array) if self.shm else None
-            if descs[i] is None:
-                fresh.append(i)
-        consumed = []
-        if self.shm and fresh:
-            allocated = self.allocate([arrays[i].nbytes for i in fresh])
-            try:
-                for i, desc in zip(fresh, allocated, strict=True):
-                    copy_into(self.arena, desc.offset, arrays[i])  # type: ignore[arg-type]
-                    descs[i] = desc
-                    consumed.append(desc.id)
-            except BaseException:  # interrupted: no call will consume them
-                self.release_soon(d.id for d in allocated)
-                raise
-        else:
-            for i in fresh:
-                descs[i] = self.upload(arrays[i])
-                consumed.append(descs[i].id)  # type: ignore[union-attr]
-        return pb.Payload(pickle=data, blocks=[d for d in descs if d is not None]), consumed, arrays
-
-    def decode(self, payload: pb.Payload) -> Any:
-        """Unpickles a result; arrays become views of the arena (or downloads, without shm)."""
-        descs = list(payload.blocks)
-        used: set[int] = set()
-
-        def source(index: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-            desc = descs[index]
-            used.add(index)
-            if self.shm:
-                return self._view(desc, shape, dtype)
-            return self.download(desc, shape, dtype)
-
-        try:
-            return serialization.loads(payload.pickle, source)
-        finally:
-            for i, desc in enumerate(descs):
-                if i not in used or not self.shm:
-                    self._reclaimer.push(("block", desc.id, desc.offset))
-
-    def upload(self, array: np.ndarray) -> pb.BlockDesc:
-        data = memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
-        total = data.nbytes
-
-        def chunks() -> Iterator[pb.Chunk]:
-            yield pb.Chunk(session_id=self.session_id, total_bytes=total, data=bytes(data[:CHUNK_BYTES]))
-            for start in range(CHUNK_BYTES, total, CHUNK_BYTES):
-                yield pb.Chunk(data=bytes(data[start : start + CHUNK_BYTES]))
-
-        self.check_alive()
-        try:
-            return self.stub.Upload(chunks(), metadata=self.metadata)
-        except grpc.RpcError as e:
-            raise self.translate(e, "upload") from None
-
-    def download(self, desc: pb.BlockDesc, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        out = np.empty(shape, dtype)
-        target = out.reshape(-1).view(np.uint8)
-        position = 0
-        try:
-            for chunk in self.stub.Download(
-                pb.BlockRef(session_id=self.session_id, block_id=desc.id), metadata=self.metadata
-            ):
-                n = len(chunk.data)
-                target[position : position + n] = np.frombuffer(chunk.data, np.uint8)
-                position += n
-        except grpc.RpcError as e:
-            raise self.translate(e, "download") from None
-        if position != out.nbytes:
-            raise ColocarError(f"download of block {desc.id} ended after {position} of {out.nbytes} bytes")
-        return out
 
     # --- logs and shutdown -----------------------------------------------------------------
     def _forward_logs(self) -> None:

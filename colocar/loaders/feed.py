@@ -8,7 +8,6 @@ any more (see `host_backend` for the sidecar's end); otherwise the iterator fall
 from __future__ import annotations
 
 import collections
-import pickle
 import socket
 import sys
 import threading
@@ -20,11 +19,12 @@ import numpy as np
 
 from colocar.controller_bridge.cluster import Host
 from colocar.errors import HostLostError
+from colocar.protocol.messages import FeedMessage
 from colocar.shm import ndarray_view
 from colocar.shm.ring import WAITING, board_words, store_load_hint
 
 from .layout import SlotLayout
-from .pump import MESSAGE, PipelineError
+from .pump import PipelineError
 
 
 class _Feed:
@@ -154,21 +154,17 @@ class _Feed:
                 self._sock.close()
         self.flush()
 
-    def _message(self) -> tuple[int, int, int, tuple | None] | None:
-        """The next message `(k, slot, bad, tail)` (see `pump.MESSAGE`), or None while
-        none is complete (then the inbox has room for the rest of it after `_end`)."""
+    def _message(self) -> FeedMessage | None:
+        """The next message (see `protocol.messages.FeedMessage`), or None while none is
+        complete (then the inbox has room for the rest of it after `_end`)."""
         inbox, start = self._inbox, self._start
-        have = self._end - start
-        need = MESSAGE.size
-        if have >= need:
-            n, k, slot, bad = MESSAGE.unpack_from(inbox, start)
-            need += n
-            if have >= need:
-                tail = pickle.loads(inbox[start + MESSAGE.size : start + need]) if n else None
-                self._start = start + need
-                if self._start == self._end:
-                    self._start = self._end = 0
-                return k, slot, bad, tail
+        message = FeedMessage.read(inbox, start, self._end)
+        if isinstance(message, FeedMessage):
+            self._start = start + message.size
+            if self._start == self._end:
+                self._start = self._end = 0
+            return message
+        need = message
         if start + need > len(inbox):  # move the partial message to the front; grow for a long one
             del inbox[:start]
             self._end -= start
@@ -202,7 +198,7 @@ class _Feed:
                 raise PipelineError(f"the pipeline on {self.host.name} closed its batch feed")
             self._end += got
         conn.alive_at = time.monotonic()  # spares a keepalive (see HostConnection)
-        got, slot, bad, tail = message
+        got, slot, bad, tail, _ = message
         if tail is not None:  # ("end",) or ("error", text)
             self._ended = True
             if tail[0] == "error":

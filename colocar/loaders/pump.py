@@ -15,24 +15,18 @@ reports a starved ring after `starve` seconds.
 from __future__ import annotations
 
 import os
-import pickle
 import selectors
 import socket
-import struct
 import threading
 import time
 from typing import Any
 
-from .worker import receive_message, send_message
+from colocar.protocol.messages import Build, BuildFailed, Built, FeedMessage, receive_pickled, send_pickled
 
 # A pump waiting for a slot reads the board this often: the controller's signal that it gave a
 # slot back can be lost (the board has no memory fence, see "Ordering" in shm/ring.py), and
 # this look is what finds the slot then. Not an optimisation: the protocol relies on it.
 RECHECK_SECONDS = 0.05
-
-# sidecar -> controller: (bytes of a pickled tail, batch number, slot, bad records so far); a
-# batch has no tail (the common message, no pickling), "end" and "error" carry one.
-MESSAGE = struct.Struct("<Iqiq")
 
 
 class PipelineError(RuntimeError):
@@ -51,7 +45,7 @@ class Pump:
         self._tasks: dict[int, int] = {}  # batch sent and not reported yet -> its worker
         self.num_batches = num_batches
         self.host = host
-        self.done: dict[int, tuple] = {}
+        self.done: dict[int, Built | BuildFailed] = {}
         self.cond = threading.Condition()
         self.stopped = False
         self.failure: str | None = None
@@ -72,7 +66,7 @@ class Pump:
         self._thread = threading.Thread(target=self._run, args=(first, starve), daemon=True)
         self._thread.start()
 
-    def wait(self, k: int) -> tuple | None:
+    def wait(self, k: int) -> Built | BuildFailed | None:
         """Batch k's report (the call path); None once the pipeline is stopped."""
         with self.cond:
             while k not in self.done:
@@ -83,17 +77,15 @@ class Pump:
                 self.cond.wait(0.5)
             return self.done.pop(k)
 
-    def take(self, k: int, message: tuple) -> int:
+    def take(self, k: int, message: Built | BuildFailed) -> int:
         """Batch k's slot from its worker's report (counted as produced); a failed batch gives
         its slot back and raises PipelineError naming the batch, host and record."""
-        if message[0] == "error":
-            _, _, slot, text, tb = message
-            self.ring.abandon(slot)
-            raise PipelineError(f"batch {k} on {self.host}: {text}\n{tb}")
-        _, _, slot, bad = message
-        self.bad_records += bad
+        if isinstance(message, BuildFailed):
+            self.ring.abandon(message.slot)
+            raise PipelineError(f"batch {k} on {self.host}: {message.text}\n{message.traceback}")
+        self.bad_records += message.bad
         self.produced += 1
-        return int(slot)
+        return int(message.slot)
 
     def attach_feed(self, sock: socket.socket, first: int) -> None:
         """From now on the pump sends batches `first, first + 1, ...` over `sock`."""
@@ -121,7 +113,7 @@ class Pump:
         self.wake()
         for conn in self.conns:
             try:
-                send_message(conn, None)
+                send_pickled(conn, None)
             except (OSError, ValueError):
                 pass
         for w in self.workers:
@@ -196,7 +188,7 @@ class Pump:
             self._starving_since = None
             w = min(range(len(self.conns)), key=self.assigned.__getitem__)
             try:
-                send_message(self.conns[w], (self._next_task, slot))
+                send_pickled(self.conns[w], Build(self._next_task, slot))
             except (OSError, ValueError):  # that worker is gone; its pipe's end reports it
                 self.ring.abandon(slot)
                 return
@@ -207,7 +199,7 @@ class Pump:
     def _report(self, selector: selectors.BaseSelector, key: selectors.SelectorKey) -> None:
         w, conn = key.data, self.conns[key.data]
         try:
-            message = receive_message(conn)
+            message: Built | BuildFailed = receive_pickled(conn)
         except (EOFError, OSError):
             selector.unregister(key.fd)
             worker = self.workers[w]
@@ -221,9 +213,9 @@ class Pump:
                 self.cond.notify_all()
             return
         self.assigned[w] -= 1
-        self._tasks.pop(message[1], None)
+        self._tasks.pop(message.k, None)
         with self.cond:
-            self.done[message[1]] = message
+            self.done[message.k] = message
             self.cond.notify_all()
 
     def _check_starved(self, starve: float) -> None:
@@ -260,12 +252,11 @@ class Pump:
             self._feed_next = k + 1
 
     def _send(self, k: int, slot: int = -1, tail: tuple | None = None) -> bool:
-        data = b"" if tail is None else pickle.dumps(tail, protocol=pickle.HIGHEST_PROTOCOL)
         if tail is not None:
             self._feed_over = True
         assert self._feed is not None
         try:
-            self._feed.sendall(MESSAGE.pack(len(data), k, slot, self.bad_records) + data)
+            self._feed.sendall(FeedMessage(k, slot, self.bad_records, tail).pack())
             return True
         except OSError:
             return False

@@ -3,28 +3,19 @@
 Started by `host_backend.LoaderHost` (forkserver, never fork). It maps the arena itself, opens
 the source, runs the record pipeline (grain's dataset semantics, `records.py`) on the records of
 each task's batch, and writes every row straight into the slot's segments: no batch crosses a pipe, only
-the tiny tuples `(k, slot)` in and `("done"|"error", ...)` out, over a pipe (no named
-semaphores, so a killed sidecar leaves nothing in /dev/shm).
+the small messages of `protocol.messages` (`Build` in, `Built` or `BuildFailed` out), over a
+pipe (no named semaphores, so a killed sidecar leaves nothing in /dev/shm).
 """
 
 from __future__ import annotations
 
 import os
-import pickle
 import traceback
 from typing import Any
 
 import numpy as np
 
-
-def send_message(conn: Any, message: Any) -> None:
-    """A pipe message as a plain pickle: `multiprocess`'s own `send` pickles with dill, ~25 us
-    for a tiny tuple, paid twice per batch on each side."""
-    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
-
-
-def receive_message(conn: Any) -> Any:
-    return pickle.loads(conn.recv_bytes())
+from colocar.protocol.messages import Build, BuildFailed, Built, receive_pickled, send_pickled
 
 
 def _record_pipeline(config: Any) -> Any:
@@ -68,17 +59,17 @@ def main(conn: Any, arena_info: tuple, config_bytes: bytes, layout: Any, slots: 
     # per slot: field -> segment -> array view over the slot
     views = []
     for offset, nbytes in slots:
-        slot = ndarray_view(arena, offset, (nbytes,), np.uint8)
+        whole = ndarray_view(arena, offset, (nbytes,), np.uint8)
         views.append(
             {
-                name: [layout.segment_view(slot, name, i) for i in range(len(layout.segments))]
+                name: [layout.segment_view(whole, name, i) for i in range(len(layout.segments))]
                 for name in layout.fields
             }
         )
     r0, r1 = layout.rows
     while True:
         try:
-            task = receive_message(conn)
+            task: Build | None = receive_pickled(conn)
         except (EOFError, OSError):
             return
         if task is None:
@@ -106,6 +97,6 @@ def main(conn: Any, arena_info: tuple, config_bytes: bytes, layout: Any, slots: 
                         target[j] = value
                 if "mask" in views[slot]:
                     views[slot]["mask"][segment][j] = record is not None
-            send_message(conn, ("done", k, slot, pipeline.bad_records - bad_before))
+            send_pickled(conn, Built(k, slot, pipeline.bad_records - bad_before))
         except Exception as e:  # noqa: BLE001 - reported with the batch and record to the controller
-            send_message(conn, ("error", k, slot, f"{type(e).__name__}: {e}", traceback.format_exc()))
+            send_pickled(conn, BuildFailed(k, slot, f"{type(e).__name__}: {e}", traceback.format_exc()))

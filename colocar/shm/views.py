@@ -3,7 +3,9 @@
 Every view's ``.base`` chain ends in a small holder of ours, which keeps the arena's
 mapping alive and calls ``on_release`` once no array derived from the view is alive
 any more (that is how a block's lease is returned). ``block_of`` finds the arena
-region an array came from, so an array already in the arena is never copied again.
+region an array came from, so an array already in the arena is never copied again; a view
+made with a ``BlockHandle`` also says which block it is and whose (``handle_of``), so that
+whoever leased the block can share it without looking its address up anywhere.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from numpy.lib.array_utils import byte_bounds
@@ -19,18 +21,28 @@ from numpy.lib.array_utils import byte_bounds
 from .arena import Arena
 
 
+class BlockHandle(NamedTuple):
+    """The block a view covers: its id, and ``home``, an identity token of whoever leased it
+    (a controller's arena client, the sidecar's arena, a call worker's task). Only that owner's
+    payload codec shares the block; to anyone else the view is plain bytes."""
+
+    id: int
+    home: object
+
+
 class _Holder:
     """Owns one arena region for numpy: exposes it via ``__array_interface__``."""
 
-    __slots__ = ("arena", "offset", "nbytes", "address", "_buffer", "__weakref__")
+    __slots__ = ("arena", "offset", "nbytes", "address", "handle", "_buffer", "__weakref__")
 
-    def __init__(self, arena: Arena, offset: int, nbytes: int) -> None:
+    def __init__(self, arena: Arena, offset: int, nbytes: int, handle: BlockHandle | None) -> None:
         # The memoryview pins the mmap: the arena cannot be unmapped under live views.
         self._buffer = arena.buffer(offset, nbytes)
         self.arena = arena
         self.offset = offset
         self.nbytes = nbytes
         self.address = arena.base_address + offset
+        self.handle = handle
 
     @property
     def __array_interface__(self) -> dict[str, Any]:
@@ -59,6 +71,7 @@ def ndarray_view(
     shape: tuple[int, ...],
     dtype: Any,
     on_release: Callable[[], None] | None = None,
+    handle: BlockHandle | None = None,
 ) -> np.ndarray:
     """A writable C-contiguous array over arena bytes [offset, offset + nbytes), no copy.
 
@@ -66,6 +79,7 @@ def ndarray_view(
     (not at interpreter exit if views are still alive then). It is a GC finalizer: it may
     run in any thread, inside any allocation, even one made under an Allocator's lock, so
     it must not take locks or block; hand the release to a ``reclaim.Reclaimer`` instead.
+    ``handle`` names the block, for ``handle_of``.
     """
     dtype = np.dtype(dtype)
     shape = tuple(int(d) for d in shape)
@@ -76,7 +90,7 @@ def ndarray_view(
     if dtype.itemsize == 0:
         raise ValueError(f"dtype {dtype} has no size; give a sized dtype such as 'S8' or 'V16'")
     nbytes = math.prod(shape) * dtype.itemsize
-    holder = _Holder(arena, offset, nbytes)
+    holder = _Holder(arena, offset, nbytes, handle)
     array = np.asarray(holder).view(dtype).reshape(shape)
     if on_release is not None:
         finalizer = weakref.finalize(holder, on_release)
@@ -98,8 +112,8 @@ def reach(array: np.ndarray) -> weakref.ref | None:
     return None if holder is None else weakref.ref(holder)
 
 
-def block_of(array: np.ndarray) -> tuple[Arena, int, int] | None:
-    """(arena, offset, nbytes) if ``array`` is C-contiguous over a whole ndarray_view region."""
+def _whole(array: Any) -> _Holder | None:
+    """The holder of the view ``array`` covers exactly (C-contiguous, same start and size)."""
     if not isinstance(array, np.ndarray) or not array.flags.c_contiguous:
         return None
     holder = _holder_of(array)
@@ -107,7 +121,21 @@ def block_of(array: np.ndarray) -> tuple[Arena, int, int] | None:
         return None
     if array.__array_interface__["data"][0] != holder.address or array.nbytes != holder.nbytes:
         return None
-    return holder.arena, holder.offset, holder.nbytes
+    return holder
+
+
+def block_of(array: np.ndarray) -> tuple[Arena, int, int] | None:
+    """(arena, offset, nbytes) if ``array`` is C-contiguous over a whole ndarray_view region."""
+    holder = _whole(array)
+    return None if holder is None else (holder.arena, holder.offset, holder.nbytes)
+
+
+def handle_of(array: np.ndarray) -> tuple[BlockHandle, int, int] | None:
+    """(handle, offset, nbytes) if ``array`` covers exactly a view made with a handle."""
+    holder = _whole(array)
+    if holder is None or holder.handle is None:
+        return None
+    return holder.handle, holder.offset, holder.nbytes
 
 
 def arena_offset(arena: Arena, array: np.ndarray) -> int | None:

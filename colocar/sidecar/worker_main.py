@@ -2,18 +2,15 @@
 
 The worker maps the sidecar's arena itself: inputs are zero-copy views of the call's blocks,
 and array results are written straight into blocks that the parent allocates on request, so
-no array ever crosses the pipe. The pipe carries only small control tuples:
+no array ever crosses the pipe. The pipe carries only the small messages of
+`protocol.messages` (`Call` in; `Alloc`, `Log`, `Done` or `Failed` out).
 
-    parent -> worker: ("call", code_hash, code, name, pickle, [(id, offset, nbytes), ...]) | None
-    worker -> parent: ("alloc", nbytes, pool) -> ("block", id, offset) | ("full" | "nopool", message)
-                      ("log", line)
-                      ("done", pickle, [block ids], kept, gone)
-                      ("error", pickled, type, message, tb, kept, gone)
-
-A view the function kept beyond its call (a module-level cache) must not point at memory that
-is freed and reused: its block ids come back as `kept`, and the parent holds them leased for
-this worker until a later reply lists them as `gone`. A kept block that is also a result is
-copied first, so that the caller's array never changes.
+Results are coded by `protocol.payload` over the call's task (`_TaskSpace`): a block allocated
+in this call and returned as a whole view is shared, unless the function kept a view of it
+(then it is copied, so that the caller's array never changes). A view the function kept beyond
+its call (a module-level cache) must not point at memory that is freed and reused: its block
+ids come back as `kept`, and the parent holds them leased for this worker until a later reply
+lists them as `gone`.
 """
 
 from __future__ import annotations
@@ -26,10 +23,12 @@ from typing import Any
 
 import numpy as np
 
-from colocar.protocol import serialization
-from colocar.shm import Arena, ArenaFullError, block_of, holds, ndarray_view
+from colocar.protocol import colocar_pb2 as pb
+from colocar.protocol import messages, payload
+from colocar.protocol.messages import Alloc, Call, Done, Failed, Full, Log, NoPool
+from colocar.shm import Arena, ArenaFullError, holds, ndarray_view
 from colocar.shm import context as shm_context
-from colocar.shm.views import reach
+from colocar.shm.views import BlockHandle, reach
 
 
 class _PipeLog:
@@ -42,7 +41,7 @@ class _PipeLog:
     def write(self, text: str) -> int:
         *lines, self._buffer = (self._buffer + text).split("\n")
         for line in lines:
-            self._send(("log", line))
+            self._send(messages.pack(Log(line)))
         return len(text)
 
     def flush(self) -> None:
@@ -50,8 +49,35 @@ class _PipeLog:
 
     def close_line(self) -> None:
         if self._buffer:
-            self._send(("log", self._buffer))
+            self._send(messages.pack(Log(self._buffer)))
             self._buffer = ""
+
+
+class _TaskSpace(payload.BlockSpace):
+    """Blocks as one call sees them: a block allocated during the call (a `colocar.shm.empty`
+    result) may be shared by its result; inputs and views kept from earlier calls are copied.
+    Every block allocated here is leased to the call's task by the parent, which frees those
+    the reply does not name when the task ends: nothing to give back here."""
+
+    def __init__(self, worker: _Worker):
+        self.arena = worker.arena
+        self._worker = worker
+        self._home = object()  # this call only
+
+    @property
+    def home(self) -> object:
+        return self._home
+
+    def allocate_one(self, nbytes: int) -> pb.BlockDesc:
+        block_id, offset = self._worker.allocate(nbytes)
+        return pb.BlockDesc(id=block_id, offset=offset, nbytes=nbytes)
+
+    def release(self, descs: list[pb.BlockDesc]) -> None:
+        pass
+
+    def view(self, desc: Any, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        block_id, offset, _ = desc
+        return self._worker.view(block_id, offset, shape, dtype)
 
 
 class _Worker:
@@ -59,25 +85,30 @@ class _Worker:
         self.conn = conn
         self.arena = arena
         self.codes: dict[bytes, Any] = {}
-        self.task_blocks: dict[int, tuple[int, int]] = {}  # offset -> (block id, nbytes)
+        self.task = _TaskSpace(self)
         self.views: list[tuple[int, weakref.ref]] = []  # (block id, reach) of this call's views
         self.kept: list[tuple[int, weakref.ref]] = []  # views that outlived their call
         self.lock = threading.Lock()
 
     def allocate(self, nbytes: int, pool: str = "default") -> tuple[int, int]:
         with self.lock:
-            self.conn.send(("alloc", nbytes, pool))
-            reply = self.conn.recv()
-        if reply[0] == "full":
-            raise ArenaFullError(reply[1])
-        if reply[0] == "nopool":
-            raise KeyError(reply[1])
-        _, block_id, offset = reply
-        self.task_blocks[offset] = (block_id, nbytes)
-        return block_id, offset
+            self.conn.send(messages.pack(Alloc(nbytes, pool)))
+            reply = messages.unpack(self.conn.recv())
+        if isinstance(reply, Full):
+            raise ArenaFullError(reply.text)
+        if isinstance(reply, NoPool):
+            raise KeyError(reply.text)
+        return reply.block_id, reply.offset
 
-    def view(self, block_id: int, offset: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        array = ndarray_view(self.arena, offset, shape, dtype)
+    def view(
+        self,
+        block_id: int,
+        offset: int,
+        shape: tuple[int, ...],
+        dtype: np.dtype,
+        handle: BlockHandle | None = None,
+    ) -> np.ndarray:
+        array = ndarray_view(self.arena, offset, shape, dtype, handle=handle)
         self.views.append((block_id, reach(array)))  # type: ignore[arg-type]
         return array
 
@@ -86,35 +117,7 @@ class _Worker:
             raise TypeError(f"dtype {dtype} cannot live in the arena; use np.empty")
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         block_id, offset = self.allocate(nbytes, pool)
-        return self.view(block_id, offset, shape, dtype)
-
-    def copy(self, array: np.ndarray) -> int:
-        block_id, offset = self.allocate(array.nbytes)
-        target = np.frombuffer(self.arena.buffer(offset, array.nbytes), dtype=array.dtype)
-        np.copyto(target.reshape(array.shape), array, casting="no")
-        return block_id
-
-    def sink(self, ids: list[int], shared: list[tuple[int, weakref.ref | None, int]]) -> Any:
-        def put(array: np.ndarray) -> int:
-            found = block_of(array)
-            offset = found[1] if found and found[0] is self.arena else -1
-            known = self.task_blocks.get(offset)
-            if known is not None and known[1] == array.nbytes:
-                shared.append((len(ids), reach(array), offset))
-                ids.append(known[0])
-            else:
-                ids.append(self.copy(array))
-            return len(ids) - 1
-
-        return put
-
-    def unshare(self, ids: list[int], shared: list[tuple[int, weakref.ref | None, int]]) -> None:
-        """Copies result blocks that an array of this process still reaches (the function kept
-        it): the caller's `jax.Array` must never change. Call after dropping the result."""
-        for index, view, offset in shared:
-            if view is not None and view() is not None:
-                nbytes = self.task_blocks[offset][1]
-                ids[index] = self.copy(np.frombuffer(self.arena.buffer(offset, nbytes), np.uint8))
+        return self.view(block_id, offset, shape, dtype, BlockHandle(block_id, self.task.home))
 
     def settle(self) -> tuple[list[int], list[int]]:
         """(blocks whose views outlived this call: the parent keeps them leased for this
@@ -126,39 +129,33 @@ class _Worker:
         self.views = []
         return sorted({i for i, _ in fresh}), gone
 
-    def run(self, code_hash: bytes, code: bytes, name: str, pickle: bytes, blocks: list) -> None:
-        self.task_blocks.clear()
-        reply = self.call(code_hash, code, name, pickle, blocks)
-        self.conn.send((*reply, *self.settle()))
+    def run(self, call: Call) -> None:
+        self.task = _TaskSpace(self)
+        reply = self.call(call)
+        kept, gone = self.settle()
+        self.conn.send(messages.pack(reply._replace(kept=kept, gone=gone)))
 
-    def call(self, code_hash: bytes, code: bytes, name: str, pickle: bytes, blocks: list) -> tuple:
+    def call(self, call: Call) -> Done | Failed:
         from colocar.sidecar.func_backend import error_fields, load_code
 
         log = _PipeLog(self.conn.send)
         try:
-            fn = self.codes.get(code_hash)
+            fn = self.codes.get(call.code_hash)
             if fn is None:
-                fn = self.codes[code_hash] = load_code(code, name)
-
-            def source(index: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-                block_id, offset, _ = blocks[index]
-                return self.view(block_id, offset, shape, dtype)
-
-            args, kwargs = serialization.loads(pickle, source)
+                fn = self.codes[call.code_hash] = load_code(call.code, call.name)
+            args, kwargs = payload.decode(call.pickle, call.blocks, self.task.view)
             sys.stdout = sys.stderr = log  # type: ignore[assignment]
             try:
                 result = fn(*args, **kwargs)
             finally:
                 log.close_line()
                 sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
-            ids: list[int] = []
-            shared: list[tuple[int, weakref.ref | None, int]] = []
-            data = serialization.dumps(result, self.sink(ids, shared), what=f"result of {name}")
+            encoded = payload.encode(self.task, result, what=f"result of {call.name}")
             del args, kwargs, result
-            self.unshare(ids, shared)
-            return ("done", data, ids)
+            sent = payload.hand_over(self.task, encoded)  # copies what the function kept
+            return Done(sent.pickle, [desc.id for desc in sent.blocks], [], [])
         except BaseException as e:  # noqa: BLE001 - everything goes back to the caller
-            return ("error", *error_fields(e))
+            return Failed(*error_fields(e), [], [])
 
 
 def main(conn: Any, arena_path: str, arena_size: int, arena_nonce: str) -> None:
@@ -168,10 +165,9 @@ def main(conn: Any, arena_path: str, arena_size: int, arena_nonce: str) -> None:
     shm_context.install(worker.empty)
     while True:
         try:
-            message = conn.recv()
+            message = messages.unpack(conn.recv())
         except (EOFError, OSError):
             return
         if message is None:
             return
-        _, code_hash, code, name, pickle, blocks = message
-        worker.run(code_hash, code, name, pickle, blocks)
+        worker.run(message)

@@ -21,6 +21,8 @@ from typing import Any
 import multiprocess
 
 from colocar.protocol import colocar_pb2 as pb
+from colocar.protocol import messages
+from colocar.protocol.messages import Alloc, Call, Done, Failed, Full, Granted, Log, NoPool
 from colocar.shm import ArenaFullError, UnknownBlockError
 
 from . import cancels
@@ -52,7 +54,7 @@ class _Process:
 
     def stop(self) -> None:
         try:
-            self.conn.send(None)
+            self.conn.send(messages.pack(None))
         except (OSError, ValueError):
             pass
         self.process.join(timeout=5)
@@ -148,53 +150,63 @@ class WorkerPool:
         worker = None
         try:
             worker = self._acquire(token)
-            worker.conn.send(
-                (
-                    "call",
-                    request.code_hash,
-                    b"" if request.code_hash in worker.known_code else code,
-                    request.name,
-                    request.args.pickle,
-                    [(b.id, b.offset, b.nbytes) for b in blocks],
-                )
+            call = Call(
+                request.code_hash,
+                b"" if request.code_hash in worker.known_code else code,
+                request.name,
+                request.args.pickle,
+                [(b.id, b.offset, b.nbytes) for b in blocks],
             )
-            while True:
-                message = self._receive(worker, token)
-                kind = message[0]
-                if kind == "alloc":
-                    try:
-                        block = arena.allocator.allocate(
-                            message[1], owner=owner, pool=message[2], timeout=alloc_timeout
-                        )
-                        worker.conn.send(("block", block.id, block.offset))
-                    except ArenaFullError as e:
-                        worker.conn.send(("full", str(e)))
-                    except KeyError as e:  # unknown pool
-                        worker.conn.send(("nopool", e.args[0] if e.args else str(e)))
-                elif kind == "log":
-                    log(message[1])
-                elif kind == "done":
-                    _, data, ids, kept, gone = message
-                    self._settle(worker, kept, gone)
-                    worker.known_code.add(request.code_hash)
-                    descs = []
-                    for block_id in ids:
-                        block = arena.allocator.acquire(block_id, session_id)
-                        descs.append(pb.BlockDesc(id=block.id, offset=block.offset, nbytes=block.nbytes))
-                    self._idle.put(worker)
-                    return pb.CallReply(result=pb.Payload(pickle=data, blocks=descs))
-                else:  # error
-                    _, pickled, type_name, text, tb, kept, gone = message
-                    self._settle(worker, kept, gone)
-                    self._idle.put(worker)
-                    error = pb.RemoteError(exception=pickled, type=type_name, message=text, traceback=tb)
-                    return pb.CallReply(error=error)
+            worker.conn.send(messages.pack(call))
+            end = self._serve(worker, token, owner, log, alloc_timeout)
+            self._settle(worker, end.kept, end.gone)
+            self._idle.put(worker)
+            if isinstance(end, Failed):
+                error = pb.RemoteError(
+                    exception=end.exception, type=end.type, message=end.message, traceback=end.traceback
+                )
+                return pb.CallReply(error=error)
+            worker.known_code.add(request.code_hash)
+            descs = []
+            for block_id in end.block_ids:
+                block = arena.allocator.acquire(block_id, session_id)
+                descs.append(pb.BlockDesc(id=block.id, offset=block.offset, nbytes=block.nbytes))
+            return pb.CallReply(result=pb.Payload(pickle=end.pickle, blocks=descs))
         except WorkerDiedError as e:
             if worker is not None:  # None: cancelled while waiting for one
                 self._discard(worker, kill=isinstance(e, WorkerCancelledError))
             raise
         finally:
             arena.allocator.release_owner(owner)
+
+    def _serve(
+        self,
+        worker: _Process,
+        token: cancels.CancelToken | None,
+        owner: str,
+        log: Callable[[str], None],
+        alloc_timeout: float,
+    ) -> Done | Failed:
+        """Answers the worker's requests (blocks for the task `owner`, log lines) until the
+        call ends; returns its last message."""
+        while True:
+            message = messages.unpack(self._receive(worker, token))
+            if isinstance(message, Log):
+                log(message.line)
+            elif isinstance(message, Alloc):
+                answer: Granted | Full | NoPool
+                try:
+                    block = self._arena.allocator.allocate(
+                        message.nbytes, owner=owner, pool=message.pool, timeout=alloc_timeout
+                    )
+                    answer = Granted(block.id, block.offset)
+                except ArenaFullError as e:
+                    answer = Full(str(e))
+                except KeyError as e:  # unknown pool
+                    answer = NoPool(e.args[0] if e.args else str(e))
+                worker.conn.send(messages.pack(answer))
+            else:
+                return message
 
     def _settle(self, worker: _Process, kept: list[int], gone: list[int]) -> None:
         """Blocks the worker's views still reach stay leased for it, until it says they are gone."""
