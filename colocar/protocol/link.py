@@ -11,7 +11,8 @@ are long-polled here (`PollLogs`) instead of read from a gRPC stream, whose bloc
 wakes the controller ten times a second.
 
 Frames: request `u32 length | u8 method length | method | message`;
-reply `u32 length | u8 status (grpc.StatusCode value, 0 = OK) | message or error details`.
+reply `u32 length | u8 status (a `status.Status`, gRPC's numbering; 0 = OK) | message or
+error details`.
 """
 
 from __future__ import annotations
