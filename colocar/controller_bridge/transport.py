@@ -241,7 +241,9 @@ class LinkTransport:
             return self._executor
 
     def close(self) -> None:
-        """Cancels the futures not started yet and closes the link (not the gRPC channel)."""
+        """Cancels the futures not started yet and closes the link (not the gRPC channel); a
+        call after this fails as UNAVAILABLE."""
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
-        self.attach(None)
+        if self.link is not None:
+            self.link.close()
