@@ -14,16 +14,17 @@ import os
 import socket
 import threading
 import time
-from typing import Any
 
 from colocar.protocol import link
 from colocar.protocol.status import Refused, Status
+
+from .service import SidecarService
 
 MAX_CONNECTIONS = 1024
 
 
 class LinkServer:
-    def __init__(self, service: Any, path: str, token: str | None):
+    def __init__(self, service: SidecarService, path: str, token: str | None):
         self._service = service
         self._token = token or ""
         self.path = path
