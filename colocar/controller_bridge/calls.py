@@ -25,8 +25,11 @@ import grpc
 from colocar.errors import ColocarError, RemoteError, RemoteTraceback
 from colocar.protocol import colocar_pb2 as pb
 from colocar.protocol import serialization
+from colocar.protocol.status import Status, TransportError
 
-from .connection import HostConnection, LaneFuture
+from .connection import HostConnection
+from .lanes import LaneFuture
+from .transport import Done
 
 _TAKEN = pb.CallReply()  # a reply being decoded, or decoded: it is never decoded twice
 
@@ -50,8 +53,8 @@ class ShippedCode:
             return self._hash, self._code
 
 
-def _is_code_miss(e: grpc.RpcError) -> bool:
-    return e.code() == grpc.StatusCode.NOT_FOUND and (e.details() or "").startswith("code:")
+def _is_code_miss(e: TransportError) -> bool:
+    return e.status == Status.NOT_FOUND and e.details.startswith("code:")
 
 
 class Call:
@@ -133,26 +136,56 @@ class Call:
             self.conn.known_code.add(self.request.code_hash)
 
     def _call_sync(self) -> pb.CallReply:
-        """The reply, resending the code if the sidecar does not know it; raises our errors.
-        Cut short by its timeout or an interrupt, the call is cancelled on the sidecar."""
-        conn = self.conn
-        try:
+        """The reply (see `_after_failure` for a failed attempt); raises our errors. Cut short
+        by an interrupt, the call is cancelled on the sidecar."""
+        request, force = self._with_code(False), False
+        while True:
             try:
-                reply = conn.sync("Call", self._with_code(False), self.timeout, self._unsent)
-            except grpc.RpcError as e:
-                if not _is_code_miss(e):
-                    raise
-                reply = conn.sync("Call", self._with_code(True), self.timeout, self._unsent)
-        except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                conn.cancel_soon(self.request.call_id)
-            raise conn.translate(e, f"call of {self.request.name}") from None
-        except BaseException as e:
-            if not isinstance(e, Exception):  # an interrupt
-                conn.cancel_soon(self.request.call_id)
-            raise
+                try:
+                    reply = self.conn.transport.call("Call", request, self.timeout, self._unsent)
+                    break
+                except TransportError as e:
+                    error = e
+                request, force = self._after_failure(error, force), True
+            except BaseException as e:
+                if not isinstance(e, Exception):  # an interrupt
+                    self.conn.cancel_soon(self.request.call_id)
+                raise
         self._sent()
         return reply
+
+    def _call_async(self, done: Done) -> None:
+        """Starts the call; `done(reply, error)` runs once it ended (see `_after_failure`)."""
+        self._send_async(self._with_code(False), False, done)
+
+    def _send_async(self, request: pb.CallRequest, force: bool, done: Done) -> None:
+        def finished(reply: Any, error: BaseException | None) -> None:
+            if error is None:
+                self._sent()
+                done(reply, None)
+                return
+            try:
+                self._send_async(self._after_failure(error, force), True, done)
+            except BaseException as e:
+                done(None, e)
+
+        self.conn.transport.call_async("Call", request, self.timeout, finished, self._unsent)
+
+    def _after_failure(self, error: BaseException, force: bool) -> pb.CallRequest:
+        """After a failed attempt (of `_call_sync` or `_send_async`): the request again, with
+        the code, if the sidecar lacked it (new or restarted) and it was not sent with the code
+        already; else raises the error the caller sees (a call that timed out is cancelled on
+        the sidecar)."""
+        if not force and isinstance(error, TransportError) and _is_code_miss(error):
+            return self._with_code(True)
+        raise self._failed(error)
+
+    def _failed(self, error: BaseException) -> BaseException:
+        if not isinstance(error, TransportError):
+            return error  # cancelled
+        if error.status == Status.DEADLINE_EXCEEDED:
+            self.conn.cancel_soon(self.request.call_id)
+        return self.conn.translate(error, f"call of {self.request.name}")
 
     def run(self) -> Any:
         """Sends and waits; skips the ordering queue (and takes the local link when there is one)
@@ -172,44 +205,11 @@ class Call:
     def start(self) -> CallFuture:
         """Queues the call behind this thread's earlier calls to the host; returns its future.
 
-        With a local link the call runs on one of the connection's link threads; otherwise it
-        is an asynchronous gRPC call.
+        With a local link the call runs on one of the link's threads; otherwise it is an
+        asynchronous gRPC call.
         """
         conn = self.conn
-
-        def send() -> Future:
-            if conn.link is not None:
-                return conn.link_executor().submit(self._call_sync)
-            outer: Future = Future()
-
-            def attempt(force: bool) -> None:
-                rpc = conn.stub.Call.future(
-                    self._with_code(force), metadata=conn.metadata, timeout=self.timeout
-                )
-
-                def done(f: Any) -> None:
-                    try:
-                        reply = f.result()
-                    except grpc.RpcError as e:
-                        if not force and _is_code_miss(e):
-                            attempt(True)
-                            return
-                        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                            conn.cancel_soon(self.request.call_id)
-                        outer.set_exception(conn.translate(e, f"call of {self.request.name}"))
-                        return
-                    except BaseException as e:  # cancelled
-                        outer.set_exception(e)
-                        return
-                    self._sent()
-                    outer.set_result(reply)
-
-                rpc.add_done_callback(done)
-
-            attempt(False)
-            return outer
-
-        self._future = conn.submit(send, unsent=self._unsent)
+        self._future = conn.submit(self._call_async, unsent=self._unsent)
         self._future.add_done_callback(self._release_keepalive)  # blocks held for the call only
         return CallFuture(self)
 
@@ -363,7 +363,7 @@ class RemoteIterator:
         except BaseException:  # never sent: the blocks of its arguments go back
             conn.release_soon(request.consume_blocks)
             raise
-        self._responses = conn.stub.Stream(iter(self._requests.get, None), metadata=conn.metadata)
+        self._responses = conn.grpc.stream("Stream", iter(self._requests.get, None))
         self._replies: queue.SimpleQueue = queue.SimpleQueue()
         # the reader holds no reference to self, so that a dropped iterator is collected
         threading.Thread(

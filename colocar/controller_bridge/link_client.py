@@ -15,27 +15,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import grpc
-
 from colocar.protocol import link
-
-
-class LinkError(grpc.RpcError):
-    """A link failure in the shape of a grpc.RpcError, so one error translation serves both."""
-
-    def __init__(self, code: grpc.StatusCode, details: str):
-        super().__init__(details)
-        self._code = code
-        self._details = details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
-
-
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
+from colocar.protocol.status import Status, TransportError
 
 
 class _Frame:
@@ -81,7 +62,7 @@ class LinkClient:
         if sock is not None:
             return sock
         if self._closed:
-            raise LinkError(grpc.StatusCode.UNAVAILABLE, "the local link is closed")
+            raise TransportError(Status.UNAVAILABLE, "the local link is closed")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(timeout)
         try:
@@ -93,12 +74,12 @@ class LinkClient:
             raise
         if status != 0:
             sock.close()
-            raise LinkError(_CODES.get(status, grpc.StatusCode.UNKNOWN), body.decode(errors="replace"))
+            raise TransportError(Status.of(status), body.decode(errors="replace"))
         sock.settimeout(self._poll)
         with self._lock:
             if self._closed:  # closed while we connected: close() did not see this socket
                 sock.close()
-                raise LinkError(grpc.StatusCode.UNAVAILABLE, "the local link is closed")
+                raise TransportError(Status.UNAVAILABLE, "the local link is closed")
             self._sockets.append(sock)
         self._local.sock = sock
         return sock
@@ -119,7 +100,7 @@ class LinkClient:
         abandoned: Callable[[Any], None] | None = None,
         unsent: Callable[[], None] | None = None,
     ) -> Any:
-        """One unary call; raises LinkError (with gRPC status codes) like a stub would.
+        """One unary call; raises TransportError (the sidecar's status, or the link's failure).
 
         The thread's socket is taken for the call and given back only once the whole reply was
         read: a call cut short by anything (an interrupt, any exception, its deadline) leaves
@@ -143,12 +124,12 @@ class LinkClient:
                 self._read_frame(sock, frame, deadline)
             except TimeoutError:  # no answer to the connection's hello within the deadline
                 self._give_up(sock, None)
-                raise LinkError(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer on the local link") from None
+                raise TransportError(Status.DEADLINE_EXCEEDED, "no answer on the local link") from None
             except (OSError, link.LinkClosed) as e:
                 self._give_up(sock, None)
-                raise LinkError(grpc.StatusCode.UNAVAILABLE, f"local link broke: {e}") from None
-            except LinkError as e:
-                timed_out = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                raise TransportError(Status.UNAVAILABLE, f"local link broke: {e}") from None
+            except TransportError as e:
+                timed_out = e.status == Status.DEADLINE_EXCEEDED
                 self._give_up(sock, (frame, reply_type, abandoned) if sent and timed_out else None)
                 raise
             except BaseException:  # an interrupt: the reply may still come (sendall checks for
@@ -162,7 +143,7 @@ class LinkClient:
         self._local.sock = sock
         status, body = link.parse_reply(frame.body())
         if status != 0:
-            raise LinkError(_CODES.get(status, grpc.StatusCode.UNKNOWN), body.decode(errors="replace"))
+            raise TransportError(Status.of(status), body.decode(errors="replace"))
         return reply_type.FromString(body)
 
     def _give_up(self, sock: socket.socket | None, drain: tuple[_Frame, Any, Any] | None) -> None:
@@ -231,15 +212,13 @@ class LinkClient:
                 value = receive()
             except TimeoutError:
                 if last_look:
-                    raise LinkError(
-                        grpc.StatusCode.UNAVAILABLE, "host lost while waiting for the reply"
-                    ) from None
+                    raise TransportError(Status.UNAVAILABLE, "host lost waiting for the reply") from None
                 if self._lost() or self._closed:
                     last_look = True  # the reply may have landed just before the sidecar went
                     sock.settimeout(0.05)
                     continue
                 if deadline is not None and time.monotonic() > deadline:
-                    raise LinkError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded") from None
+                    raise TransportError(Status.DEADLINE_EXCEEDED, "deadline exceeded") from None
                 continue
             if last_look:
                 sock.settimeout(self._poll)

@@ -7,11 +7,11 @@ methods, framed on a Unix socket in the sidecar's shm directory (mode 0600). The
 carries the token; a wrong one closes the connection. Streams and uploads stay on gRPC.
 Keepalives go over the link too: only an answer from the sidecar's own process tells that calls
 waiting on the link may still complete (a draining sidecar refuses new gRPC calls). Log lines
-are long-polled here (`PollLogs`) instead of read from a gRPC stream, whose blocking iterator
-wakes the controller ten times a second.
+are long-polled (`PollLogs`) here too: the waiting thread sleeps in one socket read.
 
 Frames: request `u32 length | u8 method length | method | message`;
-reply `u32 length | u8 status (grpc.StatusCode value, 0 = OK) | message or error details`.
+reply `u32 length | u8 status (a `status.Status`, gRPC's numbering; 0 = OK) | message or
+error details`.
 """
 
 from __future__ import annotations

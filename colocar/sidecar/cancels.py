@@ -100,18 +100,18 @@ class CallRegistry:
         return self._abandoned
 
 
-def cancellable(handler: Callable[[Any, pb.CallRequest, Any], pb.CallReply]) -> Callable[..., pb.CallReply]:
+def cancellable(handler: Callable[[Any, pb.CallRequest], pb.CallReply]) -> Callable[..., pb.CallReply]:
     """Wraps the servicer's `Call`: tracks the call by its id, and answers a cancelled one with
     an error, freeing its result (blocks, a new object) or, cancelled before it ran, its input blocks."""
 
     @functools.wraps(handler)
-    def call(service: Any, request: pb.CallRequest, context: Any) -> pb.CallReply:
+    def call(service: Any, request: pb.CallRequest) -> pb.CallReply:
         with service.cancels.track(request.session_id, request.call_id) as token:
             if token.cancelled:  # cancelled before it arrived: it never runs
-                service._session(request.session_id, context)  # the token and session checks first
+                service.session(request.session_id)  # the session check first
                 _release(service, request.session_id, request.consume_blocks)
                 return _cancelled(request)
-            reply = handler(service, request, context)
+            reply = handler(service, request)
         if token.cancelled:
             _release(service, request.session_id, [b.id for b in reply.result.blocks])
             if reply.object_id:

@@ -1,8 +1,9 @@
-"""Serves the local link (see `colocar.protocol.link`) with the sidecar's own servicer methods.
+"""Serves the local link (see `colocar.protocol.link`) with the sidecar's own handlers.
 
 Runs in the sidecar: one accept thread, one thread per connection (a controller thread that
-makes synchronous calls). Handlers get a small context whose `abort` raises, so every check a
-gRPC handler makes (token, session, bounds) applies unchanged.
+makes synchronous calls). A connection proves the token once, in its hello; then each request
+goes to the handler of its method (the same as gRPC's, with the same session and bounds
+checks), and a `Refused` comes back as a status frame.
 """
 
 from __future__ import annotations
@@ -13,42 +14,18 @@ import os
 import socket
 import threading
 import time
-from typing import Any
-
-import grpc
 
 from colocar.protocol import link
-from colocar.protocol.tokens import TOKEN_METADATA_KEY
+from colocar.protocol.status import Refused, Status
+
+from .service import SidecarService
 
 MAX_CONNECTIONS = 1024
 
 
-class _Abort(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str):
-        super().__init__(details)
-        self.code = code
-        self.details = details
-
-
-class _Context:
-    """The part of grpc.ServicerContext that the unary handlers use."""
-
-    def __init__(self, token: str):
-        self._metadata = ((TOKEN_METADATA_KEY, token),)
-
-    def invocation_metadata(self) -> tuple:
-        return self._metadata
-
-    def abort(self, code: grpc.StatusCode, details: str) -> None:
-        raise _Abort(code, details)
-
-    def is_active(self) -> bool:
-        return True
-
-
 class LinkServer:
-    def __init__(self, servicer: Any, path: str, token: str | None):
-        self._servicer = servicer
+    def __init__(self, service: SidecarService, path: str, token: str | None):
+        self._service = service
         self._token = token or ""
         self.path = path
         with contextlib.suppress(FileNotFoundError):
@@ -83,18 +60,15 @@ class LinkServer:
         try:
             method, token = link.parse_request(link.recv_frame(conn))
             if method != link.HELLO or not hmac.compare_digest(token, self._token.encode()):
-                link.send_reply(
-                    conn, grpc.StatusCode.UNAUTHENTICATED.value[0], b"missing or wrong colocar token"
-                )
+                link.send_reply(conn, Status.UNAUTHENTICATED, b"missing or wrong colocar token")
                 return
-            link.send_reply(conn, 0, b"")
-            context = _Context(self._token)
+            link.send_reply(conn, Status.OK, b"")
             while True:
                 method, body = link.parse_request(link.recv_frame(conn))
                 with self._lock:
                     self._busy += 1
                 try:
-                    status, reply = self._handle(method, body, context)
+                    status, reply = self._handle(method, body)
                     link.send_reply(conn, status, reply)
                 finally:
                     with self._lock:
@@ -106,21 +80,21 @@ class LinkServer:
                 self._connections.discard(conn)
             conn.close()
 
-    def _handle(self, method: str, body: bytes, context: _Context) -> tuple[int, bytes]:
+    def _handle(self, method: str, body: bytes) -> tuple[int, bytes]:
         types = link.METHODS.get(method)
         if types is None:
-            return grpc.StatusCode.UNIMPLEMENTED.value[0], f"{method} is not served on the link".encode()
+            return Status.UNIMPLEMENTED, f"{method} is not served on the link".encode()
         try:
             request = types[0].FromString(body)
         except Exception:
-            return grpc.StatusCode.INVALID_ARGUMENT.value[0], b"undecodable request"
+            return Status.INVALID_ARGUMENT, b"undecodable request"
         try:
-            reply = getattr(self._servicer, method)(request, context)
-        except _Abort as e:
-            return e.code.value[0], e.details.encode()
+            reply = getattr(self._service, method)(request)
+        except Refused as e:
+            return e.status, e.details.encode()
         except Exception as e:  # noqa: BLE001 - a handler bug must not kill the link
-            return grpc.StatusCode.UNKNOWN.value[0], f"{type(e).__name__}: {e}".encode()
-        return 0, reply.SerializeToString()
+            return Status.UNKNOWN, f"{type(e).__name__}: {e}".encode()
+        return Status.OK, reply.SerializeToString()
 
     def drain(self, timeout: float) -> bool:
         """Waits until no link call is running (after `close`); True if none is left."""

@@ -32,6 +32,7 @@ from colocar.shm import context as shm_context  # noqa: E402
 
 from . import auth, logs  # noqa: E402
 from .blocks import SidecarArena  # noqa: E402
+from .grpc_servicer import GrpcServicer  # noqa: E402
 from .link_server import LinkServer  # noqa: E402
 from .service import ServiceConfig, SidecarService  # noqa: E402
 from .workers import WorkerPool  # noqa: E402
@@ -135,7 +136,7 @@ def serve(argv: list[str] | None = None) -> int:
     # first use; what it preloads, each worker has at once (grain alone takes a second to import).
     multiprocess.get_context("forkserver").set_forkserver_preload(FORKSERVER_PRELOAD)
     workers = WorkerPool(args.processes, arena) if args.processes > 0 else None
-    service = SidecarService(arena, token, workers, config)
+    service = SidecarService(arena, workers, config)
     link = _start_link(service, arena.arena.path, token)
 
     server = grpc.server(
@@ -149,7 +150,7 @@ def serve(argv: list[str] | None = None) -> int:
             ("grpc.so_reuseport", 0),
         ],
     )
-    pb_grpc.add_SidecarServicer_to_server(service, server)
+    pb_grpc.add_SidecarServicer_to_server(GrpcServicer(service, token), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if credentials is not None:

@@ -1,15 +1,17 @@
-"""The sidecar's gRPC service: sessions, calls, objects, streams, blocks, logs and stats.
+"""The sidecar's service: sessions, calls, objects, streams, blocks, logs and stats.
 
-Every handler checks the token first (constant time, before any unpickling), then the session.
-User errors travel back inside the reply (`CallReply.error`); gRPC status codes are kept for
-protocol conditions the controller acts on: UNAUTHENTICATED, NOT_FOUND (unknown code hash:
-resend the code), FAILED_PRECONDITION (unknown session or version skew), INVALID_ARGUMENT
-(a malformed request or a descriptor outside the session's blocks), RESOURCE_EXHAUSTED (a full
-arena pool), UNAVAILABLE (draining).
+The handlers serve both gRPC (through `grpc_servicer`, which checks the token first, constant
+time, before any unpickling) and the local link (whose connections proved the token at hello).
+Each checks the session. User errors travel back inside the reply (`CallReply.error`); a
+handler raises `Refused` for protocol conditions the controller acts on: NOT_FOUND (unknown
+code hash: resend the code), FAILED_PRECONDITION (unknown session or version skew),
+INVALID_ARGUMENT (a malformed request or a descriptor outside the session's blocks),
+RESOURCE_EXHAUSTED (a full arena pool), UNAVAILABLE (draining).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import socket
@@ -19,23 +21,21 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, NoReturn
-
-import grpc
+from typing import Any
 
 from colocar.protocol import colocar_pb2 as pb
-from colocar.protocol import colocar_pb2_grpc as pb_grpc
 from colocar.protocol import versions
+from colocar.protocol.status import Refused, Status
 from colocar.shm import ArenaFullError, UnknownBlockError
 
 from . import logs
-from .auth import token_matches
 from .blocks import BoundsError, SidecarArena
 from .cancels import CallRegistry, cancellable
 from .func_backend import CodeCache, CodeLoadError, CodeNotFound, remote_error
 from .objects import ObjectTable, UnknownObjectError
 from .sessions import Session, SessionTable
 from .stats import Stats
+from .streams import Credits, chain
 from .workers import WorkerDiedError, WorkerPool
 
 CHUNK_BYTES = 1 << 20
@@ -58,19 +58,14 @@ def _boot_id() -> str:
         return ""
 
 
-class SidecarService(pb_grpc.SidecarServicer):
-    def __init__(
-        self,
-        arena: SidecarArena,
-        token: str | None,
-        workers: WorkerPool | None,
-        config: ServiceConfig,
-    ):
+class SidecarService:
+    """The handlers: unary ones take the request; streaming ones also the gRPC context."""
+
+    def __init__(self, arena: SidecarArena, workers: WorkerPool | None, config: ServiceConfig):
         self.id = uuid.uuid4().hex
         self.arena = arena
         self.workers = workers
         self.config = config
-        self._token = token
         self.stats = Stats()
         self.objects = ObjectTable()
         self.code = CodeCache()
@@ -86,19 +81,14 @@ class SidecarService(pb_grpc.SidecarServicer):
         self.link_path = ""  # set by the server when the local link listens
 
     # --- plumbing --------------------------------------------------------------------------
-    def _auth(self, context: grpc.ServicerContext) -> None:
-        if not token_matches(self._token, context.invocation_metadata()):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong colocar token")
-
-    def _session(self, session_id: str, context: grpc.ServicerContext) -> Session:
-        self._auth(context)
+    def session(self, session_id: str) -> Session:
+        """The caller's live session; refuses while draining or for an unknown session."""
         if self.draining:
-            self._abort(context, grpc.StatusCode.UNAVAILABLE, "sidecar is shutting down")
+            raise Refused(Status.UNAVAILABLE, "sidecar is shutting down")
         session = self.sessions.get(session_id)
         if session is None:
-            self._abort(
-                context,
-                grpc.StatusCode.FAILED_PRECONDITION,
+            raise Refused(
+                Status.FAILED_PRECONDITION,
                 f"{UNKNOWN_SESSION} {session_id!r}: it expired or the sidecar restarted; reconnect",
             )
         return session
@@ -111,16 +101,10 @@ class SidecarService(pb_grpc.SidecarServicer):
         while not self._sweeper_stop.wait(1.0):
             self.objects.sweep()
 
-    @staticmethod
-    def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
-        context.abort(code, message)
-        raise AssertionError("unreachable")
-
     # --- sessions --------------------------------------------------------------------------
-    def Connect(self, request: pb.ConnectRequest, context: grpc.ServicerContext) -> pb.ConnectReply:
-        self._auth(context)
+    def Connect(self, request: pb.ConnectRequest) -> pb.ConnectReply:
         if self.draining:
-            self._abort(context, grpc.StatusCode.UNAVAILABLE, "sidecar is shutting down")
+            raise Refused(Status.UNAVAILABLE, "sidecar is shutting down")
         controller = {
             "python": request.python_version,
             "cloudpickle": request.cloudpickle_version,
@@ -128,9 +112,8 @@ class SidecarService(pb_grpc.SidecarServicer):
         }
         problems = versions.skew(controller, versions.local_versions())
         if problems:
-            self._abort(
-                context,
-                grpc.StatusCode.FAILED_PRECONDITION,
+            raise Refused(
+                Status.FAILED_PRECONDITION,
                 "version skew between controller and sidecar: "
                 + "; ".join(problems)
                 + ". Build the sidecar image from the same environment as the trainer.",
@@ -155,83 +138,76 @@ class SidecarService(pb_grpc.SidecarServicer):
             link_path=self.link_path,
         )
 
-    def Keepalive(self, request: pb.SessionRef, context: grpc.ServicerContext) -> pb.KeepaliveReply:
-        self._auth(context)
+    def Keepalive(self, request: pb.SessionRef) -> pb.KeepaliveReply:
         return pb.KeepaliveReply(known=self.sessions.get(request.session_id) is not None)
 
-    def Disconnect(self, request: pb.SessionRef, context: grpc.ServicerContext) -> pb.Empty:
-        self._auth(context)
+    def Disconnect(self, request: pb.SessionRef) -> pb.Empty:
         self.sessions.close(request.session_id)
         return pb.Empty()
 
     # --- calls -----------------------------------------------------------------------------
     @cancellable
-    def Call(self, request: pb.CallRequest, context: grpc.ServicerContext) -> pb.CallReply:
-        session = self._session(request.session_id, context)
+    def Call(self, request: pb.CallRequest) -> pb.CallReply:
+        session = self.session(request.session_id)
         started = self.stats.begin()
         reply = None
         try:
             self._call_slots.get()
             try:
-                reply = self._run(session, request, context)
+                reply = self._run(session, request)
             finally:
                 self._call_slots.put(None)
             return reply
         finally:
             self.stats.end(started, failed=reply is None or reply.HasField("error"))
 
-    def Cancel(self, request: pb.CancelRequest, context: grpc.ServicerContext) -> pb.Empty:
+    def Cancel(self, request: pb.CancelRequest) -> pb.Empty:
         """Stops the named calls of the session (see `cancels`)."""
-        session = self._session(request.session_id, context)
+        session = self.session(request.session_id)
         self.cancels.cancel(session.id, list(request.call_ids))
         return pb.Empty()
 
-    def _target(self, session: Session, request: pb.CallRequest, context: grpc.ServicerContext) -> Any:
+    def _target(self, session: Session, request: pb.CallRequest) -> Any:
         """The function, class or bound method a request names."""
         if request.kind == pb.CallRequest.METHOD:
             try:
                 return getattr(self.objects.get(request.object_id, session.id), request.method)
             except UnknownObjectError as e:
-                self._abort(context, grpc.StatusCode.NOT_FOUND, f"object: {e.args[0]}")
+                raise Refused(Status.NOT_FOUND, f"object: {e.args[0]}") from None
         try:
             return self.code.get(request.code_hash, request.code, request.name)
         except CodeNotFound:
-            self._abort(context, grpc.StatusCode.NOT_FOUND, f"code: {request.name}")
+            raise Refused(Status.NOT_FOUND, f"code: {request.name}") from None
 
-    def _decode_args(self, session: Session, request: pb.CallRequest, context: Any) -> Any:
+    def _decode_args(self, session: Session, request: pb.CallRequest) -> Any:
         try:
             args, kwargs = self.arena.decode(request.args, session.id)
             return args, kwargs
         except BoundsError as e:
-            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise Refused(Status.INVALID_ARGUMENT, str(e)) from None
         except Exception as e:  # a malformed pickle, or a class this sidecar cannot import
-            self._abort(
-                context,
-                grpc.StatusCode.INVALID_ARGUMENT,
+            raise Refused(
+                Status.INVALID_ARGUMENT,
                 f"cannot unpickle the arguments of {request.name} here: {type(e).__name__}: {e}",
-            )
+            ) from None
         finally:
-            for block_id in request.consume_blocks:
-                try:
-                    self.arena.allocator.release(block_id, session.id)
-                except UnknownBlockError:
-                    pass
+            self._release(session, request.consume_blocks)
 
-    def _run(self, session: Session, request: pb.CallRequest, context: Any) -> pb.CallReply:
+    def _run(self, session: Session, request: pb.CallRequest) -> pb.CallReply:
         try:
-            target = self._target(session, request, context)
+            target = self._target(session, request)
         except CodeLoadError as e:
             return pb.CallReply(error=remote_error(e))
         if request.processes and request.kind == pb.CallRequest.FUNCTION and self.workers is not None:
             try:
                 return self.workers.run(session.id, request, session.log, self.config.alloc_timeout_seconds)
             except BoundsError as e:
-                self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                raise Refused(Status.INVALID_ARGUMENT, str(e)) from None
             except CodeNotFound:  # the worker pool forgot the code's bytes: the controller resends
-                self._abort(context, grpc.StatusCode.NOT_FOUND, f"code: {request.name}")
+                raise Refused(Status.NOT_FOUND, f"code: {request.name}") from None
             except WorkerDiedError as e:
                 return pb.CallReply(error=remote_error(e))
-        args, kwargs = self._decode_args(session, request, context)
+        args, kwargs = self._decode_args(session, request)
         try:
             with logs.routed_to(session.log):
                 value = target(*args, **kwargs)
@@ -249,73 +225,47 @@ class SidecarService(pb_grpc.SidecarServicer):
             return pb.CallReply(error=remote_error(e))
 
     def Stream(self, request_iterator: Iterator[pb.StreamRequest], context: Any) -> Iterator[pb.CallReply]:
-        self._auth(context)
+        """A generator's items, at most as many ahead as the controller gave credits for."""
         first = next(request_iterator, None)
         if first is None or not first.HasField("call"):
-            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "Stream starts with a call")
+            raise Refused(Status.INVALID_ARGUMENT, "Stream starts with a call")
         request = first.call
-        session = self._session(request.session_id, context)
-        credits = threading.Semaphore(first.credits)
-        ended = threading.Event()
-
-        stop = threading.Event()  # the client asked to end: finish with `done`
-
-        def read_credits() -> None:
-            try:
-                for message in request_iterator:
-                    if message.stop:
-                        stop.set()
-                        credits.release()
-                    for _ in range(message.credits):
-                        credits.release()
-            except Exception:
-                pass
-            ended.set()
-            credits.release()
-
-        threading.Thread(target=read_credits, daemon=True, name="colocar-credits").start()
-
-        def stop_producing() -> None:
-            ended.set()
-            credits.release()
-
-        context.add_callback(stop_producing)
+        session = self.session(request.session_id)
+        credits = Credits(first.credits, request_iterator)
+        context.add_callback(credits.end)
         try:
-            target = self._target(session, request, context)
-            args, kwargs = self._decode_args(session, request, context)
+            target = self._target(session, request)
+            args, kwargs = self._decode_args(session, request)
             with logs.routed_to(session.log):
                 iterator = iter(target(*args, **kwargs))
             del args, kwargs
+        except Refused:
+            raise
         except Exception as e:  # noqa: BLE001
             yield pb.CallReply(error=remote_error(e), done=True)
             return
         try:
-            while True:
-                credits.acquire()
-                if stop.is_set():
-                    yield pb.CallReply(done=True)
-                    return
-                if ended.is_set() or not context.is_active():
+            while credits.take():
+                if credits.ended.is_set() or not context.is_active():
                     return
                 try:
                     with logs.routed_to(session.log):
                         item = next(iterator)
                 except StopIteration:
-                    yield pb.CallReply(done=True)
-                    return
+                    break
                 except Exception as e:  # noqa: BLE001
                     yield pb.CallReply(error=remote_error(e), done=True)
                     return
                 encoded = self.arena.encode(item, session.id, f"item of {request.name}")
                 del item
                 yield pb.CallReply(result=self.arena.hand_over(encoded, session.id))
+            yield pb.CallReply(done=True)
         finally:
             close = getattr(iterator, "close", None)
             if close is not None:
                 close()
 
-    def DeleteObject(self, request: pb.ObjectRef, context: grpc.ServicerContext) -> pb.Empty:
-        self._auth(context)
+    def DeleteObject(self, request: pb.ObjectRef) -> pb.Empty:
         object_id = request.object_id
         if request.object_name:
             try:
@@ -325,55 +275,48 @@ class SidecarService(pb_grpc.SidecarServicer):
         self.objects.delete(object_id, request.session_id)
         return pb.Empty()
 
-    def FindObject(self, request: pb.ObjectRef, context: grpc.ServicerContext) -> pb.ObjectRef:
-        self._auth(context)
+    def FindObject(self, request: pb.ObjectRef) -> pb.ObjectRef:
         try:
             object_id = self.objects.find(request.object_name)
         except UnknownObjectError as e:
-            self._abort(context, grpc.StatusCode.NOT_FOUND, f"object: {e.args[0]}")
+            raise Refused(Status.NOT_FOUND, f"object: {e.args[0]}") from None
         return pb.ObjectRef(object_id=object_id, object_name=request.object_name)
 
     # --- blocks ----------------------------------------------------------------------------
-    def Allocate(self, request: pb.AllocateRequest, context: grpc.ServicerContext) -> pb.AllocateReply:
-        session = self._session(request.session_id, context)
+    def Allocate(self, request: pb.AllocateRequest) -> pb.AllocateReply:
+        session = self.session(request.session_id)
         allocator = self.arena.allocator
         blocks = []
         try:
+            pool, timeout = request.pool or "default", request.timeout_seconds
             for size in request.sizes:
-                blocks.append(
-                    allocator.allocate(
-                        size,
-                        owner=session.id,
-                        pool=request.pool or "default",
-                        timeout=request.timeout_seconds,
-                    )
-                )
+                blocks.append(allocator.allocate(size, owner=session.id, pool=pool, timeout=timeout))
         except (ArenaFullError, KeyError) as e:
             for block in blocks:
                 allocator.release(block.id, session.id)
-            code = grpc.StatusCode.RESOURCE_EXHAUSTED
-            if not isinstance(e, ArenaFullError):
-                code = grpc.StatusCode.INVALID_ARGUMENT
-            self._abort(context, code, str(e.args[0] if e.args else e))
+            status = Status.RESOURCE_EXHAUSTED if isinstance(e, ArenaFullError) else Status.INVALID_ARGUMENT
+            raise Refused(status, str(e.args[0] if e.args else e)) from None
         return pb.AllocateReply(
             blocks=[pb.BlockDesc(id=b.id, offset=b.offset, nbytes=b.nbytes) for b in blocks]
         )
 
-    def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.Empty:
-        session = self._session(request.session_id, context)
-        for block_id in request.block_ids:
-            try:
-                self.arena.allocator.release(block_id, session.id)
-            except UnknownBlockError:
-                pass  # already freed (for example by a reconnect); releasing is idempotent
+    def Release(self, request: pb.ReleaseRequest) -> pb.Empty:
+        session = self.session(request.session_id)
+        self._release(session, request.block_ids)
         return pb.Empty()
 
-    def Upload(self, request_iterator: Iterator[pb.Chunk], context: Any) -> pb.BlockDesc:
-        self._auth(context)
+    def _release(self, session: Session, block_ids: Any) -> None:
+        """Gives back the session's leases; one already freed (for example by a reconnect) is
+        no error: releasing is idempotent."""
+        for block_id in block_ids:
+            with contextlib.suppress(UnknownBlockError):
+                self.arena.allocator.release(block_id, session.id)
+
+    def Upload(self, request_iterator: Iterator[pb.Chunk]) -> pb.BlockDesc:
         first = next(request_iterator, None)
         if first is None:
-            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "empty upload")
-        session = self._session(first.session_id, context)
+            raise Refused(Status.INVALID_ARGUMENT, "empty upload")
+        session = self.session(first.session_id)
         allocator = self.arena.allocator
         try:
             block = allocator.allocate(
@@ -383,12 +326,12 @@ class SidecarService(pb_grpc.SidecarServicer):
                 timeout=self.config.alloc_timeout_seconds,
             )
         except ArenaFullError as e:
-            self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            raise Refused(Status.RESOURCE_EXHAUSTED, str(e)) from None
         except KeyError as e:  # unknown pool, as in Allocate
-            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e.args[0] if e.args else e))
+            raise Refused(Status.INVALID_ARGUMENT, str(e.args[0] if e.args else e)) from None
         written = 0
         try:
-            for chunk in _chain(first, request_iterator):
+            for chunk in chain(first, request_iterator):
                 end = written + len(chunk.data)
                 if end > first.total_bytes:
                     raise BoundsError(f"upload exceeds its announced {first.total_bytes} bytes")
@@ -398,72 +341,43 @@ class SidecarService(pb_grpc.SidecarServicer):
                 raise BoundsError(f"upload ended after {written} of {first.total_bytes} bytes")
         except BoundsError as e:
             allocator.release(block.id, session.id)
-            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise Refused(Status.INVALID_ARGUMENT, str(e)) from None
         except BaseException:
             allocator.release(block.id, session.id)
             raise
         return pb.BlockDesc(id=block.id, offset=block.offset, nbytes=first.total_bytes)
 
-    def Download(self, request: pb.BlockRef, context: Any) -> Iterator[pb.Chunk]:
-        session = self._session(request.session_id, context)
+    def Download(self, request: pb.BlockRef) -> Iterator[pb.Chunk]:
+        session = self.session(request.session_id)
         try:
             block = self.arena.allocator.check(request.block_id, session.id)
         except UnknownBlockError:
-            self._abort(
-                context,
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"block {request.block_id} is not leased by this session",
-            )
+            raise Refused(
+                Status.INVALID_ARGUMENT, f"block {request.block_id} is not leased by this session"
+            ) from None
         for start in range(0, block.nbytes, CHUNK_BYTES):
             n = min(CHUNK_BYTES, block.nbytes - start)
             yield pb.Chunk(data=bytes(self.arena.arena.buffer(block.offset + start, n)))
 
     # --- observability ---------------------------------------------------------------------
     def Logs(self, request: pb.SessionRef, context: Any) -> Iterator[pb.LogLine]:
-        session = self._session(request.session_id, context)
-        reported = 0
+        """The session's log lines as a stream (see `PollLogs`, which controllers use)."""
+        session = self.session(request.session_id)
         while context.is_active() and not session.closed and not self.draining:
-            try:
-                text = session.logs.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            if session.closed:
-                break
-            if session.dropped_log_lines > reported:
-                dropped, reported = session.dropped_log_lines - reported, session.dropped_log_lines
-                yield pb.LogLine(text=f"({dropped} log lines dropped: the controller read too slowly)")
-            yield pb.LogLine(text=text)
+            for text in session.take_lines(0.5, self._is_draining, LOG_POLL_LINES):
+                yield pb.LogLine(text=text)
 
-    def PollLogs(self, request: pb.LogPoll, context: Any) -> pb.LogLines:
+    def PollLogs(self, request: pb.LogPoll) -> pb.LogLines:
         """The session's pending log lines; waits up to `wait_seconds` (at most a minute) for
         the first one. Returns within half a second of the session closing or a drain."""
-        session = self._session(request.session_id, context)
-        deadline = time.monotonic() + min(max(request.wait_seconds, 0.0), 60.0)
-        lines: list[str] = []
-        while not session.closed and not self.draining:
-            try:
-                text = session.logs.get(timeout=max(0.0, min(0.5, deadline - time.monotonic())))
-            except queue.Empty:
-                if time.monotonic() >= deadline:
-                    break
-                continue
-            if session.closed:  # the wake-up of a closing session (an empty line)
-                break
-            lines.append(text)
-            while len(lines) < LOG_POLL_LINES:
-                try:
-                    lines.append(session.logs.get_nowait())
-                except queue.Empty:
-                    break
-            break
-        dropped = session.dropped_log_lines - session.reported_dropped_lines
-        if dropped > 0 and lines:
-            session.reported_dropped_lines += dropped
-            lines.insert(0, f"({dropped} log lines dropped: the controller read too slowly)")
-        return pb.LogLines(lines=lines)
+        session = self.session(request.session_id)
+        wait = min(max(request.wait_seconds, 0.0), 60.0)
+        return pb.LogLines(lines=session.take_lines(wait, self._is_draining, LOG_POLL_LINES))
 
-    def Stats(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.StatsReply:
-        self._auth(context)
+    def _is_draining(self) -> bool:
+        return self.draining
+
+    def Stats(self, request: pb.Empty) -> pb.StatsReply:
         self.arena.flush()
         p50, p99 = self.stats.latency_us()
         pools = [pb.PoolStats(name=name, **values) for name, values in self.arena.allocator.stats().items()]
@@ -484,8 +398,3 @@ class SidecarService(pb_grpc.SidecarServicer):
     def stop(self) -> None:
         self._sweeper_stop.set()
         self.sessions.stop()
-
-
-def _chain(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
-    yield first
-    yield from rest

@@ -24,7 +24,7 @@ class Session:
     expires_at: float
     logs: queue.Queue = field(default_factory=lambda: queue.Queue(LOG_QUEUE_LINES))
     dropped_log_lines: int = 0
-    reported_dropped_lines: int = 0  # of dropped_log_lines, those PollLogs already reported
+    reported_dropped_lines: int = 0  # of dropped_log_lines, those take_lines already reported
     closed: bool = False
 
     def renew(self) -> None:
@@ -35,6 +35,34 @@ class Session:
             self.logs.put_nowait(text)
         except queue.Full:
             self.dropped_log_lines += 1
+
+    def take_lines(self, wait: float, stopping: Callable[[], bool], most: int) -> list[str]:
+        """The pending log lines (at most `most`), waiting up to `wait` s for the first, led
+        by a note when lines were dropped since the last one. Returns within half a second of
+        the session closing or `stopping()`."""
+        deadline = time.monotonic() + wait
+        lines: list[str] = []
+        while not self.closed and not stopping():
+            try:
+                text = self.logs.get(timeout=max(0.0, min(0.5, deadline - time.monotonic())))
+            except queue.Empty:
+                if time.monotonic() >= deadline:
+                    break
+                continue
+            if self.closed:  # the wake-up of a closing session (an empty line)
+                break
+            lines.append(text)
+            while len(lines) < most:
+                try:
+                    lines.append(self.logs.get_nowait())
+                except queue.Empty:
+                    break
+            break
+        dropped = self.dropped_log_lines - self.reported_dropped_lines
+        if dropped > 0 and lines:
+            self.reported_dropped_lines += dropped
+            lines.insert(0, f"({dropped} log lines dropped: the controller read too slowly)")
+        return lines
 
 
 class SessionTable:
@@ -78,7 +106,7 @@ class SessionTable:
 
     def _expire(self, session: Session) -> None:
         session.closed = True
-        session.log("")  # wakes a Logs stream so it can end
+        session.log("")  # wakes a wait for log lines so it can end
         self._on_expire(session)
 
     def _reap(self) -> None:

@@ -1,0 +1,166 @@
+"""The controller's session with one sidecar: connect, keepalive, lost, generation.
+
+`connect` checks the token and the versions (the sidecar refuses a skew) and opens the session,
+which the sidecar keeps for `lease_seconds` after the last sign of life. A heartbeat thread
+renews it; it reconnects after a sidecar restart (a new `generation`: remote objects of older
+ones are gone) and marks the host lost when the sidecar stops answering.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+
+from colocar.errors import AuthError, ColocarError, HostLostError, VersionSkewError
+from colocar.protocol import colocar_pb2 as pb
+from colocar.protocol import versions
+from colocar.protocol.status import Status, TransportError
+
+from .transport import GrpcTransport, Transport
+
+
+class Session:
+    """The session with one sidecar and its liveness."""
+
+    def __init__(
+        self,
+        address: str,
+        name: str,
+        transport: Transport,
+        grpc_transport: GrpcTransport,
+        on_connect: Callable[[pb.ConnectReply], None],
+        *,
+        lease_seconds: float,
+        heartbeat_seconds: float,
+        process_status: Callable[[], str | None] | None = None,
+    ):
+        self.address = address
+        self.name = name
+        self.lease_seconds = lease_seconds
+        self.heartbeat_seconds = heartbeat_seconds
+        self.session_id = uuid.uuid4().hex
+        self.lost: HostLostError | None = None
+        self.unresponsive = False  # no answer at all, not even a refusal
+        self.generation = 0  # bumped at every (re)connect: remote objects of older ones are gone
+        self.known_code: set[bytes] = set()  # code hashes the sidecar has
+        self.closed = False
+        self.info = pb.ConnectReply()
+        self.alive_at = 0.0  # monotonic time the sidecar last proved alive (a keepalive, a batch fed)
+        self._renewed_at = 0.0  # the session's lease was last renewed
+        self._transport = transport
+        self._grpc = grpc_transport
+        self._on_connect = on_connect  # maps the arena, opens the link
+        self._process_status = process_status
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._call_ids = itertools.count(1)
+
+    def connect(self, timeout: float) -> pb.ConnectReply:
+        """Opens (or reopens) the session; raises AuthError, VersionSkewError or HostLostError."""
+        local = versions.local_versions()
+        request = pb.ConnectRequest(
+            session_id=self.session_id,
+            python_version=local["python"],
+            cloudpickle_version=local["cloudpickle"],
+            jax_version=local["jax"],
+            sys_path=[p for p in sys.path if p],
+            cwd=os.getcwd(),
+            lease_seconds=self.lease_seconds,
+            controller=f"{socket.gethostname()}:{os.getpid()}",
+        )
+        try:
+            reply = self._grpc.connect(request, timeout)
+        except TransportError as e:
+            raise self._connect_error(e) from None
+        self.generation += 1
+        self.known_code.clear()
+        self.lost = None
+        self.unresponsive = False
+        self._on_connect(reply)
+        self.info = reply
+        return reply
+
+    def next_call_id(self) -> int:
+        """An id for a call, unique in this session (a Cancel names calls by it)."""
+        return next(self._call_ids)
+
+    def _connect_error(self, e: TransportError) -> ColocarError:
+        if e.status == Status.UNAUTHENTICATED:
+            return AuthError(
+                f"sidecar {self.name} at {self.address} refused the token: pass the token the "
+                "sidecar was started with (connect(token=...), COLOCAR_TOKEN or COLOCAR_TOKEN_FILE)"
+            )
+        if e.status == Status.FAILED_PRECONDITION:
+            return VersionSkewError(f"sidecar {self.name} at {self.address}: {e.details}")
+        return HostLostError(f"cannot reach sidecar {self.name} at {self.address}: {e.details}")
+
+    def start(self) -> None:
+        """Starts the heartbeat."""
+        self._renewed_at = time.monotonic()
+        self._thread = threading.Thread(
+            target=self._heartbeat_loop, name=f"colocar-heartbeat-{self.name}", daemon=True
+        )
+        self._thread.start()
+
+    def _heartbeat_loop(self) -> None:
+        """A keepalive every heartbeat period, except while other traffic (a batch feed) shows
+        the sidecar alive: then only often enough to renew the session's lease. Once that
+        traffic stops, keepalives resume within two periods."""
+        while not self._stop.wait(self.heartbeat_seconds):
+            reason = self._process_status() if self._process_status else None
+            if reason is not None:
+                self.unresponsive = True
+                self.mark_lost(reason)
+                return
+            now = time.monotonic()
+            proven = now - self.alive_at < self.heartbeat_seconds
+            if proven and now - self._renewed_at < self.lease_seconds / 3:
+                continue
+            self.heartbeat()
+
+    def heartbeat(self) -> None:
+        """Renews the session; reconnects after a sidecar restart; marks the host lost when silent."""
+        if self.closed:
+            return
+        try:
+            reply = self._transport.call(
+                "Keepalive", pb.SessionRef(session_id=self.session_id), max(2.0, 3 * self.heartbeat_seconds)
+            )
+        except TransportError as e:
+            # Silence (stopped, hung, cut off) also ends calls waiting on the local link; a
+            # refusal (a draining sidecar) only stops new calls. A dead sidecar closes the link.
+            self.unresponsive = e.status == Status.DEADLINE_EXCEEDED
+            self.mark_lost(f"no answer to keepalive ({e.status.name}: {e.details})")
+            return
+        self.alive_at = self._renewed_at = time.monotonic()
+        if not reply.known or self.lost is not None:
+            try:
+                self.connect(timeout=max(2.0, 3 * self.heartbeat_seconds))
+            except ColocarError as e:
+                self.mark_lost(str(e))
+
+    def mark_lost(self, reason: str) -> None:
+        if self.lost is None and not self.closed:
+            self.lost = HostLostError(f"sidecar {self.name} at {self.address} is lost: {reason}")
+
+    def check_alive(self) -> None:
+        if self.closed:
+            raise ColocarError(f"connection to sidecar {self.name} is closed")
+        if self.lost is not None:
+            raise HostLostError(str(self.lost))
+
+    def close(self) -> None:
+        """Stops the heartbeat and ends the session on the sidecar (if it still answers)."""
+        self.closed = True
+        self._stop.set()
+        if self.lost is None:
+            try:
+                self._grpc.call("Disconnect", pb.SessionRef(session_id=self.session_id), timeout=5)
+            except TransportError:
+                pass

@@ -1,0 +1,249 @@
+"""How unary RPCs reach one sidecar: gRPC, or the local link when the controller is on its host.
+
+One interface (`call`, `call_async`) with two implementations. Both raise `TransportError`
+(the sidecar's status or the transport's failure), and `translate` turns it into the error a
+user sees, in one place. `LinkTransport` carries what the local link serves and hands the rest
+(and everything while there is no link) to its `GrpcTransport`, which also keeps the streams.
+
+A wait cut short (an interrupt, a timeout) leaves the reply to `discard` (which frees what it
+carries); `unsent` runs if the call certainly never reached the sidecar.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol
+
+import grpc
+
+from colocar.errors import AuthError, CallTimeoutError, ColocarError, HostLostError
+from colocar.protocol import colocar_pb2_grpc as pb_grpc
+from colocar.protocol.link import METHODS as LINK_METHODS
+from colocar.protocol.status import Status, TransportError
+from colocar.protocol.tokens import TOKEN_METADATA_KEY
+from colocar.shm import ArenaFullError
+
+from .link_client import LinkClient
+
+MiB = 1 << 20
+LOST = (Status.UNAVAILABLE, Status.CANCELLED)
+LINK_THREADS = 16  # futures in flight at once over one host's local link
+
+Done = Callable[[Any, BaseException | None], None]  # (reply, None) or (None, error)
+Unsent = Callable[[], None] | None  # runs if the call certainly never reached the sidecar
+
+
+def channel_options(heartbeat_seconds: float) -> list[tuple[str, Any]]:
+    """gRPC keepalive pings detect a dead or stopped sidecar even in the middle of a call
+    (calls waiting on the local link learn it from the heartbeat)."""
+    ping_ms = max(200, int(heartbeat_seconds * 1000))
+    return [
+        ("grpc.max_receive_message_length", 64 * MiB),
+        ("grpc.max_send_message_length", 64 * MiB),
+        ("grpc.keepalive_time_ms", ping_ms),
+        ("grpc.keepalive_timeout_ms", 2 * ping_ms),
+        # gRPC >= 1.57 waits for ping acks this long (default 1 min), whatever keepalive_timeout says
+        ("grpc.http2.ping_timeout_ms", 2 * ping_ms),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.enable_retries", 0),
+        # Without calls for this long the channel drops its connection: an idle connected
+        # channel keeps gRPC's event-engine threads waking (~1 ms of CPU per second per
+        # channel). With a local link gRPC carries only streams (and, rarely, a reconnect), so
+        # it is idle nearly always; without one, the log poll and heartbeats keep it open.
+        ("grpc.client_idle_timeout_ms", max(1000, ping_ms)),
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", 1000),
+    ]
+
+
+class Transport(Protocol):
+    def call(self, method: str, request: Any, timeout: float | None = None, unsent: Unsent = None) -> Any:
+        """The reply of one unary call; raises TransportError."""
+        ...
+
+    def call_async(
+        self, method: str, request: Any, timeout: float | None, done: Done, unsent: Unsent
+    ) -> None:
+        """Starts one unary call; `done(reply, error)` runs once it ends (the error a
+        TransportError, or CancelledError). Raises, and arranges nothing, if it cannot start."""
+        ...
+
+
+def grpc_failure(e: grpc.RpcError) -> TransportError:
+    """A gRPC error as the transports' error."""
+    code = e.code()
+    status = Status.of(code.value[0]) if isinstance(code, grpc.StatusCode) else Status.UNKNOWN
+    return TransportError(status, e.details() or "")
+
+
+class Peer(Protocol):
+    name: str
+    address: str
+
+    def mark_lost(self, reason: str) -> None: ...
+
+
+def translate(e: TransportError, what: str, peer: Peer) -> Exception:
+    """A failed call as the error a user should see (a lost host is marked lost)."""
+    status, details, name = e.status, e.details, peer.name
+    if status in LOST:
+        peer.mark_lost(f"{what}: {details}")
+        return HostLostError(f"sidecar {name} at {peer.address} is lost ({what}: {details})")
+    if status == Status.DEADLINE_EXCEEDED:
+        return CallTimeoutError(f"{what} on {name} timed out (it may still run there)")
+    if status == Status.UNAUTHENTICATED:
+        return AuthError(f"{what} on {name}: {details}")
+    if status == Status.FAILED_PRECONDITION and details.startswith("unknown session"):
+        peer.mark_lost(details)
+        return HostLostError(
+            f"{what} on {name}: the sidecar lost this session (restart or expired "
+            "lease); remote objects and arrays on it are gone"
+        )
+    if status == Status.RESOURCE_EXHAUSTED:
+        return ArenaFullError(f"{what} on {name}: {details}")
+    return ColocarError(f"{what} on {name} failed: {status.name}: {details}")
+
+
+class GrpcTransport:
+    """The gRPC channel to a sidecar: unary calls, streams, and the token on each."""
+
+    def __init__(
+        self,
+        address: str,
+        token: str,
+        heartbeat_seconds: float,
+        credentials: grpc.ChannelCredentials | None,
+        discard: Callable[[Any], None],
+    ):
+        self.metadata = ((TOKEN_METADATA_KEY, token),)
+        options = channel_options(heartbeat_seconds)
+        if credentials is not None:
+            self.channel = grpc.secure_channel(address, credentials, options=options)
+        else:
+            self.channel = grpc.insecure_channel(address, options=options)
+        self.stub = pb_grpc.SidecarStub(self.channel)
+        self._discard = discard
+
+    def call(self, method: str, request: Any, timeout: float | None = None, unsent: Unsent = None) -> Any:
+        try:
+            stub = getattr(self.stub, method)
+        except BaseException:
+            if unsent is not None:
+                unsent()
+            raise
+        rpc = stub.future(request, metadata=self.metadata)
+        try:
+            return rpc.result(timeout)
+        except grpc.FutureTimeoutError:
+            rpc.add_done_callback(self._discard_rpc)
+            raise TransportError(Status.DEADLINE_EXCEEDED, "deadline exceeded") from None
+        except grpc.RpcError as e:
+            raise grpc_failure(e) from None
+        except BaseException:
+            rpc.add_done_callback(self._discard_rpc)
+            raise
+
+    def call_async(
+        self, method: str, request: Any, timeout: float | None, done: Done, unsent: Unsent
+    ) -> None:
+        rpc = getattr(self.stub, method).future(request, metadata=self.metadata, timeout=timeout)
+
+        def finished(f: Any) -> None:
+            try:
+                reply = f.result()
+            except grpc.RpcError as e:
+                done(None, grpc_failure(e))
+            except BaseException as e:  # cancelled
+                done(None, e)
+            else:
+                done(reply, None)
+
+        rpc.add_done_callback(finished)
+
+    def connect(self, request: Any, timeout: float) -> Any:
+        """Opens the session (waits for the sidecar to be reachable, up to `timeout`)."""
+        try:
+            return self.stub.Connect(request, metadata=self.metadata, timeout=timeout, wait_for_ready=True)
+        except grpc.RpcError as e:
+            raise grpc_failure(e) from None
+
+    def stream(self, method: str, requests: Iterator[Any]) -> Any:
+        """A streaming call's replies (a gRPC iterator; its errors are grpc.RpcError)."""
+        return getattr(self.stub, method)(requests, metadata=self.metadata)
+
+    def _discard_rpc(self, rpc: Any) -> None:
+        try:
+            reply = rpc.result()
+        except Exception:  # noqa: BLE001 - a failed call carries nothing
+            return
+        self._discard(reply)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class LinkTransport:
+    """The local link, when there is one (`attach`), for the methods it serves; gRPC otherwise.
+
+    Futures over the link run on a pool of threads (each keeps its own socket); the pool
+    lives as long as the transport, across the links of successive sessions."""
+
+    def __init__(self, grpc_transport: GrpcTransport, name: str, discard: Callable[[Any], None]):
+        self.grpc = grpc_transport
+        self.link: LinkClient | None = None
+        self._name = name
+        self._discard = discard
+        self._executor: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def attach(self, link: LinkClient | None) -> None:
+        """Replaces the link (None: every call goes through gRPC); closes the one before."""
+        old, self.link = self.link, link
+        if old is not None:
+            old.close()
+
+    def call(self, method: str, request: Any, timeout: float | None = None, unsent: Unsent = None) -> Any:
+        link = self.link
+        if link is not None and method in LINK_METHODS:
+            return link.call(method, request, LINK_METHODS[method][1], timeout, self._discard, unsent)
+        return self.grpc.call(method, request, timeout, unsent)
+
+    def call_async(
+        self, method: str, request: Any, timeout: float | None, done: Done, unsent: Unsent
+    ) -> None:
+        if self.link is None or method not in LINK_METHODS:
+            self.grpc.call_async(method, request, timeout, done, unsent)
+            return
+        future = self._threads().submit(self.call, method, request, timeout, unsent)
+
+        def finished(f: Any) -> None:
+            try:
+                reply = f.result()
+            except BaseException as e:  # a TransportError, or cancelled at close
+                done(None, e)
+            else:
+                done(reply, None)
+
+        future.add_done_callback(finished)
+
+    def _threads(self) -> ThreadPoolExecutor:
+        executor = self._executor
+        if executor is not None:
+            return executor
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(
+                    max_workers=LINK_THREADS, thread_name_prefix=f"colocar-link-{self._name}"
+                )
+            return self._executor
+
+    def close(self) -> None:
+        """Cancels the futures not started yet and closes the link (not the gRPC channel); a
+        call after this fails as UNAVAILABLE."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+        if self.link is not None:
+            self.link.close()
