@@ -18,6 +18,7 @@ import numpy as np
 from colocar.errors import ColocarError
 
 from .connection import HostConnection
+from .remote import RemoteObject, find_detached
 
 _active: list[Cluster] = []
 _active_lock = threading.Lock()
@@ -54,10 +55,8 @@ class Host:
         }
         return values
 
-    def object(self, name: str) -> Any:
+    def object(self, name: str) -> RemoteObject:
         """A handle on the detached object `name` living on this host (see `colocated_class`)."""
-        from .obj import find_detached
-
         return find_detached(self, name)
 
     def __repr__(self) -> str:
