@@ -53,15 +53,16 @@ class ArrayCallFuture:
         self._plan = planner.plan_call(target.name, target.label, target.options, args, kwargs)
         builders = [target.bind(h.host) for h in self._plan.hosts]
         tasks = [_staging(self._plan, h, b) for h, b in zip(self._plan.hosts, builders, strict=True)]
-        calls = stage(tasks)
         self._futures: list[tuple[HostPlan, CallFuture]] = []
+        calls: list[Call] = []
         try:
+            calls = stage(tasks)
             for host, call in zip(self._plan.hosts, calls, strict=True):
                 self._futures.append((host, call.start()))
         except BaseException:  # an interrupt, or a failure on a later host: none goes on
             self._give_up()
-            for call in calls[len(self._futures) + 1 :]:  # never started
-                call.discard()
+            for call in calls[len(self._futures) + 1 :]:  # never started (the one that raised
+                call.discard()  # may have been queued: its blocks are left to the session)
             raise
 
     def _give_up(self) -> None:
