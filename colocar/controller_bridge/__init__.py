@@ -7,7 +7,8 @@ in the local and multi-controller topologies).
 from .cluster import Cluster, Host, connect
 from .func import ColocatedFunction, colocated
 from .local import local_cluster
-from .obj import ColocatedClass, RemoteObject, colocated_class
+from .obj import ColocatedClass, colocated_class
+from .remote import RemoteObject
 
 __all__ = [
     "Cluster",

@@ -213,6 +213,11 @@ class Call:
         self._future.add_done_callback(self._release_keepalive)  # blocks held for the call only
         return CallFuture(self)
 
+    def discard(self) -> None:
+        """A call that will never be started: the blocks allocated for its arguments go back."""
+        self._unsent()
+        self._keepalive = []
+
     def _release_keepalive(self, _: Future) -> None:
         self._keepalive = []
 

@@ -18,6 +18,7 @@ import numpy as np
 from colocar.errors import ColocarError
 
 from .connection import HostConnection
+from .remote import RemoteObject, find_detached
 
 _active: list[Cluster] = []
 _active_lock = threading.Lock()
@@ -54,10 +55,8 @@ class Host:
         }
         return values
 
-    def object(self, name: str) -> Any:
+    def object(self, name: str) -> RemoteObject:
         """A handle on the detached object `name` living on this host (see `colocated_class`)."""
-        from .obj import find_detached
-
         return find_detached(self, name)
 
     def __repr__(self) -> str:
@@ -184,6 +183,21 @@ def _token_from_env(token: str | None, token_file: str | None) -> str | None:
     return os.environ.get("COLOCAR_TOKEN") or None
 
 
+def _tls_credentials(tls_ca: str | None, tls_cert: str | None, tls_key: str | None) -> Any:
+    """gRPC channel credentials from PEM files, or None without TLS."""
+    if not (tls_ca or tls_cert):
+        return None
+    import grpc
+
+    def read(path: str | None) -> bytes | None:
+        if path is None:
+            return None
+        with open(path, "rb") as f:
+            return f.read()
+
+    return grpc.ssl_channel_credentials(read(tls_ca), read(tls_key), read(tls_cert))
+
+
 def connect(
     addresses: str | Sequence[str] | None = None,
     *,
@@ -218,17 +232,7 @@ def connect(
         if devices is not None
         else split_devices(jax.local_devices(), len(addresses))
     )
-    credentials = None
-    if tls_ca or tls_cert:
-        import grpc
-
-        def read(path: str | None) -> bytes | None:
-            if path is None:
-                return None
-            with open(path, "rb") as f:
-                return f.read()
-
-        credentials = grpc.ssl_channel_credentials(read(tls_ca), read(tls_key), read(tls_cert))
+    credentials = _tls_credentials(tls_ca, tls_cert, tls_key)
     hosts = []
     try:
         for i, address in enumerate(addresses):

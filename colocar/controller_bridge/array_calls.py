@@ -1,0 +1,163 @@
+"""Array calls in flight: staged on every host at once, started in order, results assembled.
+
+Runs in the controller. `ArrayCallFuture` takes an `ArrayTarget` (what `@colocated` functions
+and `colocated_class` methods tell it: a name, options, and how to build a host's call), plans
+the call (`planner.py`), stages each host's blocks and builds its call (device-to-host copies
+into the host's arena, or uploads without one), then starts the calls from the caller's thread
+in host order, so that they keep their place in its lanes.
+
+Staging for several hosts runs concurrently on a small shared pool; for one host it runs
+inline. The first failure wins, and whatever was staged for the other hosts goes back; an
+interrupt returns at once and leaves the stagings still running to give back their blocks.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from colocar.shm import holds
+
+from . import planner
+from .calls import Call, CallFuture
+from .cluster import Host
+from .planner import CallPlan, HostPlan
+from .specs import Options
+
+STAGING_THREADS = 8  # hosts staged at once; their copies and RPCs release the GIL
+
+CallBuilder = Callable[[tuple, dict], Call]
+
+
+@dataclass(frozen=True)
+class ArrayTarget:
+    """What an array call needs of what it calls (a colocated function or method)."""
+
+    name: str  # qualified, for messages
+    label: str  # as the user calls it, for hints such as `f.specialize(...)`
+    options: Options
+    # Called on the caller's thread, once per host and before staging (a method creates its
+    # object there); what it returns builds the host's call, possibly on a staging thread.
+    bind: Callable[[Host], CallBuilder]
+
+
+class ArrayCallFuture:
+    """A colocated call with array semantics in flight on all its hosts."""
+
+    def __init__(self, target: ArrayTarget, args: tuple, kwargs: dict):
+        self._plan = planner.plan_call(target.name, target.label, target.options, args, kwargs)
+        builders = [target.bind(h.host) for h in self._plan.hosts]
+        tasks = [_staging(self._plan, h, b) for h, b in zip(self._plan.hosts, builders, strict=True)]
+        self._futures: list[tuple[HostPlan, CallFuture]] = []
+        calls: list[Call] = []
+        try:
+            calls = stage(tasks)
+            for host, call in zip(self._plan.hosts, calls, strict=True):
+                self._futures.append((host, call.start()))
+        except BaseException:  # an interrupt, or a failure on a later host: none goes on
+            self._give_up()
+            for call in calls[len(self._futures) + 1 :]:  # never started (the one that raised
+                call.discard()  # may have been queued: its blocks are left to the session)
+            raise
+
+    def _give_up(self) -> None:
+        """After an interrupt: the call is given up on every host (see `CallFuture.give_up`)."""
+        for _, future in self._futures:
+            future.give_up()
+
+    def result(self) -> Any:
+        """The global result; an interrupt while waiting cancels the call on every host."""
+        errors = []
+        results = []
+        for host, future in self._futures:
+            try:
+                results.append((host, future.result()))
+            except Exception as e:  # noqa: BLE001 - the first error is raised after all finished
+                errors.append(e)
+            except BaseException:
+                self._give_up()
+                raise
+        if errors:
+            raise errors[0]
+        return planner.assemble(self._plan, results)
+
+
+def _staging(plan: CallPlan, host: HostPlan, build: CallBuilder) -> Callable[[], Call]:
+    """The host's staging: its blocks of the array arguments, then its call built on them."""
+
+    def run() -> Call:
+        if plan.options.per_device_shards:
+            values: Sequence[Any] = plan.shards(host)
+        else:
+            values = _blocks(host.host, plan.block_specs(host))
+            plan.fill(host, values)
+        args, kwargs = plan.arguments(values)
+        return build(args, kwargs)
+
+    return run
+
+
+def _blocks(host: Host, specs: list[tuple[tuple[int, ...], np.dtype]]) -> list[np.ndarray]:
+    """Empty host blocks, straight in the sidecar's arena when this controller maps it."""
+    # Object-like dtypes (StringDType) cannot live in the arena: ordinary memory, pickled.
+    in_arena = [i for i, (_, dtype) in enumerate(specs) if host.connection.shm and holds(dtype)]
+    staged = iter(host.connection.empty([specs[i] for i in in_arena]) if in_arena else [])
+    return [next(staged) if i in in_arena else np.empty(*spec) for i, spec in enumerate(specs)]
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _staging_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=STAGING_THREADS, thread_name_prefix="colocar-staging")
+        return _pool
+
+
+def stage(tasks: Sequence[Callable[[], Call]]) -> list[Call]:
+    """Runs one staging per host and returns their calls, in order.
+
+    One runs inline (no hand-off between threads); several run at once. If one fails, the
+    first failure is raised once the others stopped, and their calls are discarded (their
+    blocks go back); an interrupt raises at once, and stagings still running discard theirs
+    when they end."""
+    if len(tasks) == 1:
+        return [tasks[0]()]
+    pool = _staging_pool()
+    futures: list[Future] = []
+    try:
+        futures.extend(pool.submit(task) for task in tasks)
+        wait(futures, return_when=FIRST_EXCEPTION)
+    except BaseException:
+        _discard(futures)
+        raise
+    failed = [f for f in futures if f.done() and f.exception() is not None]
+    if failed:
+        try:
+            for f in futures:
+                f.cancel()
+            wait(futures)  # the running ones end: their blocks go back before the error is seen
+        finally:
+            _discard(futures)
+        failed[0].result()  # raises
+    return [f.result() for f in futures]
+
+
+def _discard(futures: Sequence[Future]) -> None:
+    """The calls these stagings built (or will build) are never started: they are discarded."""
+    for future in futures:
+        if not future.cancel():
+            future.add_done_callback(_discard_call)
+
+
+def _discard_call(future: Future) -> None:
+    if not future.cancelled() and future.exception() is None:
+        future.result().discard()

@@ -1,0 +1,112 @@
+"""Array calls stage their hosts at once, and one host inline; a failure leaves nothing behind.
+
+Staging a host is copying its blocks of the array arguments into its arena and building its
+call (pickling the arguments). A probe argument records, while it is pickled, which thread
+staged it, and can hold every staging until all hosts are being staged at once.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import jax
+import numpy as np
+import pytest
+from helpers import wait_for
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import colocar
+from colocar.shm import ArenaFullError
+
+MiB = 1 << 20
+
+
+class Probe:
+    """Pickles as 0, noting the thread that pickled it; with a barrier, waits for the others."""
+
+    def __init__(self, barrier: threading.Barrier | None = None):
+        self.barrier = barrier
+        self.threads: list[str] = []
+
+    def __reduce__(self):
+        self.threads.append(threading.current_thread().name)
+        if self.barrier is not None:
+            self.barrier.wait()  # broken (an error) unless every host is staged at once
+        return (int, (0,))
+
+
+def plus(x, k):
+    return x + k
+
+
+def test_hosts_are_staged_at_once(cluster):
+    x = jax.device_put(np.arange(16.0), NamedSharding(cluster.mesh(("data",)), P("data")))
+    probe = Probe(threading.Barrier(len(cluster.hosts), timeout=20))
+    y = colocar.colocated(plus)(x, probe)
+    np.testing.assert_array_equal(np.asarray(y), np.arange(16.0))
+    assert len(probe.threads) == 2
+    assert all(name.startswith("colocar-staging") for name in probe.threads), probe.threads
+
+
+def test_one_host_is_staged_on_the_callers_thread(cluster):
+    devices = cluster.hosts[0].devices
+    mesh = jax.sharding.Mesh(np.array(devices, dtype=object), ("data",))
+    x = jax.device_put(np.arange(8.0), NamedSharding(mesh, P("data")))
+    probe = Probe()
+    y = colocar.colocated(plus)(x, probe)
+    np.testing.assert_array_equal(np.asarray(y), np.arange(8.0))
+    assert probe.threads == [threading.current_thread().name]
+
+
+def test_staged_calls_keep_the_callers_program_order(cluster):
+    """Calls staged on other threads still start in the caller's lanes, in order."""
+
+    @colocar.colocated_class
+    class Log:
+        def __init__(self):
+            self.seen = []
+
+        def add(self, x, i):
+            self.seen.append(i)
+            return x
+
+        def items(self, x):
+            return x * 0 + len(self.seen), self.seen
+
+    x = jax.device_put(np.arange(16.0), NamedSharding(cluster.mesh(("data",)), P("data")))
+    log = Log()
+    futures = [log.add.submit(x, i) for i in range(20)]
+    _, seen = log.items(x)
+    assert seen == list(range(20))
+    for f in futures:
+        np.testing.assert_array_equal(np.asarray(f.result()), np.arange(16.0))
+
+
+def ran_here(x, path):
+    open(path, "a").close()
+    return x
+
+
+class ArenaHog:
+    """Holds `nbytes` of its sidecar's arena while it lives."""
+
+    def __init__(self, nbytes):
+        self.block = colocar.shm.empty(nbytes, np.uint8)
+
+
+def test_a_staging_failure_on_one_host_starts_no_call_and_frees_the_others(make_cluster, tmp_path):
+    c = make_cluster(hosts=2, arena_size=8 * MiB, alloc_timeout=0)
+    hog = colocar.colocated_class(ArenaHog).on(c.hosts[1])(7 * MiB)
+    x = jax.device_put(
+        np.ones((2, MiB // 2), np.float32), NamedSharding(c.mesh(("hosts", "dev")), P("hosts"))
+    )
+    marker = tmp_path / "ran"
+    with pytest.raises(ArenaFullError):  # 2 MiB per host: staged on host 0, no room on host 1
+        colocar.colocated(ran_here)(x, str(marker))
+    assert not marker.exists()  # no host ran it
+    gc.collect()
+    used = lambda h: h.stats()["pools"]["default"]["used"]  # noqa: E731
+    wait_for(lambda: used(c.hosts[0]) == 0, "host 0's staged block to go back", timeout=10)
+    del hog
