@@ -61,13 +61,11 @@ round), `ckpt_systems` (the state and the two systems); this module runs the rou
 
 from __future__ import annotations
 
-import os
+from colocar.bench import request_cpu_devices
 
-_DEVICES_FLAG = "--xla_force_host_platform_device_count=8"
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    # Before JAX is imported (`colocar bench` imports this module first): 8 CPU devices.
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICES_FLAG}".strip()
+_DEVICES_FLAG = request_cpu_devices(8)  # before JAX starts (`colocar bench` imports this module first)
 
+import os  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402

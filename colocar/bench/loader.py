@@ -33,15 +33,13 @@ WORSE of 1 and 2 sidecars: `transfer_ratio` / `compute_ratio` = min(colocar) / g
 
 from __future__ import annotations
 
-import os
+from colocar.bench import request_cpu_devices
 
-_DEVICES_FLAG = "--xla_force_host_platform_device_count=8"
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    # Before JAX is imported (`colocar bench` imports this module first): 8 CPU devices.
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICES_FLAG}".strip()
+_DEVICES_FLAG = request_cpu_devices(8)  # before JAX starts (`colocar bench` imports this module first)
 
 import gc  # noqa: E402
 import glob  # noqa: E402
+import os  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
@@ -209,21 +207,26 @@ class _Colocar:
             self.cluster.close()
 
 
-def _measure(make: Callable[[], Any], warmup: int, n: int) -> dict[str, float]:
+def _take(feeder: Any, n: int) -> None:
+    """Takes `n` batches, each held like a training step would (until ready) and dropped
+    before the next is taken."""
     import jax
 
+    for _ in range(n):
+        batch = feeder.next()
+        jax.block_until_ready(batch)
+        del batch
+
+
+def _measure(make: Callable[[], Any], warmup: int, n: int) -> dict[str, float]:
+    """A fresh feeder from `make`: `warmup` batches, then `n` timed ones (batches/s, training
+    process CPU ms and, for colocar, ms waited on the loader per batch)."""
     feeder = make()
     try:
-        for _ in range(warmup):
-            batch = feeder.next()
-            jax.block_until_ready(batch)
-            del batch
+        _take(feeder, warmup)
         wait0 = getattr(getattr(feeder, "it", None), "wait_seconds", 0.0)
         cpu0, t0 = time.process_time(), time.perf_counter()
-        for _ in range(n):
-            batch = feeder.next()
-            jax.block_until_ready(batch)
-            del batch
+        _take(feeder, n)
         t1, cpu1 = time.perf_counter(), time.process_time()
         wait1 = getattr(getattr(feeder, "it", None), "wait_seconds", 0.0)
     finally:
