@@ -15,3 +15,13 @@ def child_env() -> dict[str, str]:
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
     return {**os.environ, "PYTHONPATH": path}
+
+
+def request_cpu_devices(count: int) -> str:
+    """Asks XLA for `count` CPU devices (unless XLA_FLAGS already names a count) and returns
+    the flag, for error messages. Takes effect only if it runs before JAX starts its backends:
+    the benchmarks that need several devices call it as they are imported."""
+    flag = f"--xla_force_host_platform_device_count={count}"
+    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+    return flag

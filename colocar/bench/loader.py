@@ -33,20 +33,19 @@ WORSE of 1 and 2 sidecars: `transfer_ratio` / `compute_ratio` = min(colocar) / g
 
 from __future__ import annotations
 
-import os
+from colocar.bench import request_cpu_devices
 
-_DEVICES_FLAG = "--xla_force_host_platform_device_count=8"
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    # Before JAX is imported (`colocar bench` imports this module first): 8 CPU devices.
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICES_FLAG}".strip()
+_DEVICES_FLAG = request_cpu_devices(8)  # before JAX starts (`colocar bench` imports this module first)
 
 import gc  # noqa: E402
 import glob  # noqa: E402
+import os  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
 from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -60,6 +59,43 @@ AUGMENT_PASSES = 24  # ~3 ms per record on this machine's cores
 MiB = 1 << 20
 SYSTEMS = ("grain", "colocar1", "colocar2")
 PIPELINES = ("transfer", "compute")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How much one run measures: records written (`files` x `per_file`), batches taken before
+    (`warmup`) and during (`batches`) each timed measurement, per pipeline, and the bounds on
+    the number of rounds (`repeats` clamped to them)."""
+
+    files: int
+    per_file: int
+    warmup: dict[str, int]
+    batches: dict[str, int]
+    min_rounds: int
+    max_rounds: int | None
+
+    def rounds(self, repeats: int) -> int:
+        rounds = max(self.min_rounds, repeats)
+        return rounds if self.max_rounds is None else min(rounds, self.max_rounds)
+
+
+# The one place for the sizes: `--quick` (QUICK) and a full run (FULL).
+QUICK = Sizes(
+    files=2,
+    per_file=128,
+    warmup={"transfer": 8, "compute": 4},
+    batches={"transfer": 30, "compute": 8},
+    min_rounds=3,
+    max_rounds=3,
+)
+FULL = Sizes(
+    files=2,
+    per_file=256,
+    warmup={"transfer": 10, "compute": 6},
+    batches={"transfer": 200, "compute": 40},
+    min_rounds=5,
+    max_rounds=None,
+)
 
 
 # --- the record format and the per-record transforms (run in pipeline workers) --------------
@@ -171,21 +207,26 @@ class _Colocar:
             self.cluster.close()
 
 
-def _measure(make: Callable[[], Any], warmup: int, n: int) -> dict[str, float]:
+def _take(feeder: Any, n: int) -> None:
+    """Takes `n` batches, each held like a training step would (until ready) and dropped
+    before the next is taken."""
     import jax
 
+    for _ in range(n):
+        batch = feeder.next()
+        jax.block_until_ready(batch)
+        del batch
+
+
+def _measure(make: Callable[[], Any], warmup: int, n: int) -> dict[str, float]:
+    """A fresh feeder from `make`: `warmup` batches, then `n` timed ones (batches/s, training
+    process CPU ms and, for colocar, ms waited on the loader per batch)."""
     feeder = make()
     try:
-        for _ in range(warmup):
-            batch = feeder.next()
-            jax.block_until_ready(batch)
-            del batch
+        _take(feeder, warmup)
         wait0 = getattr(getattr(feeder, "it", None), "wait_seconds", 0.0)
         cpu0, t0 = time.process_time(), time.perf_counter()
-        for _ in range(n):
-            batch = feeder.next()
-            jax.block_until_ready(batch)
-            del batch
+        _take(feeder, n)
         t1, cpu1 = time.perf_counter(), time.process_time()
         wait1 = getattr(getattr(feeder, "it", None), "wait_seconds", 0.0)
     finally:
@@ -212,63 +253,58 @@ def _per_record_ms(pipeline: str, pattern: str) -> float:
     return statistics.median(times) * 1e3
 
 
-def run(quick: bool, repeats: int) -> dict:
+def _shardings(devices: list[Any]) -> dict[str, Any]:
+    """A batch's shardings: both leaves split on the batch axis over all `devices`."""
     import jax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    devices = jax.devices("cpu")
-    if len(devices) < 2 or BATCH % len(devices) or len(devices) % 2:
-        raise RuntimeError(
-            f"the loader benchmark needs an even number of CPU devices dividing {BATCH}, got "
-            f"{len(devices)}: set XLA_FLAGS={_DEVICES_FLAG} before JAX is imported"
-        )
-    rounds = max(3, min(repeats, 3)) if quick else max(5, repeats)
-    files, per_file = (2, 128) if quick else (2, 256)
-    warmup = {"transfer": 8, "compute": 4} if quick else {"transfer": 10, "compute": 6}
-    batches = {"transfer": 30, "compute": 8} if quick else {"transfer": 200, "compute": 40}
-
     mesh = jax.sharding.Mesh(np.array(devices), ("data",))
-    shardings = {
+    return {
         "image": NamedSharding(mesh, P("data", None, None, None)),
         "label": NamedSharding(mesh, P("data")),
     }
+
+
+def _rounds(
+    pattern: str, devices: list[Any], sizes: Sizes, rounds: int
+) -> dict[tuple[str, str], list[dict[str, float]]]:
+    """Every (pipeline, system)'s measurements, one per round; the systems' order rotates."""
+    shardings = _shardings(devices)
+    # Each feeder brings up its own machinery (grain: nothing else; colocar: its cluster),
+    # so the training process's CPU of one system never includes another's idle threads.
+    makers: dict[str, Callable[[str], Any]] = {
+        "grain": lambda p: _Grain(pattern, p, shardings),
+        "colocar1": lambda p: _Colocar(pattern, p, 1, devices),
+        "colocar2": lambda p: _Colocar(pattern, p, 2, devices),
+    }
     results: dict[tuple[str, str], list[dict[str, float]]] = {(p, s): [] for p in PIPELINES for s in SYSTEMS}
-    directory = tempfile.mkdtemp(prefix="colocar-bench-loader-")
-    try:
-        pattern = write_records(directory, files, per_file)
-        per_record = {p: _per_record_ms(p, pattern) for p in PIPELINES}
-        # Each feeder brings up its own machinery (grain: nothing else; colocar: its cluster),
-        # so the training process's CPU of one system never includes another's idle threads.
-        makers: dict[str, Callable[[str], Any]] = {
-            "grain": lambda p: _Grain(pattern, p, shardings),
-            "colocar1": lambda p: _Colocar(pattern, p, 1, devices),
-            "colocar2": lambda p: _Colocar(pattern, p, 2, devices),
-        }
-        for r in range(rounds):
-            order = SYSTEMS[r % 3 :] + SYSTEMS[: r % 3]
-            for pipeline in PIPELINES:
-                for system in order:
-                    m = _measure(lambda: makers[system](pipeline), warmup[pipeline], batches[pipeline])  # noqa: B023
-                    results[(pipeline, system)].append(m)
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
+    for r in range(rounds):
+        order = SYSTEMS[r % 3 :] + SYSTEMS[: r % 3]
+        for pipeline in PIPELINES:
+            for system in order:
+                warmup, n = sizes.warmup[pipeline], sizes.batches[pipeline]
+                m = _measure(lambda: makers[system](pipeline), warmup, n)  # noqa: B023
+                results[(pipeline, system)].append(m)
+    return results
+
+
+def _summary(
+    head: dict[str, Any],
+    sizes: Sizes,
+    per_record: dict[str, float],
+    results: dict[tuple[str, str], list[dict[str, float]]],
+) -> dict[str, Any]:
+    """The result: `head`, then per pipeline the medians over rounds and the ratios to grain."""
 
     def med(pipeline: str, system: str, key: str) -> float:
         return statistics.median(m[key] for m in results[(pipeline, system)])
 
-    out: dict[str, Any] = {
-        "benchmark": "loader",
-        "quick": quick,
-        "rounds": rounds,
-        "records": files * per_file,
-        "batch": f"{BATCH} x uint8[224,224,3] + int32 label, {len(devices)} CPU devices",
-        "workers_total": WORKERS,
-    }
+    out = dict(head)
     for pipeline in PIPELINES:
         out[f"{pipeline}_record_ms"] = round(per_record[pipeline], 3)
-        out[f"{pipeline}_warmup_batches"] = warmup[pipeline]
-        out[f"{pipeline}_timed_batches"] = batches[pipeline]
+        out[f"{pipeline}_warmup_batches"] = sizes.warmup[pipeline]
+        out[f"{pipeline}_timed_batches"] = sizes.batches[pipeline]
         for system in SYSTEMS:
             out[f"{pipeline}_{system}_bps"] = round(med(pipeline, system, "bps"), 1)
         for system in SYSTEMS:
@@ -286,3 +322,33 @@ def run(quick: bool, repeats: int) -> dict:
                 round(m["bps"], 1) for m in results[(pipeline, system)]
             ]
     return out
+
+
+def run(quick: bool, repeats: int) -> dict:
+    """Writes the records, times each transform alone, then runs the rounds (`_rounds`)."""
+    import jax
+
+    devices = jax.devices("cpu")
+    if len(devices) < 2 or BATCH % len(devices) or len(devices) % 2:
+        raise RuntimeError(
+            f"the loader benchmark needs an even number of CPU devices dividing {BATCH}, got "
+            f"{len(devices)}: set XLA_FLAGS={_DEVICES_FLAG} before JAX is imported"
+        )
+    sizes = QUICK if quick else FULL
+    rounds = sizes.rounds(repeats)
+    directory = tempfile.mkdtemp(prefix="colocar-bench-loader-")
+    try:
+        pattern = write_records(directory, sizes.files, sizes.per_file)
+        per_record = {p: _per_record_ms(p, pattern) for p in PIPELINES}
+        results = _rounds(pattern, devices, sizes, rounds)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    head: dict[str, Any] = {
+        "benchmark": "loader",
+        "quick": quick,
+        "rounds": rounds,
+        "records": sizes.files * sizes.per_file,
+        "batch": f"{BATCH} x uint8[224,224,3] + int32 label, {len(devices)} CPU devices",
+        "workers_total": WORKERS,
+    }
+    return _summary(head, sizes, per_record, results)

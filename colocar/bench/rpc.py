@@ -143,7 +143,55 @@ def noop() -> None:
     return None
 
 
+def _interleaved(
+    clients: dict[str, Callable[[], Any]], rounds: int, calls: int
+) -> dict[str, list[tuple[float, float]]]:
+    """Per client, the (p50, p99) latency of each round's batch of `calls`; the clients take
+    turns within a round, the order rotating from round to round."""
+    names = list(clients)
+    per_round: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
+    for r in range(rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for name in order:
+            latencies = _timed(clients[name], calls)
+            per_round[name].append((_percentile(latencies, 0.5), _percentile(latencies, 0.99)))
+    return per_round
+
+
+def _summary(
+    quick: bool, rounds: int, calls: int, per_round: dict[str, list[tuple[float, float]]], stats: dict
+) -> dict[str, Any]:
+    """The result: medians over rounds of each client's percentiles, and the ratios to gRPC."""
+
+    def median(name: str, i: int) -> float:
+        return round(statistics.median(p[i] for p in per_round[name]), 1)
+
+    result: dict[str, Any] = {
+        "benchmark": "rpc",
+        "quick": quick,
+        "rounds": rounds,
+        "calls_per_round": calls,
+        "p50_us": median("colocar", 0),
+        "p99_us": median("colocar", 1),
+        "future_p50_us": median("colocar_future", 0),
+        "future_p99_us": median("colocar_future", 1),
+        "grpc_path_p50_us": median("colocar_grpc", 0),
+        "grpc_path_p99_us": median("colocar_grpc", 1),
+        "grpc_echo_p50_us": median("grpc_echo", 0),
+        "grpc_echo_p99_us": median("grpc_echo", 1),
+        "socket_p50_us": median("socket", 0),
+        "socket_p99_us": median("socket", 1),
+        "sidecar_handler_p50_us": round(float(stats.get("latency_p50_us", 0.0)), 1),
+    }
+    result["ratio"] = round(result["p50_us"] / result["grpc_echo_p50_us"], 3)
+    result["grpc_path_ratio"] = round(result["grpc_path_p50_us"] / result["grpc_echo_p50_us"], 3)
+    result["p50_us_per_round"] = [round(p[0], 1) for p in per_round["colocar"]]
+    result["grpc_echo_p50_us_per_round"] = [round(p[0], 1) for p in per_round["grpc_echo"]]
+    return result
+
+
 def run(quick: bool, repeats: int) -> dict:
+    """Starts the two peers and one local sidecar, then times the five clients interleaved."""
     import colocar
 
     rounds = max(3, repeats)
@@ -174,13 +222,7 @@ def run(quick: bool, repeats: int) -> dict:
             }
             for call in clients.values():
                 _timed(call, warmup)
-            names = list(clients)
-            per_round: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
-            for r in range(rounds):
-                order = names[r % len(names) :] + names[: r % len(names)]
-                for name in order:
-                    latencies = _timed(clients[name], calls)
-                    per_round[name].append((_percentile(latencies, 0.5), _percentile(latencies, 0.99)))
+            per_round = _interleaved(clients, rounds, calls)
             stats = host.stats()
             remote.close()
     finally:
@@ -188,32 +230,7 @@ def run(quick: bool, repeats: int) -> dict:
             close()
         for peer in peers:
             peer.close()
-
-    def median(name: str, i: int) -> float:
-        return round(statistics.median(p[i] for p in per_round[name]), 1)
-
-    result: dict[str, Any] = {
-        "benchmark": "rpc",
-        "quick": quick,
-        "rounds": rounds,
-        "calls_per_round": calls,
-        "p50_us": median("colocar", 0),
-        "p99_us": median("colocar", 1),
-        "future_p50_us": median("colocar_future", 0),
-        "future_p99_us": median("colocar_future", 1),
-        "grpc_path_p50_us": median("colocar_grpc", 0),
-        "grpc_path_p99_us": median("colocar_grpc", 1),
-        "grpc_echo_p50_us": median("grpc_echo", 0),
-        "grpc_echo_p99_us": median("grpc_echo", 1),
-        "socket_p50_us": median("socket", 0),
-        "socket_p99_us": median("socket", 1),
-        "sidecar_handler_p50_us": round(float(stats.get("latency_p50_us", 0.0)), 1),
-    }
-    result["ratio"] = round(result["p50_us"] / result["grpc_echo_p50_us"], 3)
-    result["grpc_path_ratio"] = round(result["grpc_path_p50_us"] / result["grpc_echo_p50_us"], 3)
-    result["p50_us_per_round"] = [round(p[0], 1) for p in per_round["colocar"]]
-    result["grpc_echo_p50_us_per_round"] = [round(p[0], 1) for p in per_round["grpc_echo"]]
-    return result
+    return _summary(quick, rounds, calls, per_round, stats)
 
 
 if __name__ == "__main__":

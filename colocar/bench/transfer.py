@@ -106,66 +106,60 @@ def _accel_figures(med: dict[str, float], nbytes: int, accel: Any) -> dict:
     }
 
 
-def run(quick: bool, repeats: int) -> dict:
+def _one_round(
+    host: Any,
+    fns: dict[str, Any],
+    n: int,
+    buffers: tuple[np.ndarray, np.ndarray],
+    baseline: int,
+    devices: tuple,
+) -> tuple[dict[str, float], bool]:
+    """One round: an array produced out of the sidecar, the local memcpy of `buffers` (src,
+    dst), the held view and its `device_put` on `devices[0]` (the CPU), and the accelerator
+    puts if `devices[1]` is one. Returns the timings by name and whether JAX aliased the view."""
     import jax
 
-    import colocar
+    (src, dst), (cpu, accel) = buffers, devices
+    t0 = time.perf_counter()
+    out = fns["produce"].on(host)(n)
+    t1 = time.perf_counter()
+    assert isinstance(out, np.ndarray) and out.shape == (n,) and out[-1] == n - 1
+    del out
+    _wait_used(host, baseline)
 
-    nbytes = (64 if quick else 256) * MiB
+    t2 = time.perf_counter()
+    np.copyto(dst, src)
+    t3 = time.perf_counter()
+
+    fns["hold"].on(host)(n)
+    t4 = time.perf_counter()
+    held = fns["view"].on(host)()
+    t5 = time.perf_counter()
+    on_device = jax.device_put(held, cpu)
+    on_device.block_until_ready()
+    t6 = time.perf_counter()
+    aliased = on_device.unsafe_buffer_pointer() == held.ctypes.data
+    times = {"call": t1 - t0, "memcpy": t3 - t2, "view": t5 - t4, "device_put": t6 - t5}
+    if accel is not None:
+        times["accel"] = _put_seconds(held, accel)
+        times["accel_plain"] = _put_seconds(src, accel)
+    del on_device, held
+    _collect()  # JAX frees an aliased buffer at its own collection, not at `del`
+    _wait_used(host, baseline)
+    return times, aliased
+
+
+def _summary(
+    quick: bool,
+    nbytes: int,
+    rounds: int,
+    times: dict[str, list[float]],
+    aliased: bool,
+    source_builds: int,
+    accel: Any,
+) -> dict:
+    """The result: medians over the timed rounds, in the order the table prints them."""
     n = nbytes // 4
-    rounds = max(3, repeats)
-    cpu = jax.devices("cpu")[0]
-    accel = jax.devices()[0] if jax.default_backend() != "cpu" else None
-    remote_produce = colocar.colocated(produce)
-    remote_hold = colocar.colocated(hold)
-    remote_view = colocar.colocated(view)
-    remote_forget = colocar.colocated(forget)
-
-    src = np.arange(n, dtype=np.float32)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)  # both warm
-
-    names = ("call", "memcpy", "view", "device_put", "accel", "accel_plain")
-    times: dict[str, list[float]] = {name: [] for name in names}
-    aliased: list[bool] = []
-    with colocar.local_cluster(hosts=1, arena_size=4 * nbytes + 64 * MiB, processes=0) as cluster:
-        host = cluster.hosts[0]
-        if not host.shm:
-            raise RuntimeError("the controller cannot map the sidecar's arena: no zero-copy path")
-        baseline = sum(p["used"] for p in host.stats()["pools"].values())
-        for r in range(rounds + 1):  # round 0 warms the arena pages and the code cache
-            t0 = time.perf_counter()
-            out = remote_produce.on(host)(n)
-            t1 = time.perf_counter()
-            assert isinstance(out, np.ndarray) and out.shape == (n,) and out[-1] == n - 1
-            del out
-            _wait_used(host, baseline)
-
-            t2 = time.perf_counter()
-            np.copyto(dst, src)
-            t3 = time.perf_counter()
-
-            remote_hold.on(host)(n)
-            t4 = time.perf_counter()
-            held = remote_view.on(host)()
-            t5 = time.perf_counter()
-            on_device = jax.device_put(held, cpu)
-            on_device.block_until_ready()
-            t6 = time.perf_counter()
-            aliased.append(on_device.unsafe_buffer_pointer() == held.ctypes.data)
-            if accel is not None and r > 0:
-                times["accel"].append(_put_seconds(held, accel))
-                times["accel_plain"].append(_put_seconds(src, accel))
-            del on_device, held
-            _collect()  # JAX frees an aliased buffer at its own collection, not at `del`
-            _wait_used(host, baseline)
-            if r > 0:
-                times["call"].append(t1 - t0)
-                times["memcpy"].append(t3 - t2)
-                times["view"].append(t5 - t4)
-                times["device_put"].append(t6 - t5)
-        source_builds = remote_forget.on(host)()
-
     med = {k: statistics.median(v) for k, v in times.items() if v}
     gbps = nbytes / med["call"] / 1e9
     memcpy_gbps = nbytes / med["memcpy"] / 1e9
@@ -183,9 +177,45 @@ def run(quick: bool, repeats: int) -> dict:
         "view_ms": round(med["view"] * 1e3, 3),
         "view_gbps": round(nbytes / med["view"] / 1e9, 1),
         "device_put_ms": round(med["device_put"] * 1e3, 3),
-        "device_put_aliased": all(aliased),
+        "device_put_aliased": aliased,
         "source_builds": source_builds,
         **(_accel_figures(med, nbytes, accel) if accel is not None else {}),
         "call_ms_per_round": [round(t * 1e3, 2) for t in times["call"]],
         "memcpy_ms_per_round": [round(t * 1e3, 2) for t in times["memcpy"]],
     }
+
+
+def run(quick: bool, repeats: int) -> dict:
+    """Rounds of `_one_round` on one local sidecar (round 0 warms up and is not timed)."""
+    import jax
+
+    import colocar
+
+    nbytes = (64 if quick else 256) * MiB
+    n = nbytes // 4
+    rounds = max(3, repeats)
+    cpu = jax.devices("cpu")[0]
+    accel = jax.devices()[0] if jax.default_backend() != "cpu" else None
+    fns = {f.__name__: colocar.colocated(f) for f in (produce, hold, view, forget)}
+
+    src = np.arange(n, dtype=np.float32)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # both warm
+
+    names = ("call", "memcpy", "view", "device_put", "accel", "accel_plain")
+    times: dict[str, list[float]] = {name: [] for name in names}
+    aliased: list[bool] = []
+    with colocar.local_cluster(hosts=1, arena_size=4 * nbytes + 64 * MiB, processes=0) as cluster:
+        host = cluster.hosts[0]
+        if not host.shm:
+            raise RuntimeError("the controller cannot map the sidecar's arena: no zero-copy path")
+        baseline = sum(p["used"] for p in host.stats()["pools"].values())
+        for r in range(rounds + 1):  # round 0 warms the arena pages and the code cache
+            got, alias = _one_round(host, fns, n, (src, dst), baseline, (cpu, accel if r > 0 else None))
+            aliased.append(alias)
+            if r > 0:
+                for name, seconds in got.items():
+                    times[name].append(seconds)
+        source_builds = fns["forget"].on(host)()
+
+    return _summary(quick, nbytes, rounds, times, all(aliased), source_builds, accel)

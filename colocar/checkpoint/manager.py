@@ -104,12 +104,7 @@ class CheckpointManager:
         self._saves = 0  # save() calls past the interval check; names a save in every process
         self._ordinal = next(_ORDINALS[directory])  # managers of this directory made before, here
         self.topology = topology_of(self.cluster, pool, self._kv)
-        self._senders = ThreadPoolExecutor(len(self.cluster.hosts), thread_name_prefix="colocar-ckpt-send")
-        self._writers = Writers(self.topology, self.storage.url, self.options, self._id, self._senders)
-        self._inflight = InFlight(self.topology, self.steps, self._writers, self._senders, commit_timeout)
-        self._copiers = ThreadPoolExecutor(
-            copy_threads or _default_copy_threads(), thread_name_prefix="colocar-ckpt-copy"
-        )
+        self._start_workers(copy_threads, commit_timeout)
         self._last = SaveStats()
         self._restore_stats = RestoreStats()
         self._lock = threading.RLock()
@@ -119,6 +114,16 @@ class CheckpointManager:
         self._closed = False
         if save_on_preemption:
             self._install_preemption_handler()
+
+    def _start_workers(self, copy_threads: int | None, commit_timeout: float) -> None:
+        """The threads that talk to the hosts (one per host) and copy shards into the arenas,
+        the hosts' writers, and the tracker of saves in flight."""
+        self._senders = ThreadPoolExecutor(len(self.cluster.hosts), thread_name_prefix="colocar-ckpt-send")
+        self._writers = Writers(self.topology, self.storage.url, self.options, self._id, self._senders)
+        self._inflight = InFlight(self.topology, self.steps, self._writers, self._senders, commit_timeout)
+        self._copiers = ThreadPoolExecutor(
+            copy_threads or _default_copy_threads(), thread_name_prefix="colocar-ckpt-copy"
+        )
 
     # --- listing ------------------------------------------------------------------------------
     def all_steps(self) -> list[int]:

@@ -82,16 +82,14 @@ def _target_leaf(key: str, entry: dict[str, Any], target: Any, devices: list[Any
     return _Leaf(key, entry, saved_shape, sharding)
 
 
-def restore_leaves(
-    url: str,
-    step: int,
-    manifest: dict[str, Any],
-    targets: dict[str, Any],
-    cluster: Any,
-    storage_timeout: float,
-) -> tuple[dict[str, Any], RestoreStats]:
-    """The values of the keys in `targets` (key -> target leaf or None) at `step`."""
-    saved = manifest["leaves"]
+Requests = dict[int, list[tuple[int, str, list[list[int]]]]]  # host -> [(leaf index, dtype, bounds)]
+Where = dict[tuple[str, int, str], int]  # (key, host, bounds) -> request number on that host
+
+
+def _split_targets(
+    saved: dict[str, Any], targets: dict[str, Any], devices: Any, step: int
+) -> tuple[dict[str, Any], list[_Leaf]]:
+    """The targets' values stored in the manifest itself, and the leaves to read from storage."""
     values: dict[str, Any] = {}
     leaves: list[_Leaf] = []
     for key, target in targets.items():
@@ -101,29 +99,36 @@ def restore_leaves(
         if entry["kind"] == "value":
             values[key] = entry["value"]
         else:
-            leaves.append(_target_leaf(key, entry, target, cluster.devices, step))
+            leaves.append(_target_leaf(key, entry, target, devices, step))
+    return values, leaves
 
-    # Per host: its distinct slices, in request order.
-    requests: dict[int, list[tuple[int, str, list[list[int]]]]] = {h.index: [] for h in cluster.hosts}
-    where: dict[tuple[str, int, str], int] = {}  # (key, host, bounds) -> request number on that host
-    stats = RestoreStats()
+
+def _placements(leaf: _Leaf, cluster: Any) -> list[tuple[Any, Any, list[list[int]]]]:
+    """(host, device, bounds in the stored array) of each piece of `leaf` this process reads:
+    one piece on the first host for a numpy leaf, else one per device of this process."""
+    stored_shape = tuple(leaf.entry["stored_shape"])
+    if leaf.sharding is None:
+        return [(cluster.hosts[0], None, [[0, n] for n in stored_shape])]
+    placements = []
+    for device, index in leaf.sharding.devices_indices_map(leaf.shape).items():
+        if device.process_index != jax.process_index():
+            continue  # multi-controller: another process reads the slices of its devices
+        host = cluster.host_of(device)
+        if host is None:
+            raise CheckpointError(f"{leaf.key}: device {device} of the target belongs to no host")
+        placements.append((host, device, shard_bounds(index, stored_shape)))
+    return placements
+
+
+def _plan(leaves: list[_Leaf], cluster: Any, stats: RestoreStats) -> tuple[Requests, Where]:
+    """Per host its distinct slices, in request order (a slice two devices share is read once);
+    records each leaf's bounds by device and the bytes each host will read in `stats`."""
+    requests: Requests = {h.index: [] for h in cluster.hosts}
+    where: Where = {}
     for leaf in leaves:
         entry = leaf.entry
-        stored_shape = tuple(entry["stored_shape"])
         itemsize = np.dtype(entry["stored_dtype"]).itemsize
-        if leaf.sharding is None:
-            placements = [(cluster.hosts[0], None, [[0, n] for n in stored_shape])]
-        else:
-            index_map = leaf.sharding.devices_indices_map(leaf.shape)
-            placements = []
-            for device, index in index_map.items():
-                if device.process_index != jax.process_index():
-                    continue  # multi-controller: another process reads the slices of its devices
-                host = cluster.host_of(device)
-                if host is None:
-                    raise CheckpointError(f"{leaf.key}: device {device} of the target belongs to no host")
-                placements.append((host, device, shard_bounds(index, stored_shape)))
-        for host, device, bounds in placements:
+        for host, device, bounds in _placements(leaf, cluster):
             token = (leaf.key, host.index, repr(bounds))
             if token not in where:
                 where[token] = len(requests[host.index])
@@ -131,7 +136,14 @@ def restore_leaves(
                 size = int(np.prod([b - a for a, b in bounds], dtype=np.int64)) * itemsize
                 stats.bytes_needed[host.index] = stats.bytes_needed.get(host.index, 0) + size
             leaf.device_bounds[device] = bounds
+    return requests, where
 
+
+def _read_all(
+    url: str, step: int, requests: Requests, cluster: Any, storage_timeout: float, stats: RestoreStats
+) -> dict[int, list[np.ndarray]]:
+    """Every host reads its slices at once (on its sidecar); host -> arrays in request order.
+    Records the bytes each host read in `stats`."""
     futures: dict[int, Future] = {
         host.index: _read.on(host).submit(url, step, requests[host.index], storage_timeout)
         for host in cluster.hosts
@@ -145,13 +157,28 @@ def restore_leaves(
             raise CheckpointError(f"restoring step {step} on host {host_index} failed: {describe(e)}") from e
         results[host_index] = arrays
         stats.bytes_read[host_index] = nbytes
+    return results
 
+
+def restore_leaves(
+    url: str,
+    step: int,
+    manifest: dict[str, Any],
+    targets: dict[str, Any],
+    cluster: Any,
+    storage_timeout: float,
+) -> tuple[dict[str, Any], RestoreStats]:
+    """The values of the keys in `targets` (key -> target leaf or None) at `step`."""
+    values, leaves = _split_targets(manifest["leaves"], targets, cluster.devices, step)
+    stats = RestoreStats()
+    requests, where = _plan(leaves, cluster, stats)
+    results = _read_all(url, step, requests, cluster, storage_timeout, stats)
     for leaf in leaves:
         values[leaf.key] = _assemble(leaf, cluster, where, results)
     return values, stats
 
 
-def _assemble(leaf: _Leaf, cluster: Any, where: dict, results: dict[int, list[np.ndarray]]) -> Any:
+def _assemble(leaf: _Leaf, cluster: Any, where: Where, results: dict[int, list[np.ndarray]]) -> Any:
     def piece(device: Any) -> np.ndarray:
         host = cluster.hosts[0] if device is None else cluster.host_of(device)
         return results[host.index][where[(leaf.key, host.index, repr(leaf.device_bounds[device]))]]

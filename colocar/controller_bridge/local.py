@@ -9,6 +9,7 @@ killed.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -85,6 +86,127 @@ class _Sidecar:
                     os.unlink(path)
 
 
+def _workdir_with_token() -> tuple[str, str, str]:
+    """A fresh work folder holding a new token in its 0600 file: (folder, token, file)."""
+    workdir = tempfile.mkdtemp(prefix="colocar-")
+    token = new_token()
+    token_file = os.path.join(workdir, "token")
+    write_token_file(token_file, token)
+    return workdir, token, token_file
+
+
+def _sidecar_argv(
+    shm_dir: str,
+    token_file: str,
+    pools: dict[str, int] | None,
+    persist: bool,
+    *,
+    arena_size: int,
+    lease_seconds: float,
+    processes: int,
+    threads: int,
+    alloc_timeout: float,
+) -> list[str]:
+    """The command line every sidecar of a local cluster shares (each adds its ready file and
+    label); without `persist`, the sidecars exit when this process dies (`--parent-pid`)."""
+    argv = [
+        sys.executable,
+        "-m",
+        "colocar.sidecar",
+        "--address",
+        "127.0.0.1:0",
+        "--shm-dir",
+        shm_dir,
+        "--arena-size",
+        str(arena_size),
+        "--token-file",
+        token_file,
+        "--lease-seconds",
+        str(lease_seconds),
+        "--processes",
+        str(processes),
+        "--threads",
+        str(threads),
+        "--alloc-timeout",
+        str(alloc_timeout),
+    ]
+    for name, size in (pools or {}).items():
+        argv += ["--pool", f"{name}={size}"]
+    if not persist:
+        argv += ["--parent-pid", str(os.getpid())]
+    return argv
+
+
+def _sidecar_env(env: dict[str, str] | None) -> dict[str, str]:
+    """This process's environment plus `env`, with the folder holding this `colocar` package
+    first on PYTHONPATH, so the sidecars import the same copy."""
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    child_env = {**os.environ, **(env or {})}
+    child_env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, child_env.get("PYTHONPATH", "")) if p)
+    return child_env
+
+
+def _shutdown(sidecars: list[_Sidecar], workdir: str, persist: bool) -> None:
+    """Stops the sidecars and removes the work folder; with `persist` they outlive us, but the
+    files of those already killed are removed (nobody else would)."""
+    if persist:
+        for sidecar in sidecars:
+            if sidecar.status() is not None:
+                sidecar.remove_files()
+        return
+    for sidecar in sidecars:
+        sidecar.stop(grace=10)
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _wait_ready(sidecars: list[_Sidecar], startup_timeout: float) -> None:
+    """Waits until every sidecar wrote its ready file; fails at once if one exited."""
+    deadline = time.monotonic() + startup_timeout
+    while not all(s.poll_ready() for s in sidecars):
+        for s in sidecars:
+            if s.status() is not None:
+                raise ColocarError(f"sidecar host{s.index} failed to start:\n{s.log_tail()}")
+        if time.monotonic() > deadline:
+            raise ColocarError(f"sidecars did not start within {startup_timeout} s")
+        time.sleep(0.02)
+
+
+def _connect(
+    sidecars: list[_Sidecar],
+    groups: list[list[Any]],
+    token: str,
+    *,
+    startup_timeout: float,
+    shm: bool,
+    lease_seconds: float,
+    heartbeat_seconds: float,
+    alloc_timeout: float,
+) -> list[Host]:
+    """Waits for the sidecars to be ready, then connects to each (sidecar i gets device group
+    i); on a failure, closes the connections made so far and raises."""
+    connected: list[Host] = []
+    try:
+        _wait_ready(sidecars, startup_timeout)
+        for s, group in zip(sidecars, groups, strict=True):
+            assert s.info is not None
+            conn = HostConnection(
+                s.info["address"],
+                f"host{s.index}",
+                token,
+                shm=shm,
+                lease_seconds=lease_seconds,
+                heartbeat_seconds=heartbeat_seconds,
+                alloc_timeout=alloc_timeout,
+                process_status=s.status,
+            )
+            connected.append(Host(s.index, conn, group))
+    except BaseException:
+        for host in connected:
+            host.connection.close()
+        raise
+    return connected
+
+
 def local_cluster(
     hosts: int = 2,
     *,
@@ -113,80 +235,34 @@ def local_cluster(
     """
     groups = split_devices(devices if devices is not None else jax.local_devices(), hosts)
     shm_dir = shm_dir or os.environ.get("COLOCAR_SHM_DIR", "/dev/shm")
-    workdir = tempfile.mkdtemp(prefix="colocar-")
-    token = new_token()
-    token_file = os.path.join(workdir, "token")
-    write_token_file(token_file, token)
-    argv = [
-        sys.executable,
-        "-m",
-        "colocar.sidecar",
-        "--address",
-        "127.0.0.1:0",
-        "--shm-dir",
+    workdir, token, token_file = _workdir_with_token()
+    argv = _sidecar_argv(
         shm_dir,
-        "--arena-size",
-        str(arena_size),
-        "--token-file",
         token_file,
-        "--lease-seconds",
-        str(lease_seconds),
-        "--processes",
-        str(processes),
-        "--threads",
-        str(threads),
-        "--alloc-timeout",
-        str(alloc_timeout),
-    ]
-    for name, size in (pools or {}).items():
-        argv += ["--pool", f"{name}={size}"]
-    if not persist:
-        argv += ["--parent-pid", str(os.getpid())]
-    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    child_env = {**os.environ, **(env or {})}
-    child_env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, child_env.get("PYTHONPATH", "")) if p)
-    sidecars = [_Sidecar(i, workdir, argv, child_env, persist) for i in range(hosts)]
-
-    def shutdown() -> None:
-        if persist:  # they outlive us, but those already killed leave files nobody else removes
-            for sidecar in sidecars:
-                if sidecar.status() is not None:
-                    sidecar.remove_files()
-            return
-        for sidecar in sidecars:
-            sidecar.stop(grace=10)
-        shutil.rmtree(workdir, ignore_errors=True)
-
-    connected: list[Host] = []
+        pools,
+        persist,
+        arena_size=arena_size,
+        lease_seconds=lease_seconds,
+        processes=processes,
+        threads=threads,
+        alloc_timeout=alloc_timeout,
+    )
+    sidecars = [_Sidecar(i, workdir, argv, _sidecar_env(env), persist) for i in range(hosts)]
     try:
-        deadline = time.monotonic() + startup_timeout
-        while not all(s.poll_ready() for s in sidecars):
-            for s in sidecars:
-                if s.status() is not None:
-                    raise ColocarError(f"sidecar host{s.index} failed to start:\n{s.log_tail()}")
-            if time.monotonic() > deadline:
-                raise ColocarError(f"sidecars did not start within {startup_timeout} s")
-            time.sleep(0.02)
-        for s, group in zip(sidecars, groups, strict=True):
-            assert s.info is not None
-            conn = HostConnection(
-                s.info["address"],
-                f"host{s.index}",
-                token,
-                shm=shm,
-                lease_seconds=lease_seconds,
-                heartbeat_seconds=heartbeat_seconds,
-                alloc_timeout=alloc_timeout,
-                process_status=s.status,
-            )
-            connected.append(Host(s.index, conn, group))
+        connected = _connect(
+            sidecars,
+            groups,
+            token,
+            startup_timeout=startup_timeout,
+            shm=shm,
+            lease_seconds=lease_seconds,
+            heartbeat_seconds=heartbeat_seconds,
+            alloc_timeout=alloc_timeout,
+        )
     except BaseException:
-        for host in connected:
-            host.connection.close()
-        persist = False
-        shutdown()
+        _shutdown(sidecars, workdir, persist=False)  # a failed start leaves nothing running
         raise
-    cluster = Cluster(connected, on_close=shutdown)
+    cluster = Cluster(connected, on_close=functools.partial(_shutdown, sidecars, workdir, persist))
     cluster.token_file = token_file  # type: ignore[attr-defined]
     cluster.processes = [s.process for s in sidecars]  # type: ignore[attr-defined]
     cluster.log_files = [s.log_file for s in sidecars]  # type: ignore[attr-defined]

@@ -156,6 +156,58 @@ class RenderOptions:
         return max(1, self.sidecar_cpu // 2)
 
 
+def _check_settings(
+    topology: str, variant: str, port: int, namespace: str, tls_secret: str | None
+) -> Topology:
+    """Checks the plain settings; returns the named topology."""
+    if topology not in TOPOLOGIES:
+        raise RenderError(f"--topology {topology!r} is unknown; known: {', '.join(TOPOLOGIES)}")
+    if variant not in VARIANTS:
+        raise RenderError(f"--variant {variant!r}: choose {' or '.join(VARIANTS)}")
+    if not 1024 <= port <= 65535:
+        raise RenderError(f"--port {port}: choose an unprivileged port, 1024-65535")
+    if not re.match(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$", namespace):
+        raise RenderError(f"--namespace {namespace!r} is not a namespace name")
+    if tls_secret is not None and not re.match(r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$", tls_secret):
+        raise RenderError(f"--tls-secret {tls_secret!r} is not a Secret name")
+    return TOPOLOGIES[topology]
+
+
+def _parse_commands(trainer_command: str, controller_command: str) -> dict[str, tuple[str, ...]]:
+    """Both command lines split as a shell would, by flag; neither may be empty."""
+    commands = {}
+    for flag, text in (("--trainer-command", trainer_command), ("--controller-command", controller_command)):
+        try:
+            commands[flag] = tuple(shlex.split(text))
+        except ValueError as e:
+            raise RenderError(f"{flag} {text!r}: {e}") from None
+        if not commands[flag]:
+            raise RenderError(f"{flag} is empty")
+    return commands
+
+
+def _check_shm(
+    shm_size: str | None, pools: list[str] | None, topo: Topology
+) -> tuple[int, tuple[tuple[str, int], ...]]:
+    """The arena volume's bytes (default: the topology's) and the pools, which must leave at
+    least 64 MiB of the arena to the default pool."""
+    shm_bytes = parse_size(shm_size, "--shm-size") if shm_size else topo.shm_gib * GiB
+    if shm_bytes < GiB:
+        raise RenderError(f"--shm-size {shm_size}: give the arena volume at least 1Gi")
+    parsed_pools = tuple(parse_pool(p) for p in pools or ())
+    if len({n for n, _ in parsed_pools}) != len(parsed_pools):
+        raise RenderError("--pool: each pool name may appear once")
+    arena = arena_bytes(shm_bytes)
+    reserved = sum(size for _, size in parsed_pools)
+    if reserved + 64 * MiB > arena:
+        raise RenderError(
+            f"--pool reservations ({quantity(reserved)}) leave less than 64Mi of the {quantity(arena)} "
+            f"arena (derived from --shm-size {quantity(shm_bytes)}) for the default pool: "
+            "lower them or raise --shm-size"
+        )
+    return shm_bytes, parsed_pools
+
+
 def build_options(
     *,
     topology: str,
@@ -177,39 +229,9 @@ def build_options(
     max_restarts: int = 3,
 ) -> RenderOptions:
     """Validates raw inputs (as typed on the command line) into `RenderOptions`."""
-    if topology not in TOPOLOGIES:
-        raise RenderError(f"--topology {topology!r} is unknown; known: {', '.join(TOPOLOGIES)}")
-    topo = TOPOLOGIES[topology]
-    if variant not in VARIANTS:
-        raise RenderError(f"--variant {variant!r}: choose {' or '.join(VARIANTS)}")
-    if not 1024 <= port <= 65535:
-        raise RenderError(f"--port {port}: choose an unprivileged port, 1024-65535")
-    if not re.match(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$", namespace):
-        raise RenderError(f"--namespace {namespace!r} is not a namespace name")
-    if tls_secret is not None and not re.match(r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$", tls_secret):
-        raise RenderError(f"--tls-secret {tls_secret!r} is not a Secret name")
-    commands = {}
-    for flag, text in (("--trainer-command", trainer_command), ("--controller-command", controller_command)):
-        try:
-            commands[flag] = tuple(shlex.split(text))
-        except ValueError as e:
-            raise RenderError(f"{flag} {text!r}: {e}") from None
-        if not commands[flag]:
-            raise RenderError(f"{flag} is empty")
-    shm_bytes = parse_size(shm_size, "--shm-size") if shm_size else topo.shm_gib * GiB
-    if shm_bytes < GiB:
-        raise RenderError(f"--shm-size {shm_size}: give the arena volume at least 1Gi")
-    parsed_pools = tuple(parse_pool(p) for p in pools or ())
-    if len({n for n, _ in parsed_pools}) != len(parsed_pools):
-        raise RenderError("--pool: each pool name may appear once")
-    arena = arena_bytes(shm_bytes)
-    reserved = sum(size for _, size in parsed_pools)
-    if reserved + 64 * MiB > arena:
-        raise RenderError(
-            f"--pool reservations ({quantity(reserved)}) leave less than 64Mi of the {quantity(arena)} "
-            f"arena (derived from --shm-size {quantity(shm_bytes)}) for the default pool: "
-            "lower them or raise --shm-size"
-        )
+    topo = _check_settings(topology, variant, port, namespace, tls_secret)
+    commands = _parse_commands(trainer_command, controller_command)
+    shm_bytes, parsed_pools = _check_shm(shm_size, pools, topo)
     cpu = topo.sidecar_cpu if sidecar_cpu is None else sidecar_cpu
     if cpu < 1:
         raise RenderError(f"--sidecar-cpu {cpu}: give the sidecar at least one core")

@@ -112,18 +112,16 @@ def _start_link(service: SidecarService, arena_path: str, token: str | None) -> 
     return link
 
 
-def serve(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    token = auth.read_token_file(args.token_file) if args.token_file else None
-    credentials = auth.server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
-    auth.check_address_safety(args.address, token, mutual_tls=bool(args.tls_client_ca))
-
-    # gRPC reports handler failures through logging; without a handler they would vanish.
+def _configure_logging() -> None:
+    """gRPC reports handler failures through logging; without a handler they would vanish.
+    Undecodable requests are the client's fault and answered with an error: no traceback."""
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
-    # Undecodable requests are the client's fault and answered with an error; no traceback here.
     logging.getLogger("grpc._common").setLevel(logging.CRITICAL)
-    arena = SidecarArena(args.shm_dir, args.arena_size, dict(args.pool), label=args.label)
-    logs.install()
+
+
+def _start_service(args: argparse.Namespace, arena: SidecarArena) -> tuple[SidecarService, WorkerPool | None]:
+    """The service over `arena` and its worker processes (none with `--processes 0`); shipped
+    code's `colocar.shm.empty` allocates in `arena` from here on."""
     config = ServiceConfig(
         lease_seconds=args.lease_seconds,
         max_concurrent_calls=args.threads,
@@ -136,9 +134,19 @@ def serve(argv: list[str] | None = None) -> int:
     # first use; what it preloads, each worker has at once (grain alone takes a second to import).
     multiprocess.get_context("forkserver").set_forkserver_preload(FORKSERVER_PRELOAD)
     workers = WorkerPool(args.processes, arena) if args.processes > 0 else None
-    service = SidecarService(arena, workers, config)
-    link = _start_link(service, arena.arena.path, token)
+    return SidecarService(arena, workers, config), workers
 
+
+def _start_grpc(
+    args: argparse.Namespace,
+    service: SidecarService,
+    token: str | None,
+    credentials: grpc.ServerCredentials | None,
+    arena: SidecarArena,
+) -> tuple[grpc.Server, health.HealthServicer, str]:
+    """The gRPC server with the service (the token checked on every RPC) and health checks,
+    bound and started; returns it, its health servicer (SERVING) and the bound address. Exits
+    (closing `arena`) if it cannot bind."""
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=args.threads + 16, thread_name_prefix="colocar-rpc"),
         options=[
@@ -162,35 +170,71 @@ def serve(argv: list[str] | None = None) -> int:
         raise SystemExit(f"cannot bind {args.address}")
     server.start()
     host = args.address.rsplit(":", 1)[0]
-    bound = f"{host}:{port}"
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, health_servicer, f"{host}:{port}"
 
+
+def _stop_event(parent_pid: int) -> threading.Event:
+    """Set on SIGTERM or SIGINT, or (with `parent_pid`) once that process is gone."""
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    if args.parent_pid:
-        threading.Thread(target=_watch_parent, args=(args.parent_pid, stop), daemon=True).start()
-    if args.ready_file:
-        tmp = args.ready_file + ".tmp"
+    if parent_pid:
+        threading.Thread(target=_watch_parent, args=(parent_pid, stop), daemon=True).start()
+    return stop
+
+
+def _announce(ready_file: str | None, bound: str, arena: SidecarArena) -> None:
+    """Writes the ready file (atomically: a reader never sees half of it) and says on stderr
+    where it serves and which dead sidecars' arenas it removed."""
+    if ready_file:
+        tmp = ready_file + ".tmp"
         with open(tmp, "w") as f:
             json.dump({"address": bound, "pid": os.getpid(), "arena": arena.arena.path}, f)
-        os.replace(tmp, args.ready_file)
+        os.replace(tmp, ready_file)
     print(f"colocar sidecar serving on {bound} (arena {arena.arena.path})", file=sys.__stderr__, flush=True)
     for path in arena.stale_removed:
         print(f"removed the arena of a dead sidecar: {path}", file=sys.__stderr__, flush=True)
 
-    while not stop.wait(0.5):
-        pass
+
+def _drain(
+    drain_seconds: float,
+    service: SidecarService,
+    health_servicer: health.HealthServicer,
+    server: grpc.Server,
+    link: LinkServer | None,
+) -> None:
+    """Graceful shutdown: no new calls (gRPC, then the link), in-flight ones finish within
+    `drain_seconds` in all, then the service stops."""
     service.draining = True
     health_servicer.enter_graceful_shutdown()
-    drain_deadline = time.monotonic() + args.drain_seconds
+    drain_deadline = time.monotonic() + drain_seconds
     if link is not None:
         link.close()
-    server.stop(grace=args.drain_seconds).wait()
+    server.stop(grace=drain_seconds).wait()
     if link is not None:
         link.drain(max(0.0, drain_deadline - time.monotonic()))
     service.stop()
+
+
+def serve(argv: list[str] | None = None) -> int:
+    """Runs a sidecar until SIGTERM, SIGINT or its parent's end, then drains and exits 0."""
+    args = build_parser().parse_args(argv)
+    token = auth.read_token_file(args.token_file) if args.token_file else None
+    credentials = auth.server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
+    auth.check_address_safety(args.address, token, mutual_tls=bool(args.tls_client_ca))
+    _configure_logging()
+    arena = SidecarArena(args.shm_dir, args.arena_size, dict(args.pool), label=args.label)
+    logs.install()
+    service, workers = _start_service(args, arena)
+    link = _start_link(service, arena.arena.path, token)
+    server, health_servicer, bound = _start_grpc(args, service, token, credentials, arena)
+    stop = _stop_event(args.parent_pid)
+    _announce(args.ready_file, bound, arena)
+    while not stop.wait(0.5):
+        pass
+    _drain(args.drain_seconds, service, health_servicer, server, link)
     if workers is not None:
         workers.close()
     arena.close()
