@@ -22,8 +22,9 @@ from typing import Any
 from colocar.protocol import colocar_pb2 as pb
 
 from .array_calls import ArrayCallFuture, ArrayTarget, CallBuilder
-from .calls import Call, RemoteIterator, ShippedCode
+from .calls import Call, ShippedCode
 from .cluster import Host
+from .remote_iterator import RemoteIterator
 from .specs import Options
 
 __all__ = ["ColocatedFunction", "HostCaller", "Options", "colocated"]

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 from colocar.errors import HostLostError
 from colocar.protocol import colocar_pb2 as pb
 
-from .calls import Call, CallFuture, RemoteIterator
+from .calls import Call, CallFuture
+from .remote_iterator import RemoteIterator
 
 if TYPE_CHECKING:
     from .cluster import Host
