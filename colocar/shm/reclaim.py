@@ -1,20 +1,23 @@
 """Deferred release of arena blocks, safe to trigger from garbage-collection finalizers.
 
 A numpy view's finalizer may run in any thread at any allocation, even while that thread holds
-an allocator lock, so it must neither take locks nor do I/O of consequence. `Reclaimer.push`
-only appends to a deque and writes one byte to a pipe; a daemon thread drains the deque in
-batches and calls the real release function (an allocator free, or a Release RPC).
+an allocator lock, so it must neither take locks nor do I/O. `Reclaimer.push` only puts the
+item on a `queue.SimpleQueue` (whose `put` is reentrant: made for finalizers); a daemon thread
+takes items in batches and calls the real release function (an allocator free, or a Release
+RPC). There is no file descriptor to wake the thread: a push after `close()` can never write
+into a descriptor number the process has since reused (a socket, an arena file).
 """
 
 from __future__ import annotations
 
-import collections
-import os
+import queue
 import threading
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
+
+_STOP = object()  # the last item: the thread releases what came before it, then ends
 
 
 class Reclaimer:
@@ -22,9 +25,7 @@ class Reclaimer:
 
     def __init__(self, release: Callable[[list[Any]], None], name: str = "colocar-reclaimer"):
         self._release = release
-        self._items: collections.deque[Any] = collections.deque()
-        self._read_fd, self._write_fd = os.pipe()
-        os.set_blocking(self._write_fd, False)
+        self._items: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._closed = False
         self._pushed = 0
         self._done = 0
@@ -32,54 +33,45 @@ class Reclaimer:
         self._thread.start()
 
     def push(self, item: Any) -> None:
-        """Queues one item; lock-free, callable from a finalizer."""
+        """Queues one item; lock-free, callable from a finalizer. Ignored after `close()`."""
+        if self._closed:
+            return
         self._pushed += 1
-        self._items.append(item)
-        try:
-            os.write(self._write_fd, b"x")
-        except (BlockingIOError, OSError):
-            pass  # the pipe is full (a wake-up is already pending) or closed
+        self._items.put(item)
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Waits until everything pushed so far was released; True if it was."""
         target = self._pushed
         deadline = time.monotonic() + timeout
         while self._done < target:
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline or not self._thread.is_alive():
                 return False
             time.sleep(0.001)
         return True
 
     def _run(self) -> None:
-        while True:
-            try:
-                data = os.read(self._read_fd, 4096)
-            except OSError:
-                return
-            batch = []
-            while self._items:
-                batch.append(self._items.popleft())
+        stop = False
+        while not stop:
+            batch = [self._items.get()]
+            while True:
+                try:
+                    batch.append(self._items.get_nowait())
+                except queue.Empty:
+                    break
+            if _STOP in batch:
+                stop = True
+                batch = [item for item in batch if item is not _STOP]
             if batch:
                 try:
                     self._release(batch)
                 except Exception:  # a failed release must not kill the thread
                     traceback.print_exc()
                 self._done += len(batch)
-            if not data or self._closed:
-                return
 
     def close(self) -> None:
         """Releases what is queued, then stops the thread."""
         if self._closed:
             return
         self._closed = True
-        try:
-            os.write(self._write_fd, b"x")
-        except OSError:
-            pass
+        self._items.put(_STOP)
         self._thread.join(timeout=10)
-        for fd in (self._read_fd, self._write_fd):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
