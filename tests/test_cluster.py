@@ -59,7 +59,7 @@ def test_persistent_sidecars_outlive_the_cluster(shm_dir):
     first = colocar.local_cluster(hosts=1, arena_size=16 << 20, processes=0, persist=True)
     process = first.processes[0]
     address, token_file = first.hosts[0].address, first.token_file
-    arena = first.hosts[0].connection.info.arena_path
+    arena = first.hosts[0].connection.session.info.arena_path
     try:
         first_pid = pid.on(first.hosts[0])()
         first.close()

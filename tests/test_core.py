@@ -242,7 +242,7 @@ def test_results_are_zero_copy_views_of_the_arena(cluster):
 
     out = make.on(cluster.hosts[0])(1 << 20)
     found = block_of(out)
-    assert found is not None and found[0] is cluster.hosts[0].connection.arena
+    assert found is not None and found[0] is cluster.hosts[0].connection.blocks.arena
     assert out.sum() == 1.5 * (1 << 20)
 
 

@@ -117,15 +117,15 @@ def test_full_pool_waits_then_explains(make_cluster):
     c = make_cluster(arena_size=16 * MiB, pools={"ckpt": 4 * MiB}, alloc_timeout=1)
     host = c.hosts[0]
     conn = host.connection
-    assert conn.alloc_timeout == 1
+    assert conn.blocks.alloc_timeout == 1
     reserved = host.stats()["pools"]["default"]["reserved"]
     assert 8 * MiB < reserved < 12 * MiB
 
     # controller-side allocation in the default pool
-    (big,) = conn.empty([((8 * MiB,), np.uint8)])
+    (big,) = conn.blocks.empty([((8 * MiB,), np.uint8)])
     big[:] = 5
     with pytest.raises(ArenaFullError) as info:
-        conn.empty([((8 * MiB,), np.uint8)])
+        conn.blocks.empty([((8 * MiB,), np.uint8)])
     message = str(info.value)
     assert "'default'" in message and "Release" in message and host.name in message
     # a call whose argument needs room also fails cleanly
@@ -147,10 +147,12 @@ def test_full_pool_waits_then_explains(make_cluster):
     del out
 
     # a waiting allocation gets the room freed while it waits
-    conn.alloc_timeout = DEADLINE
-    (first,) = conn.empty([((8 * MiB,), np.uint8)])
+    conn.blocks.alloc_timeout = DEADLINE
+    (first,) = conn.blocks.empty([((8 * MiB,), np.uint8)])
     box: list[Any] = []
-    waiter = threading.Thread(target=lambda: box.append(conn.empty([((6 * MiB,), np.uint8)])), daemon=True)
+    waiter = threading.Thread(
+        target=lambda: box.append(conn.blocks.empty([((6 * MiB,), np.uint8)])), daemon=True
+    )
     waiter.start()
     del first
     waiter.join(DEADLINE)

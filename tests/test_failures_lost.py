@@ -81,7 +81,7 @@ def _lost_mid_call(c: Any, tmp_path: Any, sig: int) -> None:
 
 def test_sigkill_mid_call_raises_host_lost(make_cluster, tmp_path, shm_dir):
     c = make_cluster()
-    arena = os.path.basename(c.hosts[0].connection.info.arena_path)
+    arena = os.path.basename(c.hosts[0].connection.session.info.arena_path)
     assert arena in arena_files(shm_dir)
     _lost_mid_call(c, tmp_path, signal.SIGKILL)
     assert arena in arena_files(shm_dir)  # a killed sidecar cannot clean up ...
@@ -91,7 +91,7 @@ def test_sigkill_mid_call_raises_host_lost(make_cluster, tmp_path, shm_dir):
 
 def test_sigstop_mid_call_raises_host_lost(make_cluster, tmp_path, shm_dir):
     c = make_cluster()
-    arena = os.path.basename(c.hosts[0].connection.info.arena_path)
+    arena = os.path.basename(c.hosts[0].connection.session.info.arena_path)
     try:
         _lost_mid_call(c, tmp_path, signal.SIGSTOP)
     finally:
@@ -140,7 +140,7 @@ def test_close_frees_objects_now(make_cluster):
     try:
         extra = Host(0, conn, [])
         holders = [Holder.on(extra)(MiB), Holder.on(extra)(64)]
-        staged = conn.empty([((MiB,), np.uint8)])
+        staged = conn.blocks.empty([((MiB,), np.uint8)])
         objects, sessions, used = usage(host)
         assert (objects, sessions) == (base[0] + 2, base[1] + 1) and used >= base[2] + 2 * MiB
     finally:
@@ -163,7 +163,7 @@ def test_close_frees_objects_now(make_cluster):
 def test_sigterm_drains_in_flight_calls(make_cluster, tmp_path, shm_dir):
     c = make_cluster()
     host, process = c.hosts[0], c.processes[0]
-    arena = os.path.basename(host.connection.info.arena_path)
+    arena = os.path.basename(host.connection.session.info.arena_path)
     future = mark_and_sleep.on(host).submit(str(tmp_path / "started"), 2)
     wait_for((tmp_path / "started").exists, "the call to start")
     process.send_signal(signal.SIGTERM)

@@ -62,9 +62,10 @@ def sidecar_descendants(c: Any) -> set[int]:
 
 def _interrupt_loader_start(seed: int, c: Any, cases: int) -> None:
     rng = random.Random(seed)
+    baseline = used(c)  # before any loader: a closed one gives its blocks back in the background
     first_batch_is_right(c)  # starts the forkservers: part of the baseline
     gc.collect()
-    baseline, processes = used(c), sidecar_descendants(c)
+    processes = sidecar_descendants(c)
     for _ in range(cases):
         interrupted, it = run_interrupted(lambda: loaders.load(PIPELINE, c), rng.uniform(0, 1.5))
         if it is not None:

@@ -66,9 +66,9 @@ def test_code_is_resent_when_the_sidecar_does_not_know_it(cluster):
 
     conn = cluster.hosts[0].connection
     code_hash, _ = fresh._code.pickled()
-    conn.known_code.add(code_hash)  # pretend it was sent before (as after a sidecar restart)
+    conn.session.known_code.add(code_hash)  # pretend it was sent before (as after a sidecar restart)
     assert fresh.on(cluster.hosts[0])() == "ran"
-    conn.known_code.add(code_hash)
+    conn.session.known_code.add(code_hash)
     assert fresh.on(cluster.hosts[0]).submit().result() == "ran"
 
 
@@ -96,7 +96,7 @@ def test_output_arrays_alias_the_arena(cluster):
         return out
 
     y = ones_like(x)
-    arenas = {h.connection.arena for h in cluster.hosts}
+    arenas = {h.connection.blocks.arena for h in cluster.hosts}
     aliased = [
         any(a.contains(s.data.unsafe_buffer_pointer(), s.data.nbytes) for a in arenas)
         for s in y.addressable_shards

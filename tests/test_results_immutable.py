@@ -123,7 +123,7 @@ def test_generator_items_never_change(cluster):
 
 
 def _arena_offset(cluster, array: jax.Array) -> int:
-    arena = cluster.hosts[0].connection.arena
+    arena = cluster.hosts[0].connection.blocks.arena
     return array.unsafe_buffer_pointer() - arena.base_address
 
 

@@ -64,8 +64,8 @@ def test_empty_token_file_is_refused(tmp_path):
 # --- 8. the local link --------------------------------------------------------------------------
 def test_local_link_is_private_and_checks_the_token(cluster):
     conn = cluster.hosts[0].connection
-    assert conn.link is not None, "a same-host controller uses the local link"
-    path = conn.info.link_path
+    assert conn.transport.link is not None, "a same-host controller uses the local link"
+    path = conn.session.info.link_path
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     for hello in (b"wrong", b"", conn._token.encode()[:-1]):
         with socket.socket(socket.AF_UNIX) as sock:
@@ -89,7 +89,7 @@ def test_local_link_rejects_garbage_frames(cluster):
     conn = cluster.hosts[1].connection
     with socket.socket(socket.AF_UNIX) as sock:
         sock.settimeout(DEADLINE)
-        sock.connect(conn.info.link_path)
+        sock.connect(conn.session.info.link_path)
         link.send_request(sock, link.HELLO, conn._token.encode())
         assert link.parse_reply(link.recv_frame(sock))[0] == 0
         for method, body in (("Call", b"\xff\xff\xff"), ("Nope", b""), ("Stream", b"")):

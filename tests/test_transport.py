@@ -37,7 +37,7 @@ def test_code_is_resent_over_grpc_too(grpc_cluster):
         return "ran"
 
     host = grpc_cluster.hosts[0]
-    assert host.connection.link is None
+    assert host.connection.transport.link is None
     code_hash, _ = fresh_over_grpc._code.pickled()
     host.connection.session.known_code.add(code_hash)  # as if sent before a sidecar restart
     assert fresh_over_grpc.on(host)() == "ran"

@@ -169,12 +169,12 @@ def test_worker_errors_come_back(host):
 def test_worker_results_and_inputs_are_arena_views(host):
     out, in_sidecar, pid = fill.on(host)(256 * 1024, 3.0)
     assert in_sidecar and pid != sidecar_pid.on(host)()
-    assert block_of(out) is not None and block_of(out)[0] is host.connection.arena
+    assert block_of(out) is not None and block_of(out)[0] is host.connection.blocks.arena
     assert out.shape == (256 * 1024,) and float(out[0]) == float(out[-1]) == 3.0
     assert used(host)["default"] >= out.nbytes
 
     copied = plain_numpy.on(host)(100_000)
-    assert block_of(copied)[0] is host.connection.arena and float(copied.sum()) == 2.5 * 100_000
+    assert block_of(copied)[0] is host.connection.blocks.arena and float(copied.sum()) == 2.5 * 100_000
 
     x = np.ones(64 * 1024, np.float32)
     in_arena, total, _ = inspect_input.on(host)(x)

@@ -209,7 +209,7 @@ def run(quick: bool, repeats: int) -> dict:
         with colocar.local_cluster(hosts=1, processes=0) as cluster:
             host = cluster.hosts[0]
             colocar_call = remote_noop.on(host)
-            assert host.connection.link is not None, "expected the local link on the same host"
+            assert host.connection.transport.link is not None, "expected the local link on the same host"
             token = open(cluster.token_file).read()  # type: ignore[attr-defined]
             remote = colocar.connect([host.address], token=token, shm=False)  # as from another host
             grpc_call = remote_noop.on(remote.hosts[0])

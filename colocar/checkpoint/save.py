@@ -215,11 +215,13 @@ def send(
     per call."""
     conn = host.connection
     stats = SendStats()
-    if not conn.shm:
+    if not conn.blocks.mapped:
         groups = _groups(_prefetched(pieces))
         return [writer.write.submit(step, _items(g, None, copiers, stats)) for g in groups], stats
     try:
-        blocks = conn.empty([(p.shape, p.dtype) for p in pieces], pool=pool, timeout=0.0) if pieces else []
+        blocks = (
+            conn.blocks.empty([(p.shape, p.dtype) for p in pieces], pool=pool, timeout=0.0) if pieces else []
+        )
     except ArenaFullError:
         return _send_as_room_frees(conn, writer, step, pieces, pool, check, copiers, stats), stats
     blocks.reverse()
@@ -263,7 +265,7 @@ def _send_as_room_frees(
     futures = []
     for group in _groups(_prefetched(pieces)):
         try:
-            blocks = conn.empty([(p.shape, p.dtype) for p in group], pool=pool, timeout=0.0)
+            blocks = conn.blocks.empty([(p.shape, p.dtype) for p in group], pool=pool, timeout=0.0)
         except ArenaFullError:
             stats.arena_waits += 1
             for piece in group:
@@ -283,7 +285,7 @@ def _wait_for_block(conn: Any, piece: Piece, pool: str, stats: SendStats, check:
         while True:
             check()
             try:
-                return conn.empty([(piece.shape, piece.dtype)], pool=pool, timeout=1.0)[0]
+                return conn.blocks.empty([(piece.shape, piece.dtype)], pool=pool, timeout=1.0)[0]
             except ArenaFullError:
                 pass
     finally:

@@ -70,12 +70,12 @@ class Writers:
         if held is None:
             return False
         fresh = time.monotonic() - held.made < self.renew_after
-        return fresh and held.generation == self.topology.host(h).connection.generation
+        return fresh and held.generation == self.topology.host(h).connection.session.generation
 
     def _make(self, h: int) -> _Held:
         host = self.topology.host(h)
         name = f"colocar.checkpoint/{self.owner}/{h}/{next(self._serial)}"
-        generation = host.connection.generation
+        generation = host.connection.session.generation
         handle = _Writer.on(host, name=name, ttl=2 * self.renew_after)(self.url, h, self.options)
         return _Held(handle, generation, time.monotonic())
 

@@ -105,8 +105,8 @@ def _staging(plan: CallPlan, host: HostPlan, build: CallBuilder) -> Callable[[],
 def _blocks(host: Host, specs: list[tuple[tuple[int, ...], np.dtype]]) -> list[np.ndarray]:
     """Empty host blocks, straight in the sidecar's arena when this controller maps it."""
     # Object-like dtypes (StringDType) cannot live in the arena: ordinary memory, pickled.
-    in_arena = [i for i, (_, dtype) in enumerate(specs) if host.connection.shm and holds(dtype)]
-    staged = iter(host.connection.empty([specs[i] for i in in_arena]) if in_arena else [])
+    in_arena = [i for i, (_, dtype) in enumerate(specs) if host.connection.blocks.mapped and holds(dtype)]
+    staged = iter(host.connection.blocks.empty([specs[i] for i in in_arena]) if in_arena else [])
     return [next(staged) if i in in_arena else np.empty(*spec) for i, spec in enumerate(specs)]
 
 

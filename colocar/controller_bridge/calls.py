@@ -90,12 +90,12 @@ class Call:
         object_name: str = "",
         object_ttl: float = 0.0,
     ) -> Call:
-        conn.check_alive()
+        conn.session.check_alive()
         label = name or (code.name if code else method)
-        payload, consumed, keepalive = conn.encode((args, kwargs), what=f"the arguments of {label}")
+        payload, consumed, keepalive = conn.blocks.encode((args, kwargs), what=f"the arguments of {label}")
         try:
             request = pb.CallRequest(
-                session_id=conn.session_id,
+                session_id=conn.session.session_id,
                 kind=kind,
                 args=payload,
                 object_id=object_id,
@@ -105,11 +105,11 @@ class Call:
                 consume_blocks=consumed,
                 object_name=object_name,
                 object_ttl_seconds=object_ttl,
-                call_id=conn.next_call_id(),
+                call_id=conn.session.next_call_id(),
             )
             return cls(conn, request, code, timeout, keepalive)
         except BaseException:  # interrupted: no call will consume the blocks
-            conn.release_soon(consumed)
+            conn.releases.release_soon(consumed)
             raise
 
     def _with_code(self, force: bool) -> pb.CallRequest:
@@ -123,12 +123,12 @@ class Call:
             self._unsent()
             raise
         self.request.code_hash = code_hash
-        self.request.code = code if force or code_hash not in self.conn.known_code else b""
+        self.request.code = code if force or code_hash not in self.conn.session.known_code else b""
         return self.request
 
     def _sent(self) -> None:
         if self.code is not None:
-            self.conn.known_code.add(self.request.code_hash)
+            self.conn.session.known_code.add(self.request.code_hash)
 
     def _call_sync(self) -> pb.CallReply:
         """The reply (see `_after_failure` for a failed attempt); raises our errors. Cut short
@@ -144,7 +144,7 @@ class Call:
                 request, force = self._after_failure(error, force), True
             except BaseException as e:
                 if not isinstance(e, Exception):  # an interrupt
-                    self.conn.cancel_soon(self.request.call_id)
+                    self.conn.releases.cancel_soon(self.request.call_id)
                 raise
         self._sent()
         return reply
@@ -179,13 +179,13 @@ class Call:
         if not isinstance(error, TransportError):
             return error  # cancelled
         if error.status == Status.DEADLINE_EXCEEDED:
-            self.conn.cancel_soon(self.request.call_id)
+            self.conn.releases.cancel_soon(self.request.call_id)
         return self.conn.translate(error, f"call of {self.request.name}")
 
     def run(self) -> Any:
         """Sends and waits; skips the ordering queue (and takes the local link when there is one)
         if this thread has nothing else in flight to the host."""
-        if not self.conn.lane_idle():
+        if not self.conn.lanes.idle():
             return self.start().result()
         try:
             self._reply = self._call_sync()
@@ -204,7 +204,7 @@ class Call:
         asynchronous gRPC call.
         """
         conn = self.conn
-        self._future = conn.submit(self._call_async, unsent=self._unsent)
+        self._future = conn.lanes.submit(self._call_async, unsent=self._unsent)
         self._future.add_done_callback(self._release_keepalive)  # blocks held for the call only
         return CallFuture(self)
 
@@ -220,7 +220,7 @@ class Call:
         """Never sent (cancelled while queued, interrupted or failed before its request left):
         the blocks allocated for its arguments go back, once."""
         blocks, self._consumed = self._consumed, []
-        self.conn.release_soon(blocks)
+        self.conn.releases.release_soon(blocks)
 
     def abandon(self) -> bool:
         """Gives up on a started call (see the module docstring); False if it had completed."""
@@ -228,7 +228,7 @@ class Call:
         if future is None or not future.abandon():
             return False
         if not future.cancelled():  # it was sent (not cancelled while queued): the sidecar may run it
-            self.conn.cancel_soon(self.request.call_id)
+            self.conn.releases.cancel_soon(self.request.call_id)
         return True
 
     def drop_reply(self) -> None:
@@ -242,7 +242,7 @@ class Call:
             if reply is None or reply is _TAKEN:
                 return
             self._reply = _TAKEN
-        self.conn.discard_reply(reply)
+        self.conn.releases.discard_reply(reply)
 
     def result(self, timeout: float | None = None) -> Any:
         if self._reply is None:
@@ -254,7 +254,7 @@ class Call:
             self._keepalive = []
         reply = self._reply
         if reply is not _TAKEN and reply.HasField("error"):
-            raise rebuild_exception(reply.error, self.conn.name)
+            raise rebuild_exception(reply.error, self.conn.session.name)
         if reply is not _TAKEN and self.request.kind == pb.CallRequest.NEW_OBJECT:
             return reply.object_id
         with self._claim_lock:  # decoded once, or dropped: never both (a block released twice
@@ -263,7 +263,7 @@ class Call:
             raise ColocarError(
                 f"the result of {self.request.name} was dropped: an interrupt came as it arrived"
             )
-        return self.conn.decode(reply.result)
+        return self.conn.blocks.decode(reply.result)
 
 
 class CallFuture:
@@ -277,7 +277,7 @@ class CallFuture:
 
     @property
     def host(self) -> str:
-        return self._call.conn.name
+        return self._call.conn.session.name
 
     def result(self, timeout: float | None = None) -> Any:
         """The call's value; an interrupt while waiting abandons the call (see `cancel`)."""

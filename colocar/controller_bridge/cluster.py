@@ -34,16 +34,16 @@ class Host:
 
     @property
     def name(self) -> str:
-        return self.connection.name
+        return self.connection.session.name
 
     @property
     def address(self) -> str:
-        return self.connection.address
+        return self.connection.session.address
 
     @property
     def shm(self) -> bool:
         """True when this controller maps the host's arena (bulk data skips gRPC)."""
-        return self.connection.shm
+        return self.connection.blocks.mapped
 
     def stats(self) -> dict[str, Any]:
         """The sidecar's counters: calls, errors, latency, sessions, objects, arena per pool."""

@@ -35,12 +35,12 @@ class ObjectAddress:
     @classmethod
     def current(cls, host: Host, object_id: int, class_name: str, detached_name: str = "") -> ObjectAddress:
         """An object the host has now (in its sidecar's current life)."""
-        return cls(host, object_id, class_name, detached_name, host.connection.generation)
+        return cls(host, object_id, class_name, detached_name, host.connection.session.generation)
 
     @property
     def alive(self) -> bool:
         """False once the sidecar restarted or the session expired (the object is gone)."""
-        return self.host.connection.generation == self.generation
+        return self.host.connection.session.generation == self.generation
 
     def check(self) -> None:
         if not self.alive:
@@ -70,7 +70,7 @@ class RemoteObject:
         self._address = address
         if not address.detached_name:
             conn = address.host.connection
-            weakref.finalize(self, conn.delete_object_soon, address.object_id, address.generation)
+            weakref.finalize(self, conn.releases.delete_object_soon, address.object_id, address.generation)
 
     def __getattr__(self, method: str) -> RemoteMethod:
         if method.startswith("__"):
@@ -84,7 +84,9 @@ class RemoteObject:
         conn.unary(
             "DeleteObject",
             pb.ObjectRef(
-                session_id=conn.session_id, object_id=address.object_id, object_name=address.detached_name
+                session_id=conn.session.session_id,
+                object_id=address.object_id,
+                object_name=address.detached_name,
             ),
             timeout=30,
         )
@@ -117,5 +119,7 @@ class RemoteMethod:
 def find_detached(host: Host, name: str) -> RemoteObject:
     """A handle on a detached object created earlier (by any controller) on `host`."""
     conn = host.connection
-    found = conn.unary("FindObject", pb.ObjectRef(session_id=conn.session_id, object_name=name), timeout=30)
+    found = conn.unary(
+        "FindObject", pb.ObjectRef(session_id=conn.session.session_id, object_name=name), timeout=30
+    )
     return RemoteObject(ObjectAddress.current(host, found.object_id, name, detached_name=name))

@@ -43,7 +43,7 @@ class RemoteIterator:
             self._requests: queue.Queue = queue.Queue()
             self._requests.put(pb.StreamRequest(call=request, credits=max(1, prefetch)))
         except BaseException:  # never sent: the blocks of its arguments go back
-            conn.release_soon(request.consume_blocks)
+            conn.releases.release_soon(request.consume_blocks)
             raise
         self._responses = conn.grpc.stream("Stream", iter(self._requests.get, None))
         self._replies: queue.SimpleQueue = queue.SimpleQueue()
@@ -63,7 +63,7 @@ class RemoteIterator:
     def __next__(self) -> Any:
         if self._interrupted:
             raise ColocarError(
-                f"the stream of {self._name} on {self._conn.name} was closed by an interrupt; "
+                f"the stream of {self._name} on {self._conn.session.name} was closed by an interrupt; "
                 "call the generator again for a new one"
             )
         if self._closed:
@@ -82,17 +82,17 @@ class RemoteIterator:
             self._finished = True
             self.close()
             if reply is None:
-                raise ColocarError(f"stream of {self._name} on {self._conn.name} ended early")
+                raise ColocarError(f"stream of {self._name} on {self._conn.session.name} ended early")
             raise self._conn.translate(reply, f"stream of {self._name}")
         if reply.HasField("error") or reply.done:
             self._finished = True
             self.close()
             if reply.HasField("error"):
-                raise rebuild_exception(reply.error, self._conn.name)
+                raise rebuild_exception(reply.error, self._conn.session.name)
             raise StopIteration
         self._requests.put(pb.StreamRequest(credits=1))
         self._in_hand = None  # from here on its views own its blocks
-        return self._conn.decode(reply.result)
+        return self._conn.blocks.decode(reply.result)
 
     def close(self, timeout: float = 10.0) -> None:
         """Stops the remote generator (it is closed on the sidecar).
@@ -105,7 +105,7 @@ class RemoteIterator:
         self._closed = True
         held, self._in_hand = self._in_hand, None
         if isinstance(held, pb.CallReply):  # an interrupt came as it was taken
-            self._conn.discard_reply(held)
+            self._conn.releases.discard_reply(held)
         _stop_stream(self._conn, self._requests, self._replies, self._responses, timeout, self._finished)
 
     def __del__(self) -> None:
@@ -141,7 +141,7 @@ def _stop_stream(
             if not isinstance(reply, pb.CallReply) or reply.done or reply.HasField("error"):
                 break
             with contextlib.suppress(ColocarError):
-                conn.decode(reply.result)
+                conn.blocks.decode(reply.result)
     requests.put(None)
     responses.cancel()
 

@@ -46,8 +46,8 @@ class _Feed:
         conn = host.connection
         self.host = host
         self._conn = conn
-        assert conn.arena is not None
-        self._arena = conn.arena
+        assert conn.blocks.arena is not None
+        self._arena = conn.blocks.arena
         self._slots = info["slots"]
         self._board = ndarray_view(self._arena, info["board"], (board_words(len(self._slots)),), np.int64)
         self._layout = layout
@@ -57,7 +57,7 @@ class _Feed:
             sock.settimeout(10.0)
             sock.connect(info["address"])
             sock.sendall(info["token"])
-            sock.settimeout(max(0.05, conn.heartbeat_seconds))
+            sock.settimeout(max(0.05, conn.session.heartbeat_seconds))
         except BaseException:
             sock.close()
             raise
@@ -184,20 +184,20 @@ class _Feed:
                 with memoryview(self._inbox) as free:
                     got = self._sock.recv_into(free[self._end :])
             except TimeoutError:
-                if conn.lost is not None:
-                    raise HostLostError(str(conn.lost)) from None
+                if conn.session.lost is not None:
+                    raise HostLostError(str(conn.session.lost)) from None
                 continue
             except OSError as e:
                 got = 0
                 if self._closed:
                     raise PipelineError(f"the batch feed of {self.host.name} is closed") from e
             if not got:
-                conn.heartbeat()  # a dead sidecar: find out now, not at the next heartbeat
-                if conn.lost is not None:
-                    raise HostLostError(str(conn.lost))
+                conn.session.heartbeat()  # a dead sidecar: find out now, not at the next heartbeat
+                if conn.session.lost is not None:
+                    raise HostLostError(str(conn.session.lost))
                 raise PipelineError(f"the pipeline on {self.host.name} closed its batch feed")
             self._end += got
-        conn.alive_at = time.monotonic()  # spares a keepalive (see HostConnection)
+        conn.session.alive_at = time.monotonic()  # spares a keepalive (see `Session`)
         got, slot, bad, tail, _ = message
         if tail is not None:  # ("end",) or ("error", text)
             self._ended = True
@@ -219,10 +219,10 @@ def _max_refs(views: list[np.ndarray]) -> int:
 def open_feed(obj: Any, host: Host, layout: SlotLayout, placed: list[tuple[Any, int]]) -> _Feed | None:
     """A feed to the host's pipeline when this process maps its arena, else None (calls)."""
     conn = host.connection
-    if conn.arena is None:
+    if conn.blocks.arena is None:
         return None
     info = obj.open_feed()
-    if info is None or info["nonce"] != conn.arena.nonce:
+    if info is None or info["nonce"] != conn.blocks.arena.nonce:
         return None
     try:
         return _Feed(host, info, layout, placed)

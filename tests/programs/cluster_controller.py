@@ -10,5 +10,5 @@ from typing import Any
 import colocar
 
 c: Any = colocar.local_cluster(hosts=1, arena_size=16 << 20, processes=0)
-print(c.processes[0].pid, c.hosts[0].connection.info.arena_path, flush=True)
+print(c.processes[0].pid, c.hosts[0].connection.session.info.arena_path, flush=True)
 sys.stdin.read()

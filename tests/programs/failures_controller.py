@@ -31,7 +31,7 @@ class Holder:
 
 remote: Any = Holder  # colocated_class adds `.on`, which the type of a class does not show
 holders = [remote.on(host)(1 << 20)] + [remote.on(host)(64) for _ in range(3)]
-staged = host.connection.empty([((1 << 20,), np.dtype(np.uint8))])
+staged = host.connection.blocks.empty([((1 << 20,), np.dtype(np.uint8))])
 assert holders[0].size() == 1 << 20
 with open(ready, "w") as f:
     f.write("READY")
