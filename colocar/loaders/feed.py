@@ -3,17 +3,18 @@
 When the controller maps a host's arena, each finished batch arrives as `(batch, slot)` over a
 socket of the pipeline's own, and the slot goes back on the ring's board once nothing reads it
 any more (see `host_backend` for the sidecar's end); otherwise the iterator falls back to calls.
+"Nothing reads it" is decided one way: the batch's views share one arena holder, and the slot
+is queued when that holder becomes unreachable (a weakref finalizer; `_Feed` says more).
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import pickle
 import socket
-import sys
 import threading
 import time
-import weakref
 from typing import Any
 
 import numpy as np
@@ -30,16 +31,15 @@ from .pump import MESSAGE, PipelineError
 class _Feed:
     """The controller's end of a host's batch feed (see `host_backend`): batches in, slots back.
 
-    Each slot's per-device views (one per field and device, in `placed` order) are made once
-    and reused at every turn of the ring. A slot handed to the program is held while any of its
-    views is referenced by more than our cache, i.e. while a batch's arrays (which alias the
-    views on CPU) or anything derived from them live: `poll()` (each step, after JAX's deferred
-    releases ran) gives back the slots that are free again. This costs a
-    reference count per view instead of a fresh view, holder and finalizer per batch.
-
-    At `close()` the slots still held switch to finalizers on their views (and our cache lets
-    go of them); the socket stays open until the last one is released, so the sidecar keeps
-    every slot a live batch reads.
+    A slot comes back by reachability alone. Each batch handed out gets fresh per-device views
+    of its slot (one per field and device, in `placed` order) over one new arena view of the
+    whole slot (`shm.views.ndarray_view`), so their numpy base chain ends in one holder per
+    batch. The holder dies when no array built on the slot is alive any more: the batch's
+    arrays (JAX on CPU aliases the views and holds them until its deferred releases run, see
+    `jax_compat.release_deferred`), numpy views of them, anything derived. Its finalizer queues
+    the slot, and `poll()` gives the queued slots back on the ring's board; once closed, the
+    finalizer gives its slot back itself. The socket stays open until the last slot is back, so
+    the sidecar keeps every slot a live batch reads.
     """
 
     def __init__(self, host: Host, info: dict[str, Any], layout: SlotLayout, placed: list[tuple[Any, int]]):
@@ -50,8 +50,8 @@ class _Feed:
         self._arena = conn.arena
         self._slots = info["slots"]
         self._board = ndarray_view(self._arena, info["board"], (board_words(len(self._slots)),), np.int64)
-        self._layout = layout
-        self._segments = [segment for _, segment in placed]
+        self._fields, self._recipe = _view_recipe(layout, [segment for _, segment in placed])
+        self._returns = [functools.partial(self._returned, slot) for slot in range(len(self._slots))]
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(10.0)
@@ -64,49 +64,33 @@ class _Feed:
         self._sock = sock
         self._inbox = bytearray(1 << 12)  # received bytes [_start, _end): no allocation per recv
         self._start = self._end = 0
-        self._pending: collections.deque[int] = collections.deque()
+        self._pending: collections.deque[int] = collections.deque()  # slots to give back
         self._send_lock = threading.Lock()
-        self._outstanding = 0  # slots handed to the program and not yet released
+        self._outstanding = 0  # slots handed to the program and not yet given back
         self._closed = False
         self._ended = False
-        # slot -> ({field: views in `placed` order}, all its views, their free reference count)
-        self._cache: dict[int, tuple[dict[str, list[np.ndarray]], list[np.ndarray], int]] = {}
-        self._held: list[int] = []  # slots handed out and not released, oldest first
 
-    def _views(self, slot: int) -> tuple[dict[str, list[np.ndarray]], list[np.ndarray], int]:
+    def _batch_views(self, slot: int) -> dict[str, list[np.ndarray]]:
+        """The slot's per-device views by field, over a new holder whose death returns the slot."""
         offset, nbytes = self._slots[slot]
-        whole = ndarray_view(self._arena, offset, (nbytes,), np.uint8)  # pins the arena's mapping
-        layout = self._layout
-        by_field = {
-            name: [layout.segment_view(whole, name, segment) for segment in self._segments]
-            for name in layout.fields
-        }
-        views = [v for vs in by_field.values() for v in vs]
-        del whole
-        entry = (by_field, views, _max_refs(views))
-        self._cache[slot] = entry
-        return entry
+        whole = ndarray_view(self._arena, offset, (nbytes,), np.uint8, on_release=self._returns[slot])
+        by_field: dict[str, list[np.ndarray]] = {name: [] for name in self._fields}
+        new = np.ndarray
+        for name, shape, dtype, start in self._recipe:
+            by_field[name].append(new(shape, dtype, whole, start))
+        return by_field
+
+    def _returned(self, slot: int) -> None:
+        """A slot's holder died (a GC finalizer: any thread, must not block): queue the slot;
+        `poll()` sends it, or this call once the feed is closed (nobody polls any more)."""
+        self._pending.append(slot)
+        if self._closed:
+            self.flush()
 
     def poll(self) -> None:
-        """Releases the held slots that nothing references any more."""
-        held = self._held
-        if held:
-            cache = self._cache
-            free = [slot for slot in held if _max_refs(cache[slot][1]) <= cache[slot][2]]
-            if free:
-                for slot in free:
-                    held.remove(slot)
-                self._pending.extend(free)
-                self.flush()
-
-    def busy(self) -> bool:
-        """True while a slot handed out is still referenced (after a poll)."""
-        return bool(self._held)
-
-    def _release(self, slot: int) -> None:
-        """A GC finalizer (any thread, must not block): queue, and send if nobody is sending."""
-        self._pending.append(slot)
-        self.flush()
+        """Gives back the slots whose batches died (run after JAX's deferred releases)."""
+        if self._pending:
+            self.flush()
 
     def flush(self) -> None:
         """Gives the pending slots back on the ring's board; signals the sidecar only if its
@@ -132,22 +116,10 @@ class _Feed:
                 self._send_lock.release()
 
     def close(self) -> None:
+        """Stops polling: the slots still held come back as their batches die (finalizers)."""
         if self._closed:
             return
         self.poll()
-        for slot in self._held:  # still held by the program: released when its views die
-            views = self._cache[slot][1]
-            left = [len(views)]
-
-            def dropped(slot: int = slot, left: list[int] = left) -> None:
-                left[0] -= 1
-                if left[0] == 0:
-                    self._release(slot)
-
-            for view in views:
-                weakref.finalize(view, dropped).atexit = False
-        self._held = []
-        self._cache.clear()  # the held slots' views now live only as long as the program's arrays
         self._closed = True
         with self._send_lock:
             if self._outstanding == 0:
@@ -210,14 +182,22 @@ class _Feed:
             return None
         if got != k:
             raise RuntimeError(f"{self.host.name} fed batch {got}, expected {k}")
-        entry = self._cache.get(slot) or self._views(slot)
         self._outstanding += 1  # no lock: only `flush` after `close` runs in other threads
-        self._held.append(slot)
-        return entry[0], bad
+        return self._batch_views(slot), bad
 
 
-def _max_refs(views: list[np.ndarray]) -> int:
-    return max(map(sys.getrefcount, views), default=0)
+def _view_recipe(
+    layout: SlotLayout, segments: list[int]
+) -> tuple[list[str], list[tuple[str, tuple[int, ...], np.dtype, int]]]:
+    """(fields, per view `(field, shape, dtype, offset in the slot)`), fields in layout order
+    and each field's views in `placed` order: what `_batch_views` builds for every batch
+    (`np.ndarray` over the slot, ~0.5 us a view, what `segment_view` computes)."""
+    views = []
+    for name, (shape, dtype) in layout.fields.items():
+        for segment in segments:
+            a, b = layout.segments[segment]
+            views.append((name, (b - a, *shape), np.dtype(dtype), layout.offsets[name][segment]))
+    return list(layout.fields), views
 
 
 def open_feed(obj: Any, host: Host, layout: SlotLayout, placed: list[tuple[Any, int]]) -> _Feed | None:
