@@ -156,3 +156,28 @@ def test_arrays_derived_from_a_batch_keep_its_values_and_its_slot(kind, cluster)
         assert (pinned in later) is not aliases  # an aliasing array keeps its slot; a copy does not
         del derived
         assert pinned in [in_time(lambda: address(next(it))) for _ in range(4)]  # back in the ring
+
+
+@pytest.mark.parametrize(
+    "segments,placed",
+    [
+        ([(0, 4), (4, 8), (8, 12), (12, 16)], [0, 1, 2, 3]),  # even rows: one strided array a field
+        ([(0, 4), (4, 8)], [1, 0, 1]),  # devices in another order, one segment on two devices
+        ([(0, 3), (3, 8)], [0, 1]),  # uneven rows: one array a segment
+    ],
+)
+def test_a_batchs_views_are_the_layouts_segments_all_on_one_anchor(segments, placed):
+    from colocar.loaders.feed import _slot_views, _view_recipe
+    from colocar.loaders.layout import SlotLayout
+
+    layout = SlotLayout.build(segments, {"x": ((5, 3), "float32"), "label": ((), "int32"), "m": ((), "bool")})
+    anchor = np.frombuffer(bytearray(np.random.default_rng(0).bytes(layout.nbytes)), np.uint8)  # as in a feed
+    views = _slot_views(_view_recipe(layout, placed), anchor)
+    assert list(views) == list(layout.fields)
+    for name, got in views.items():
+        want = [layout.segment_view(anchor, name, s) for s in placed]
+        assert [v.shape for v in got] == [w.shape for w in want]
+        assert [v.ctypes.data for v in got] == [w.ctypes.data for w in want]
+        assert all(v.flags.c_contiguous and v.base is anchor for v in got)
+        for v, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(v, w)

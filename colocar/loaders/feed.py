@@ -15,6 +15,7 @@ import pickle
 import socket
 import threading
 import time
+import weakref
 from typing import Any
 
 import numpy as np
@@ -27,19 +28,23 @@ from colocar.shm.ring import WAITING, board_words, store_load_hint
 from .layout import SlotLayout
 from .pump import MESSAGE, PipelineError
 
+_LENDING: set[_Feed] = set()  # closed feeds whose batches still hold slots
+
 
 class _Feed:
     """The controller's end of a host's batch feed (see `host_backend`): batches in, slots back.
 
     A slot comes back by reachability alone. Each batch handed out gets fresh per-device views
-    of its slot (one per field and device, in `placed` order) over one new arena view of the
-    whole slot (`shm.views.ndarray_view`), so their numpy base chain ends in one holder per
-    batch. The holder dies when no array built on the slot is alive any more: the batch's
-    arrays (JAX on CPU aliases the views and holds them until its deferred releases run, see
-    `jax_compat.release_deferred`), numpy views of them, anything derived. Its finalizer queues
-    the slot, and `poll()` gives the queued slots back on the ring's board; once closed, the
-    finalizer gives its slot back itself. The socket stays open until the last slot is back, so
-    the sidecar keeps every slot a live batch reads.
+    of its slot (one per field and device, in `placed` order), all views of one new array over
+    the slot's bytes, its **anchor** (numpy sets a view's base to the last array of its chain
+    before a non-array, so every array derived from these views, by numpy or through the buffer
+    protocol, keeps the anchor alive). The anchor dies when nothing built on the slot is alive:
+    the batch's arrays (JAX on CPU aliases the views and holds them until its deferred releases
+    run, see `jax_compat.release_deferred`), numpy views of them, anything derived. A weakref
+    callback then queues the slot, and `poll()` gives the queued slots back on the ring's board;
+    once closed, the callback gives its slot back itself. The socket stays open (and the feed
+    alive, in `_LENDING`) until the last slot is back, so the sidecar keeps every slot a live
+    batch reads. Per batch this costs one anchor, its weakref and the views (~0.5 us each).
     """
 
     def __init__(self, host: Host, info: dict[str, Any], layout: SlotLayout, placed: list[tuple[Any, int]]):
@@ -50,8 +55,12 @@ class _Feed:
         self._arena = conn.arena
         self._slots = info["slots"]
         self._board = ndarray_view(self._arena, info["board"], (board_words(len(self._slots)),), np.int64)
-        self._fields, self._recipe = _view_recipe(layout, [segment for _, segment in placed])
+        self._recipe = _view_recipe(layout, [segment for _, segment in placed])
+        # per slot: its bytes (the memoryview pins the mapping while an anchor lives), the
+        # callback that returns it, the weakref to its current batch's anchor
+        self._regions = [self._arena.buffer(offset, nbytes) for offset, nbytes in self._slots]
         self._returns = [functools.partial(self._returned, slot) for slot in range(len(self._slots))]
+        self._anchors: list[weakref.ref | None] = [None] * len(self._slots)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(10.0)
@@ -71,18 +80,14 @@ class _Feed:
         self._ended = False
 
     def _batch_views(self, slot: int) -> dict[str, list[np.ndarray]]:
-        """The slot's per-device views by field, over a new holder whose death returns the slot."""
-        offset, nbytes = self._slots[slot]
-        whole = ndarray_view(self._arena, offset, (nbytes,), np.uint8, on_release=self._returns[slot])
-        by_field: dict[str, list[np.ndarray]] = {name: [] for name in self._fields}
-        new = np.ndarray
-        for name, shape, dtype, start in self._recipe:
-            by_field[name].append(new(shape, dtype, whole, start))
-        return by_field
+        """The slot's per-device views by field, over a new anchor whose death returns the slot."""
+        anchor = np.frombuffer(self._regions[slot], np.uint8)  # its base: a memoryview, no array
+        self._anchors[slot] = weakref.ref(anchor, self._returns[slot])
+        return _slot_views(self._recipe, anchor)
 
-    def _returned(self, slot: int) -> None:
-        """A slot's holder died (a GC finalizer: any thread, must not block): queue the slot;
-        `poll()` sends it, or this call once the feed is closed (nobody polls any more)."""
+    def _returned(self, slot: int, _anchor: weakref.ref) -> None:
+        """A slot's anchor died (a weakref callback: any thread, must not block): queue the
+        slot; `poll()` sends it, or this call once the feed is closed (nobody polls any more)."""
         self._pending.append(slot)
         if self._closed:
             self.flush()
@@ -112,6 +117,7 @@ class _Feed:
                         pass  # the sidecar is gone: its slots went with it
                 if self._closed and self._outstanding == 0:
                     self._sock.close()
+                    _LENDING.discard(self)
             finally:
                 self._send_lock.release()
 
@@ -120,10 +126,13 @@ class _Feed:
         if self._closed:
             return
         self.poll()
+        self._regions = []  # live anchors keep their own
         self._closed = True
         with self._send_lock:
             if self._outstanding == 0:
                 self._sock.close()
+            else:
+                _LENDING.add(self)  # the anchors' callbacks need the feed (and its socket)
         self.flush()
 
     def _message(self) -> tuple[int, int, int, tuple | None] | None:
@@ -186,18 +195,46 @@ class _Feed:
         return self._batch_views(slot), bad
 
 
-def _view_recipe(
-    layout: SlotLayout, segments: list[int]
-) -> tuple[list[str], list[tuple[str, tuple[int, ...], np.dtype, int]]]:
-    """(fields, per view `(field, shape, dtype, offset in the slot)`), fields in layout order
-    and each field's views in `placed` order: what `_batch_views` builds for every batch
-    (`np.ndarray` over the slot, ~0.5 us a view, what `segment_view` computes)."""
-    views = []
+_Block = tuple[tuple[int, ...], np.dtype, int, tuple[int, ...]]  # np.ndarray's shape, dtype, offset, strides
+_Recipe = list[tuple[str, list[_Block], list[int] | None]]
+
+
+def _view_recipe(layout: SlotLayout, placed: list[int]) -> _Recipe:
+    """Per field: arrays over the slot whose first axis runs over the layout's segments
+    (iterating one yields each segment's view: ~0.2 us a view, ~0.5 with `np.ndarray`), and
+    which of those views the placed devices take, in order (None: all of them, as they come).
+    Segments of equal rows, evenly spaced (the usual case), are one strided array a field."""
+    recipe = []
     for name, (shape, dtype) in layout.fields.items():
-        for segment in segments:
-            a, b = layout.segments[segment]
-            views.append((name, (b - a, *shape), np.dtype(dtype), layout.offsets[name][segment]))
-    return list(layout.fields), views
+        dt = np.dtype(dtype)
+        strides = [dt.itemsize]  # C order: a row, then each axis of a row
+        for d in reversed(shape):
+            strides.insert(0, strides[0] * int(d))
+        offsets, segments = layout.offsets[name], layout.segments
+        rows = {b - a for a, b in segments}
+        steps = {b - a for a, b in zip(offsets, offsets[1:], strict=False)}
+        blocks: list[_Block]
+        if len(rows) == 1 and len(steps) <= 1:
+            shape_all = (len(segments), rows.pop(), *shape)
+            blocks = [(shape_all, dt, offsets[0], (steps.pop() if steps else 0, *strides))]
+        else:
+            blocks = [
+                ((1, b - a, *shape), dt, offsets[i], (0, *strides)) for i, (a, b) in enumerate(segments)
+            ]
+        recipe.append((name, blocks, None if placed == list(range(len(segments))) else placed))
+    return recipe
+
+
+def _slot_views(recipe: _Recipe, anchor: np.ndarray) -> dict[str, list[np.ndarray]]:
+    """Each field's per-device views of the slot (`placed` order), all based on `anchor`."""
+    by_field = {}
+    new = np.ndarray
+    for name, blocks, picks in recipe:
+        views = [
+            v for shape, dtype, start, strides in blocks for v in new(shape, dtype, anchor, start, strides)
+        ]
+        by_field[name] = views if picks is None else [views[i] for i in picks]
+    return by_field
 
 
 def open_feed(obj: Any, host: Host, layout: SlotLayout, placed: list[tuple[Any, int]]) -> _Feed | None:
