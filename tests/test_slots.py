@@ -179,5 +179,8 @@ def test_a_batchs_views_are_the_layouts_segments_all_on_one_anchor(segments, pla
         assert [v.shape for v in got] == [w.shape for w in want]
         assert [v.ctypes.data for v in got] == [w.ctypes.data for w in want]
         assert all(v.flags.c_contiguous and v.base is anchor for v in got)
+        assert (
+            got[0][1:].base is anchor and np.frombuffer(got[0], np.uint8).base is anchor
+        )  # derived ones too
         for v, w in zip(got, want, strict=True):
             np.testing.assert_array_equal(v, w)

@@ -36,15 +36,16 @@ class _Feed:
 
     A slot comes back by reachability alone. Each batch handed out gets fresh per-device views
     of its slot (one per field and device, in `placed` order), all views of one new array over
-    the slot's bytes, its **anchor** (numpy sets a view's base to the last array of its chain
-    before a non-array, so every array derived from these views, by numpy or through the buffer
-    protocol, keeps the anchor alive). The anchor dies when nothing built on the slot is alive:
-    the batch's arrays (JAX on CPU aliases the views and holds them until its deferred releases
-    run, see `jax_compat.release_deferred`), numpy views of them, anything derived. A weakref
-    callback then queues the slot, and `poll()` gives the queued slots back on the ring's board;
-    once closed, the callback gives its slot back itself. The socket stays open (and the feed
-    alive, in `_LENDING`) until the last slot is back, so the sidecar keeps every slot a live
-    batch reads. Per batch this costs one anchor, its weakref and the views (~0.5 us each).
+    the slot's bytes, its **anchor** (a numpy view's base is the first array of its chain whose
+    own base is no array: the anchor, over the slot's memoryview; so every array derived from
+    these views, by numpy or through the buffer protocol, keeps the anchor alive). The anchor
+    dies when nothing built on the slot is alive: the batch's arrays (JAX on CPU aliases the
+    views and holds them until its deferred releases run, see `jax_compat.release_deferred`),
+    numpy views of them, anything derived. A weakref callback then queues the slot, and
+    `poll()` gives the queued slots back on the ring's board; once closed, the callback gives
+    its slot back itself. The socket stays open (and the feed alive, in `_LENDING`) until the
+    last slot is back, so the sidecar keeps every slot a live batch reads. Per batch this costs
+    one anchor, its weakref and the views (`_view_recipe`).
     """
 
     def __init__(self, host: Host, info: dict[str, Any], layout: SlotLayout, placed: list[tuple[Any, int]]):

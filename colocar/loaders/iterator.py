@@ -7,11 +7,12 @@ arrays live) and assembles global `jax.Array`s. The workers run up to `prefetch`
 in the ring, so the next batch is usually ready. Its state is the number of the next global
 batch: JSON-able, and exact on any number of hosts for index-based sources.
 
-Slots come back one way: a batch's views of its slot end in one arena holder, and the slot is
-given back once that holder is unreachable (see `feed`; over calls, the slot's block lease goes
-the same way, `shm.views`). JAX on CPU keeps the views it aliased until its deferred releases
-run, so each step (and `release`, `close`) first runs them (`jax_compat.release_deferred`),
-then lets each feed send the slots that came free.
+Slots come back one way, by reachability: a batch's views of its slot all derive from one
+array, the batch's anchor, and the slot is queued once the anchor is unreachable (a weakref,
+see `feed`; over calls, the slot's block lease goes the same way with the block's holder,
+`shm.views`). JAX on CPU keeps the views it aliased until its deferred releases run, so each
+step (and `release`, `close`) first runs them (`jax_compat.release_deferred`), then lets each
+feed send the slots that came free. No reference counts are compared.
 """
 
 from __future__ import annotations
@@ -171,7 +172,7 @@ class DataIterator:
 
         JAX on CPU aliases a slot's memory in `device_put` and holds the numpy views until the
         buffers go; it drops those references only in its deferred releases. Running them now
-        lets the views of dropped batches die, whose holders queue their slots (`feed`); then
+        lets the views of dropped batches die, whose anchors queue their slots (`feed`); then
         each feed sends its queued slots back.
         """
         self._release_deferred()
