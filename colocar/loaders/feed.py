@@ -3,8 +3,8 @@
 When the controller maps a host's arena, each finished batch arrives as `(batch, slot)` over a
 socket of the pipeline's own, and the slot goes back on the ring's board once nothing reads it
 any more (see `host_backend` for the sidecar's end); otherwise the iterator falls back to calls.
-"Nothing reads it" is decided one way: the batch's views share one arena holder, and the slot
-is queued when that holder becomes unreachable (a weakref finalizer; `_Feed` says more).
+"Nothing reads it" is decided one way: the batch's views all derive from one anchor array, and
+the slot is queued when the anchor becomes unreachable (a weakref callback; `_Feed` says more).
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ class _Feed:
                 self._send_lock.release()
 
     def close(self) -> None:
-        """Stops polling: the slots still held come back as their batches die (finalizers)."""
+        """Stops polling: the slots still held come back as their anchors die (callbacks)."""
         if self._closed:
             return
         self.poll()
