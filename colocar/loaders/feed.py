@@ -3,13 +3,15 @@
 When the controller maps a host's arena, each finished batch arrives as `(batch, slot)` over a
 socket of the pipeline's own, and the slot goes back on the ring's board once nothing reads it
 any more (see `host_backend` for the sidecar's end); otherwise the iterator falls back to calls.
+"Nothing reads it" is decided one way: the batch's views all derive from one anchor array, and
+the slot is queued when the anchor becomes unreachable (a weakref callback; `_Feed` says more).
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import socket
-import sys
 import threading
 import time
 import weakref
@@ -26,20 +28,24 @@ from colocar.shm.ring import WAITING, board_words, store_load_hint
 from .layout import SlotLayout
 from .pump import PipelineError
 
+_LENDING: set[_Feed] = set()  # closed feeds whose batches still hold slots
+
 
 class _Feed:
     """The controller's end of a host's batch feed (see `host_backend`): batches in, slots back.
 
-    Each slot's per-device views (one per field and device, in `placed` order) are made once
-    and reused at every turn of the ring. A slot handed to the program is held while any of its
-    views is referenced by more than our cache, i.e. while a batch's arrays (which alias the
-    views on CPU) or anything derived from them live: `poll()` (each step, after JAX's deferred
-    releases ran) gives back the slots that are free again. This costs a
-    reference count per view instead of a fresh view, holder and finalizer per batch.
-
-    At `close()` the slots still held switch to finalizers on their views (and our cache lets
-    go of them); the socket stays open until the last one is released, so the sidecar keeps
-    every slot a live batch reads.
+    A slot comes back by reachability alone. Each batch handed out gets fresh per-device views
+    of its slot (one per field and device, in `placed` order), all views of one new array over
+    the slot's bytes, its **anchor** (a numpy view's base is the first array of its chain whose
+    own base is no array: the anchor, over the slot's memoryview; so every array derived from
+    these views, by numpy or through the buffer protocol, keeps the anchor alive). The anchor
+    dies when nothing built on the slot is alive: the batch's arrays (JAX on CPU aliases the
+    views and holds them until its deferred releases run, see `jax_compat.release_deferred`),
+    numpy views of them, anything derived. A weakref callback then queues the slot, and
+    `poll()` gives the queued slots back on the ring's board; once closed, the callback gives
+    its slot back itself. The socket stays open (and the feed alive, in `_LENDING`) until the
+    last slot is back, so the sidecar keeps every slot a live batch reads. Per batch this costs
+    one anchor, its weakref and the views (`_view_recipe`).
     """
 
     def __init__(self, host: Host, info: dict[str, Any], layout: SlotLayout, placed: list[tuple[Any, int]]):
@@ -50,8 +56,12 @@ class _Feed:
         self._arena = conn.blocks.arena
         self._slots = info["slots"]
         self._board = ndarray_view(self._arena, info["board"], (board_words(len(self._slots)),), np.int64)
-        self._layout = layout
-        self._segments = [segment for _, segment in placed]
+        self._recipe = _view_recipe(layout, [segment for _, segment in placed])
+        # per slot: its bytes (the memoryview pins the mapping while an anchor lives), the
+        # callback that returns it, the weakref to its current batch's anchor
+        self._regions = [self._arena.buffer(offset, nbytes) for offset, nbytes in self._slots]
+        self._returns = [functools.partial(self._returned, slot) for slot in range(len(self._slots))]
+        self._anchors: list[weakref.ref | None] = [None] * len(self._slots)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(10.0)
@@ -64,49 +74,29 @@ class _Feed:
         self._sock = sock
         self._inbox = bytearray(1 << 12)  # received bytes [_start, _end): no allocation per recv
         self._start = self._end = 0
-        self._pending: collections.deque[int] = collections.deque()
+        self._pending: collections.deque[int] = collections.deque()  # slots to give back
         self._send_lock = threading.Lock()
-        self._outstanding = 0  # slots handed to the program and not yet released
+        self._outstanding = 0  # slots handed to the program and not yet given back
         self._closed = False
         self._ended = False
-        # slot -> ({field: views in `placed` order}, all its views, their free reference count)
-        self._cache: dict[int, tuple[dict[str, list[np.ndarray]], list[np.ndarray], int]] = {}
-        self._held: list[int] = []  # slots handed out and not released, oldest first
 
-    def _views(self, slot: int) -> tuple[dict[str, list[np.ndarray]], list[np.ndarray], int]:
-        offset, nbytes = self._slots[slot]
-        whole = ndarray_view(self._arena, offset, (nbytes,), np.uint8)  # pins the arena's mapping
-        layout = self._layout
-        by_field = {
-            name: [layout.segment_view(whole, name, segment) for segment in self._segments]
-            for name in layout.fields
-        }
-        views = [v for vs in by_field.values() for v in vs]
-        del whole
-        entry = (by_field, views, _max_refs(views))
-        self._cache[slot] = entry
-        return entry
+    def _batch_views(self, slot: int) -> dict[str, list[np.ndarray]]:
+        """The slot's per-device views by field, over a new anchor whose death returns the slot."""
+        anchor = np.frombuffer(self._regions[slot], np.uint8)  # its base: a memoryview, no array
+        self._anchors[slot] = weakref.ref(anchor, self._returns[slot])
+        return _slot_views(self._recipe, anchor)
+
+    def _returned(self, slot: int, _anchor: weakref.ref) -> None:
+        """A slot's anchor died (a weakref callback: any thread, must not block): queue the
+        slot; `poll()` sends it, or this call once the feed is closed (nobody polls any more)."""
+        self._pending.append(slot)
+        if self._closed:
+            self.flush()
 
     def poll(self) -> None:
-        """Releases the held slots that nothing references any more."""
-        held = self._held
-        if held:
-            cache = self._cache
-            free = [slot for slot in held if _max_refs(cache[slot][1]) <= cache[slot][2]]
-            if free:
-                for slot in free:
-                    held.remove(slot)
-                self._pending.extend(free)
-                self.flush()
-
-    def busy(self) -> bool:
-        """True while a slot handed out is still referenced (after a poll)."""
-        return bool(self._held)
-
-    def _release(self, slot: int) -> None:
-        """A GC finalizer (any thread, must not block): queue, and send if nobody is sending."""
-        self._pending.append(slot)
-        self.flush()
+        """Gives back the slots whose batches died (run after JAX's deferred releases)."""
+        if self._pending:
+            self.flush()
 
     def flush(self) -> None:
         """Gives the pending slots back on the ring's board; signals the sidecar only if its
@@ -128,30 +118,22 @@ class _Feed:
                         pass  # the sidecar is gone: its slots went with it
                 if self._closed and self._outstanding == 0:
                     self._sock.close()
+                    _LENDING.discard(self)
             finally:
                 self._send_lock.release()
 
     def close(self) -> None:
+        """Stops polling: the slots still held come back as their anchors die (callbacks)."""
         if self._closed:
             return
         self.poll()
-        for slot in self._held:  # still held by the program: released when its views die
-            views = self._cache[slot][1]
-            left = [len(views)]
-
-            def dropped(slot: int = slot, left: list[int] = left) -> None:
-                left[0] -= 1
-                if left[0] == 0:
-                    self._release(slot)
-
-            for view in views:
-                weakref.finalize(view, dropped).atexit = False
-        self._held = []
-        self._cache.clear()  # the held slots' views now live only as long as the program's arrays
+        self._regions = []  # live anchors keep their own
         self._closed = True
         with self._send_lock:
             if self._outstanding == 0:
                 self._sock.close()
+            else:
+                _LENDING.add(self)  # the anchors' callbacks need the feed (and its socket)
         self.flush()
 
     def _message(self) -> FeedMessage | None:
@@ -206,14 +188,50 @@ class _Feed:
             return None
         if got != k:
             raise RuntimeError(f"{self.host.name} fed batch {got}, expected {k}")
-        entry = self._cache.get(slot) or self._views(slot)
         self._outstanding += 1  # no lock: only `flush` after `close` runs in other threads
-        self._held.append(slot)
-        return entry[0], bad
+        return self._batch_views(slot), bad
 
 
-def _max_refs(views: list[np.ndarray]) -> int:
-    return max(map(sys.getrefcount, views), default=0)
+_Block = tuple[tuple[int, ...], np.dtype, int, tuple[int, ...]]  # np.ndarray's shape, dtype, offset, strides
+_Recipe = list[tuple[str, list[_Block], list[int] | None]]
+
+
+def _view_recipe(layout: SlotLayout, placed: list[int]) -> _Recipe:
+    """Per field: arrays over the slot whose first axis runs over the layout's segments
+    (iterating one yields each segment's view: ~0.2 us a view, ~0.5 with `np.ndarray`), and
+    which of those views the placed devices take, in order (None: all of them, as they come).
+    Segments of equal rows, evenly spaced (the usual case), are one strided array a field."""
+    recipe = []
+    for name, (shape, dtype) in layout.fields.items():
+        dt = np.dtype(dtype)
+        strides = [dt.itemsize]  # C order: a row, then each axis of a row
+        for d in reversed(shape):
+            strides.insert(0, strides[0] * int(d))
+        offsets, segments = layout.offsets[name], layout.segments
+        rows = {b - a for a, b in segments}
+        steps = {b - a for a, b in zip(offsets, offsets[1:], strict=False)}
+        blocks: list[_Block]
+        if len(rows) == 1 and len(steps) <= 1:
+            shape_all = (len(segments), rows.pop(), *shape)
+            blocks = [(shape_all, dt, offsets[0], (steps.pop() if steps else 0, *strides))]
+        else:
+            blocks = [
+                ((1, b - a, *shape), dt, offsets[i], (0, *strides)) for i, (a, b) in enumerate(segments)
+            ]
+        recipe.append((name, blocks, None if placed == list(range(len(segments))) else placed))
+    return recipe
+
+
+def _slot_views(recipe: _Recipe, anchor: np.ndarray) -> dict[str, list[np.ndarray]]:
+    """Each field's per-device views of the slot (`placed` order), all based on `anchor`."""
+    by_field = {}
+    new = np.ndarray
+    for name, blocks, picks in recipe:
+        views = [
+            v for shape, dtype, start, strides in blocks for v in new(shape, dtype, anchor, start, strides)
+        ]
+        by_field[name] = views if picks is None else [views[i] for i in picks]
+    return by_field
 
 
 def open_feed(obj: Any, host: Host, layout: SlotLayout, placed: list[tuple[Any, int]]) -> _Feed | None:

@@ -6,13 +6,18 @@ device's segment on its device (aliased on CPU, so the slot stays leased while t
 arrays live) and assembles global `jax.Array`s. The workers run up to `prefetch` batches ahead
 in the ring, so the next batch is usually ready. Its state is the number of the next global
 batch: JSON-able, and exact on any number of hosts for index-based sources.
+
+Slots come back one way, by reachability: a batch's views of its slot all derive from one
+array, the batch's anchor, and the slot is queued once the anchor is unreachable (a weakref,
+see `feed`; over calls, the slot's block lease goes the same way with the block's holder,
+`shm.views`). JAX on CPU keeps the views it aliased until its deferred releases run, so each
+step (and `release`, `close`) first runs them (`jax_compat.release_deferred`), then lets each
+feed send the slots that came free. No reference counts are compared.
 """
 
 from __future__ import annotations
 
-import gc
 import time
-import weakref
 from typing import Any
 
 import jax
@@ -30,12 +35,6 @@ from .host_backend import LoaderHost
 from .layout import SlotLayout
 
 STATE_VERSION = 1
-
-
-def _slot_holder(view: np.ndarray) -> Any:
-    from colocar.shm.views import _holder_of
-
-    return _holder_of(view)
 
 
 RemoteLoaderHost = colocated_class(LoaderHost)
@@ -110,10 +109,9 @@ class DataIterator:
         self._targets = [device for _, _, placed in self._plan for device, _ in placed]
         self._put_order = self._batched_put_order()
         self._puts = self._batched_puts()
-        self._collect_garbage = jax_compat.collect_garbage()
+        self._release_deferred = jax_compat.release_deferred()
         self.wait_seconds = 0.0
         self.batches = 0
-        self._recent: list[tuple[list[weakref.ref], list[weakref.ref]]] = []  # without collect_garbage
         self._open(start)
 
     def _open(self, start: int) -> None:
@@ -173,32 +171,13 @@ class DataIterator:
         """Gives back the slots of batches the program dropped.
 
         JAX on CPU aliases a slot's memory in `device_put` and holds the numpy views until the
-        buffers go; it drops those references only in its garbage-collection callback
-        (`collect_garbage`, which runs at every collection). Calling it directly (~0.1 us when
-        there is nothing to do) frees the views of dropped batches now; then each feed sends
-        back the slots nothing references. Without it, a young-generation collection, run only
-        when a dropped batch still pins a slot, does the same.
+        buffers go; it drops those references only in its deferred releases. Running them now
+        lets the views of dropped batches die, whose anchors queue their slots (`feed`); then
+        each feed sends its queued slots back.
         """
-        feeds = self._fed
-        if self._collect_garbage is not None:
-            self._collect_garbage()
-            for feed in feeds:
-                feed.poll()
-            return
-        pinned = False
-        alive = []
-        for arrays, slots in self._recent:
-            if all(s() is None for s in slots):
-                continue
-            alive.append((arrays, slots))
-            pinned = pinned or all(a() is None for a in arrays)
-        self._recent = alive
-        for feed in feeds:
+        self._release_deferred()
+        for feed in self._fed:
             feed.poll()
-        if pinned or any(feed.busy() for feed in feeds):
-            gc.collect(1)
-            for feed in feeds:
-                feed.poll()
 
     def __next__(self) -> dict[str, jax.Array]:
         self._free_dropped_slots()
@@ -207,7 +186,6 @@ class DataIterator:
         # Per field, every device's view, hosts in plan order, each host's devices as placed.
         pieces: dict[str, list[np.ndarray]] = {name: [] for name in self.fields}
         ended = False
-        slots = []
         for obj, feed, (_, layout, placed) in zip(self._remote, self._feeds, self._plan, strict=True):
             if feed is not None:
                 got = feed.next_batch(k)
@@ -225,7 +203,6 @@ class DataIterator:
                 raise RuntimeError(f"{obj} returned batch {item['k']}, expected {k}")
             for name in self.fields:
                 pieces[name] += [layout.segment_view(item["slot"], name, segment) for _, segment in placed]
-            slots.append(item["slot"])
         if ended:
             raise StopIteration
         self.wait_seconds += time.perf_counter() - started
@@ -254,10 +231,6 @@ class DataIterator:
         self.batches += 1
         if self._progress is not None:
             self._progress.advance(self.position, self.wait_seconds)
-        if slots and self._collect_garbage is None:
-            self._recent.append(
-                ([weakref.ref(a) for a in batch.values()], [weakref.ref(_slot_holder(s)) for s in slots])
-            )
         return batch
 
     def release(self, batch: dict[str, jax.Array]) -> None:
@@ -274,9 +247,7 @@ class DataIterator:
         for array in batch.values():
             if isinstance(array, jax.Array):
                 array.delete()
-        if self._collect_garbage is None:
-            gc.collect(1)  # JAX's deferred releases of the deleted buffers' views
-        self._free_dropped_slots()
+        self._free_dropped_slots()  # JAX's deferred releases of the deleted buffers' views first
 
     def get_state(self) -> dict[str, Any]:
         """JSON-able position: resuming from it yields exactly the batches that would come next."""
@@ -311,9 +282,9 @@ class DataIterator:
         }
 
     def _close_remote(self) -> None:
-        collect = getattr(self, "_collect_garbage", None)
-        if collect is not None:
-            collect()  # so that each feed's close() sees which slots are still held
+        release = getattr(self, "_release_deferred", None)
+        if release is not None:
+            release()  # so that each feed's close() first sends the slots already free
         for feed in getattr(self, "_fed", ()):
             feed.close()
         self._feeds, self._fed = [], []
