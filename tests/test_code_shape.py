@@ -26,7 +26,11 @@ def test_the_sources_are_found():
 
 
 def test_no_module_over_the_limit():
-    long = [f"{p.relative_to(REPO)} ({n})" for p in _sources() if (n := p.read_text().count("\n")) > MAX_MODULE_LINES]
+    long = [
+        f"{p.relative_to(REPO)} ({n})"
+        for p in _sources()
+        if (n := p.read_text().count("\n")) > MAX_MODULE_LINES
+    ]
     assert not long, f"modules over {MAX_MODULE_LINES} lines (split them): {', '.join(long)}"
 
 
