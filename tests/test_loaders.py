@@ -6,6 +6,7 @@ own, or none with shared memory, are in test_loaders_failures.py.
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import threading
@@ -34,6 +35,20 @@ from colocar import loaders
 def two_hosts():
     with colocar.local_cluster(hosts=2, arena_size=32 << 20, processes=0) as c:
         yield c
+
+
+@pytest.fixture(autouse=True)
+def _slots_back_after_each_test(two_hosts):
+    """Each test leaves the shared cluster's arenas as it found them: a batch the test still
+    held when it ended gives its slot back once JAX's deferred releases ran (a collection),
+    so the next test's baseline is not the last one's leftovers."""
+    before = [h.stats()["pools"]["default"]["used"] for h in two_hosts.hosts]
+    yield
+    gc.collect()
+    wait_for(
+        lambda: [h.stats()["pools"]["default"]["used"] for h in two_hosts.hosts] == before,
+        f"the slots of the test's batches to come back (before the test: {before})",
+    )
 
 
 def test_batches_are_the_sampled_records_as_global_arrays(two_hosts):

@@ -21,10 +21,10 @@ Three ways to feed the training process, W=2 pipeline processes in total for eac
 Each measurement starts a fresh iterator, takes `warmup` batches (process start, buffers drained
 to their steady state), then times `n` batches: batches/s from wall time, and the CPU seconds of
 the training process per batch (`time.process_time()`, all its threads; grain's worker processes
-and colocar's sidecars are not counted). Each feeder brings up only its own machinery (a colocar
-feeder starts its cluster before and closes it after its measurement), so no system's figure
-includes another's idle threads. Each batch is held like a training step would hold it
-(`jax.block_until_ready`) and dropped before the next is taken. Measurements are interleaved
+and colocar's sidecars are not counted). Each system brings up only its own machinery (a colocar
+system starts its cluster before its two measurements of a round and closes it after them), so
+no system's figure includes another's idle threads. Each batch is held like a training step
+would hold it (`jax.block_until_ready`) and dropped before the next is taken. Measurements are interleaved
 (one of each per round, order rotating) and the figures are medians over rounds (at least 5;
 3 with --quick, which also writes fewer records and times fewer batches). Ratios take the
 WORSE of 1 and 2 sidecars: `transfer_ratio` / `compute_ratio` = min(colocar) / grain batches/s,
@@ -57,6 +57,7 @@ WORKERS = 2  # pipeline processes in total, for every system
 SEED = 3
 AUGMENT_PASSES = 24  # ~3 ms per record on this machine's cores
 MiB = 1 << 20
+ARENA = 96 * MiB  # each sidecar's arena: the ring of prefetched batches
 SYSTEMS = ("grain", "colocar1", "colocar2")
 PIPELINES = ("transfer", "compute")
 
@@ -173,14 +174,11 @@ class _Grain:
 
 
 class _Colocar:
-    """colocar's loader, on a cluster of its own (started before the clock runs, closed after)."""
+    """colocar's loader on a cluster started before the clock runs (see `_rounds`)."""
 
-    def __init__(self, pattern: str, pipeline: str, hosts: int, devices: list[Any]):
-        import colocar
+    def __init__(self, pattern: str, pipeline: str, cluster: Any):
         from colocar import loaders
 
-        cluster = colocar.local_cluster(hosts=hosts, devices=devices, arena_size=96 * MiB, processes=0)
-        self.cluster = cluster
         config = {
             "source": {"kind": "array_record", "paths": pattern},
             "global_batch_size": BATCH,
@@ -191,20 +189,13 @@ class _Colocar:
             "workers_per_host": WORKERS // len(cluster.hosts),
             "prefetch": 4,
         }
-        try:
-            self.it = loaders.load(config, cluster, cluster.mesh(("data",)), starve_timeout=600.0)
-        except BaseException:
-            cluster.close()
-            raise
+        self.it = loaders.load(config, cluster, cluster.mesh(("data",)), starve_timeout=600.0)
 
     def next(self) -> Any:
         return next(self.it)
 
     def close(self) -> None:
-        try:
-            self.it.close()
-        finally:
-            self.cluster.close()
+        self.it.close()
 
 
 def _take(feeder: Any, n: int) -> None:
@@ -269,23 +260,32 @@ def _shardings(devices: list[Any]) -> dict[str, Any]:
 def _rounds(
     pattern: str, devices: list[Any], sizes: Sizes, rounds: int
 ) -> dict[tuple[str, str], list[dict[str, float]]]:
-    """Every (pipeline, system)'s measurements, one per round; the systems' order rotates."""
+    """Every (pipeline, system)'s measurements, one per round; the systems' order rotates.
+
+    A colocar system's cluster is started before its two measurements of the round and closed
+    after them, so the training process's CPU of one system never includes another's idle
+    threads (grain brings up nothing but its own workers)."""
+    import colocar
+
     shardings = _shardings(devices)
-    # Each feeder brings up its own machinery (grain: nothing else; colocar: its cluster),
-    # so the training process's CPU of one system never includes another's idle threads.
-    makers: dict[str, Callable[[str], Any]] = {
-        "grain": lambda p: _Grain(pattern, p, shardings),
-        "colocar1": lambda p: _Colocar(pattern, p, 1, devices),
-        "colocar2": lambda p: _Colocar(pattern, p, 2, devices),
-    }
     results: dict[tuple[str, str], list[dict[str, float]]] = {(p, s): [] for p in PIPELINES for s in SYSTEMS}
     for r in range(rounds):
-        order = SYSTEMS[r % 3 :] + SYSTEMS[: r % 3]
-        for pipeline in PIPELINES:
-            for system in order:
-                warmup, n = sizes.warmup[pipeline], sizes.batches[pipeline]
-                m = _measure(lambda: makers[system](pipeline), warmup, n)  # noqa: B023
-                results[(pipeline, system)].append(m)
+        for system in SYSTEMS[r % 3 :] + SYSTEMS[: r % 3]:
+            hosts = {"colocar1": 1, "colocar2": 2}.get(system)
+            cluster = None
+            if hosts is not None:
+                cluster = colocar.local_cluster(hosts=hosts, devices=devices, arena_size=ARENA, processes=0)
+            try:
+                for pipeline in PIPELINES:
+                    if cluster is None:
+                        make: Callable[[], Any] = lambda: _Grain(pattern, pipeline, shardings)  # noqa: B023
+                    else:
+                        make = lambda: _Colocar(pattern, pipeline, cluster)  # noqa: B023
+                    m = _measure(make, sizes.warmup[pipeline], sizes.batches[pipeline])
+                    results[(pipeline, system)].append(m)
+            finally:
+                if cluster is not None:
+                    cluster.close()
     return results
 
 

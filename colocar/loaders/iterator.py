@@ -179,30 +179,45 @@ class DataIterator:
         for feed in self._fed:
             feed.poll()
 
-    def __next__(self) -> dict[str, jax.Array]:
-        self._free_dropped_slots()
-        started = time.perf_counter()
-        k = self.position
-        # Per field, every device's view, hosts in plan order, each host's devices as placed.
-        pieces: dict[str, list[np.ndarray]] = {name: [] for name in self.fields}
+    def _gather(self, k: int, pieces: dict[str, list[np.ndarray]]) -> bool:
+        """Adds every host's per-device views of batch `k` to `pieces`; True at the end of the data.
+
+        No local keeps a host's views after they went into `pieces` (a later host's failure
+        keeps this frame in its traceback)."""
         ended = False
         for obj, feed, (_, layout, placed) in zip(self._remote, self._feeds, self._plan, strict=True):
             if feed is not None:
                 got = feed.next_batch(k)
                 if got is None:
                     ended = True
-                    continue
-                for name, views in got[0].items():
-                    pieces[name] += views
+                else:
+                    _extend(pieces, got[0])
+                got = None
                 continue
             item = obj.next_batch()
             if item is None:
                 ended = True
-                continue
-            if item["k"] != k:
+            elif item["k"] != k:
                 raise RuntimeError(f"{obj} returned batch {item['k']}, expected {k}")
-            for name in self.fields:
-                pieces[name] += [layout.segment_view(item["slot"], name, segment) for _, segment in placed]
+            else:
+                for name in self.fields:
+                    pieces[name] += [layout.segment_view(item["slot"], name, s) for _, s in placed]
+            item = None
+        return ended
+
+    def __next__(self) -> dict[str, jax.Array]:
+        self._free_dropped_slots()
+        started = time.perf_counter()
+        k = self.position
+        # Per field, every device's view, hosts in plan order, each host's devices as placed.
+        pieces: dict[str, list[np.ndarray]] = {name: [] for name in self.fields}
+        try:
+            ended = self._gather(k, pieces)
+        except BaseException:
+            # A host failed after others delivered: drop their views now, not when the
+            # traceback (which keeps this frame) is collected, so their slots go back.
+            pieces.clear()
+            raise
         if ended:
             raise StopIteration
         self.wait_seconds += time.perf_counter() - started
@@ -358,3 +373,8 @@ def load(
     """
     mesh = mesh or cluster.mesh(("data",))
     return DataIterator(load_config(config), cluster, mesh, start, starve_timeout, progress)
+
+
+def _extend(pieces: dict[str, list[np.ndarray]], views: dict[str, list[np.ndarray]]) -> None:
+    for name, field_views in views.items():
+        pieces[name] += field_views
