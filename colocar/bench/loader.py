@@ -26,7 +26,7 @@ system starts its cluster before its two measurements of a round and closes it a
 no system's figure includes another's idle threads. Each batch is held like a training step
 would hold it (`jax.block_until_ready`) and dropped before the next is taken. Measurements are interleaved
 (one of each per round, order rotating) and the figures are medians over rounds (at least 5;
-3 with --quick, which also writes fewer records and times fewer batches). Ratios take the
+2 with --quick, which also writes fewer records and times fewer batches). Ratios take the
 WORSE of 1 and 2 sidecars: `transfer_ratio` / `compute_ratio` = min(colocar) / grain batches/s,
 `trainer_cpu_ratio` = the largest colocar / grain training-process CPU per batch of both pipelines.
 """
@@ -86,8 +86,8 @@ QUICK = Sizes(
     per_file=128,
     warmup={"transfer": 8, "compute": 4},
     batches={"transfer": 30, "compute": 8},
-    min_rounds=3,
-    max_rounds=3,
+    min_rounds=2,  # each round starts grain twice and a 1- and a 2-sidecar cluster: ~20 s
+    max_rounds=2,
 )
 FULL = Sizes(
     files=2,
