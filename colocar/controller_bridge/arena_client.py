@@ -112,14 +112,7 @@ class ArenaClient(payload.BlockSpace):
     def place(self, arrays: list[np.ndarray]) -> list[pb.BlockDesc]:
         if self.arena is not None:
             return super().place(arrays)
-        descs: list[pb.BlockDesc] = []
-        try:
-            for array in arrays:
-                descs.append(self.upload(array))
-        except BaseException:
-            self.release(descs)
-            raise
-        return descs
+        return payload.all_or_none(arrays, self.upload, self.release)  # no arena here: uploads
 
     # --- payloads --------------------------------------------------------------------------
     def encode(self, value: Any, what: str) -> tuple[pb.Payload, list[int], list[np.ndarray]]:

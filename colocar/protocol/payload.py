@@ -17,7 +17,7 @@ its way to allocate, fill, share and give back blocks; the rules are written onc
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -54,14 +54,7 @@ class BlockSpace:
 
     def allocate(self, sizes: list[int]) -> list[pb.BlockDesc]:
         """Blocks for a payload, all or none."""
-        descs: list[pb.BlockDesc] = []
-        try:
-            for nbytes in sizes:
-                descs.append(self.allocate_one(nbytes))
-        except BaseException:
-            self.release(descs)
-            raise
-        return descs
+        return all_or_none(sizes, self.allocate_one, self.release)
 
     def release(self, descs: list[pb.BlockDesc]) -> None:
         """Gives back blocks allocated for a payload that will not be sent."""
@@ -218,3 +211,18 @@ def decode(
 
 def _no_blocks(index: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     raise BoundsError(f"array reference {index} but only 0 blocks sent")
+
+
+def all_or_none(
+    items: Iterable[T], make: Callable[[T], pb.BlockDesc], release: Callable[[list[pb.BlockDesc]], None]
+) -> list[pb.BlockDesc]:
+    """`make(item)` for each item; if one fails (or is interrupted), the blocks made so far go
+    to `release` and the error propagates."""
+    descs: list[pb.BlockDesc] = []
+    try:
+        for item in items:
+            descs.append(make(item))
+    except BaseException:
+        release(descs)
+        raise
+    return descs
