@@ -94,3 +94,32 @@ def test_a_killed_controller_gets_its_lent_slots_freed_and_workers_stopped(make_
         if controller.poll() is None:
             controller.kill()
             controller.wait(timeout=30)
+
+
+def test_a_host_failing_mid_batch_does_not_pin_the_other_hosts_slot():
+    """Host 1's pipeline dies after host 0 delivered its part of the batch: the error's
+    traceback (kept here, with the collector off) holds none of host 0's views, so host 0's
+    slot comes back at close, not at some later garbage collection. (Host 1's remote object
+    stays while a traceback frame still names its handle, as any live handle keeps it.)"""
+    import gc
+    import os
+
+    with colocar.local_cluster(hosts=2, arena_size=16 << 20, processes=0) as c:
+        c.make_current()
+        host0 = c.hosts[0]
+        baseline = host0.stats()["pools"]["default"]["used"]
+        it = loaders.load(config(num_epochs=None), c)
+        next(it)
+        os.kill(it._remote[1].worker_pids()[0], signal.SIGKILL)
+        gc.disable()
+        try:
+            with pytest.raises(Exception, match="died") as info:
+                for _ in range(100):
+                    next(it)
+            it.close()
+            wait_for(
+                lambda: host0.stats()["pools"]["default"]["used"] == baseline,
+                f"host0's ring to be freed while the {info.type.__name__} is still held",
+            )
+        finally:
+            gc.enable()
