@@ -21,7 +21,7 @@ import numpy as np
 
 from colocar.controller_bridge.cluster import Host
 from colocar.errors import HostLostError
-from colocar.protocol.messages import FeedMessage
+from colocar.protocol.messages import FEED_HEADER, FeedMessage
 from colocar.shm import ndarray_view
 from colocar.shm.ring import WAITING, board_words, store_load_hint
 
@@ -29,6 +29,7 @@ from .layout import SlotLayout
 from .pump import PipelineError
 
 _LENDING: set[_Feed] = set()  # closed feeds whose batches still hold slots
+AHEAD = 2  # a host with this many batches read but not yet taken is not woken for a slot
 
 
 class _Feed:
@@ -100,9 +101,11 @@ class _Feed:
 
     def flush(self) -> None:
         """Gives the pending slots back on the ring's board; signals the sidecar only if its
-        ring waits for a slot, or once closed (its pipeline is stopped: nothing else looks).
-        A flag read too early (no fence orders it after the counters, see `shm.ring`) loses
-        the signal; the pump's periodic look at the board finds the slots anyway."""
+        ring waits for a slot and this end holds fewer than `AHEAD` of its batches unread, or
+        once closed (its pipeline is stopped: nothing else looks). A host that far ahead needs
+        no wake-up (each costs both processes a context switch): the pump's periodic look at
+        the board finds the slots, as it does when a flag read too early (no fence orders it
+        after the counters, see `shm.ring`) loses the signal."""
         while self._pending and self._send_lock.acquire(blocking=False):
             try:
                 board, n = self._board, 0
@@ -111,7 +114,7 @@ class _Feed:
                     n += 1
                 self._outstanding -= n
                 store_load_hint()  # best effort: see "Ordering" in shm/ring.py
-                if self._closed or board[WAITING]:
+                if self._closed or (board[WAITING] and self._end - self._start < AHEAD * FEED_HEADER.size):
                     try:
                         self._sock.sendall(b"\x01")
                     except OSError:
