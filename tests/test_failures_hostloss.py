@@ -90,3 +90,29 @@ def test_a_host_lost_mid_array_call_fails_it_at_once_and_cancels_the_others(sig,
         if sig == signal.SIGSTOP:
             os.kill(c.processes[1].pid, signal.SIGCONT)
             c.processes[1].kill()
+
+
+# --- 4. a stopped sidecar, seen from a thread without a local-link socket yet --------------------
+def test_a_stopped_sidecar_is_a_lost_host_from_a_new_thread_too(make_cluster):
+    c = make_cluster()
+    host = c.hosts[0]
+    assert host.connection.transport.link is not None  # calls go over the local link
+    assert echo.on(host)(1) == ((1,), {})  # this thread has its link socket
+    process = c.processes[0]
+    errors: dict[str, BaseException | None] = {}
+    new_thread = threading.Thread(target=lambda: errors.update(new=in_thread(lambda: echo.on(host)(2))[1]))
+    try:
+        os.kill(process.pid, signal.SIGSTOP)
+        new_thread.start()  # its first call opens a socket: the stopped sidecar never says hello
+        try:
+            echo.on(host)(3)  # on this thread's socket
+        except BaseException as e:  # noqa: BLE001 - checked below
+            errors["old"] = e
+        new_thread.join(DEADLINE)
+        assert not new_thread.is_alive()
+    finally:
+        os.kill(process.pid, signal.SIGCONT)
+        process.kill()
+    for which in ("new", "old"):  # was: CallTimeoutError after 10 s from the new thread
+        assert isinstance(errors[which], colocar.HostLostError), f"{which} thread: {errors[which]!r}"
+        assert host.name in str(errors[which])
