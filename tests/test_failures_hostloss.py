@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 from typing import Any
 
@@ -116,3 +117,37 @@ def test_a_stopped_sidecar_is_a_lost_host_from_a_new_thread_too(make_cluster):
     for which in ("new", "old"):  # was: CallTimeoutError after 10 s from the new thread
         assert isinstance(errors[which], colocar.HostLostError), f"{which} thread: {errors[which]!r}"
         assert host.name in str(errors[which])
+
+
+def test_a_full_link_backlog_is_waited_out_not_taken_for_a_lost_host(make_cluster):
+    # A long heartbeat: the sidecar is stopped for far less than the keepalive's three periods.
+    c = make_cluster(heartbeat_seconds=3.0)
+    host = c.hosts[0]
+    link = host.connection.transport.link
+    assert link is not None
+    process = c.processes[0]
+    fillers: list[socket.socket] = []
+    box: dict[str, Any] = {}
+    caller = threading.Thread(target=lambda: box.update(result=in_thread(lambda: echo.on(host)(4))))
+    try:
+        os.kill(process.pid, signal.SIGSTOP)  # it accepts nothing: its listener's backlog fills
+        while True:
+            filler = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            filler.setblocking(False)
+            try:
+                filler.connect(link.path)
+            except BlockingIOError:
+                filler.close()
+                break
+            fillers.append(filler)
+        caller.start()  # a new thread: its first call must connect, and finds the backlog full
+        caller.join(0.3)
+    finally:
+        os.kill(process.pid, signal.SIGCONT)
+        for filler in fillers:
+            filler.close()
+    caller.join(DEADLINE)
+    assert not caller.is_alive()
+    assert box["result"] == (((4,), {}), None)  # was: HostLostError ("local link broke") at once
+    assert host.connection.session.lost is None
+    assert echo.on(host)(5) == ((5,), {})
