@@ -99,7 +99,6 @@ class ArrayCallFuture:
             raise errors[0]
         return planner.assemble(self._plan, results)
 
-
     def _wait(self) -> HostLostError | None:
         """Waits until every host's part ended, or one host is lost: then the error to raise.
 
@@ -124,7 +123,7 @@ class ArrayCallFuture:
         if not others:
             return error
         lost = HostLostError(
-            f"{self._plan.name} failed: {error}; its part on {', '.join(others)} was cancelled. "
+            f"{self._plan.name} failed: {error}; {', '.join(others)} were told to drop their part. "
             f"Call it again once {host.host.name} is back (the heartbeat reconnects a restarted sidecar)"
         )
         lost.__cause__ = error
