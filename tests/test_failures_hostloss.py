@@ -105,16 +105,18 @@ def test_a_stopped_sidecar_is_a_lost_host_from_a_new_thread_too(make_cluster):
     try:
         os.kill(process.pid, signal.SIGSTOP)
         new_thread.start()  # its first call opens a socket: the stopped sidecar never says hello
+        future = echo.on(host).submit(6)  # so does a link pool thread's first call
         try:
             echo.on(host)(3)  # on this thread's socket
         except BaseException as e:  # noqa: BLE001 - checked below
             errors["old"] = e
         new_thread.join(DEADLINE)
         assert not new_thread.is_alive()
+        errors["pool"] = future.exception(timeout=DEADLINE)
     finally:
         os.kill(process.pid, signal.SIGCONT)
         process.kill()
-    for which in ("new", "old"):  # was: CallTimeoutError after 10 s from the new thread
+    for which in ("new", "old", "pool"):  # was: CallTimeoutError after 10 s from the new thread
         assert isinstance(errors[which], colocar.HostLostError), f"{which} thread: {errors[which]!r}"
         assert host.name in str(errors[which])
 

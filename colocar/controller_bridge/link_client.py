@@ -101,15 +101,12 @@ class LinkClient:
                 sock.connect(self.path)
                 return
             except BlockingIOError:  # EAGAIN: the listener's backlog is full
-                self._still_waiting(deadline)
-                time.sleep(min(0.01, self._poll))
-
-    def _still_waiting(self, deadline: float | None) -> None:
-        """Raises when a wait should end: the host is lost, the link closed, or it is too late."""
-        if self._lost() or self._closed:
-            raise TransportError(Status.UNAVAILABLE, "host lost waiting for the reply")
-        if deadline is not None and time.monotonic() > deadline:
-            raise TransportError(Status.DEADLINE_EXCEEDED, "deadline exceeded")
+                pass
+            if self._lost() or self._closed:
+                raise TransportError(Status.UNAVAILABLE, "host lost waiting to connect")
+            if time.monotonic() > deadline:
+                raise TransportError(Status.DEADLINE_EXCEEDED, "no room to connect before the deadline")
+            time.sleep(min(0.01, self._poll))
 
     def _forget(self, sock: socket.socket) -> None:
         """Closes a socket this client will not use again."""
@@ -244,7 +241,8 @@ class LinkClient:
                     last_look = True  # the reply may have landed just before the sidecar went
                     sock.settimeout(0.05)
                     continue
-                self._still_waiting(deadline)
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TransportError(Status.DEADLINE_EXCEEDED, "deadline exceeded") from None
                 continue
             if last_look:
                 sock.settimeout(self._poll)
