@@ -9,6 +9,7 @@ in host order, so that they keep their place in its lanes.
 Staging for several hosts runs concurrently on a small shared pool; for one host it runs
 inline. The first failure wins, and whatever was staged for the other hosts goes back; an
 interrupt returns at once and leaves the stagings still running to give back their blocks.
+Once started, a lost host fails the call at once, and the other hosts are told to drop theirs.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from colocar.errors import HostLostError
 from colocar.shm import holds
 
 from . import planner
@@ -66,12 +68,23 @@ class ArrayCallFuture:
             raise
 
     def _give_up(self) -> None:
-        """After an interrupt: the call is given up on every host (see `CallFuture.give_up`)."""
+        """After an interrupt or a lost host: the call is given up on every host (see
+        `CallFuture.give_up`): cancelled on the sidecars, its late replies freed."""
         for _, future in self._futures:
             future.give_up()
 
     def result(self) -> Any:
-        """The global result; an interrupt while waiting cancels the call on every host."""
+        """The global result; an interrupt while waiting cancels the call on every host, and so
+        does a lost host, at once (see `_wait`). Other errors are raised once all hosts ended,
+        the first host's first."""
+        try:
+            lost = self._wait()
+        except BaseException:
+            self._give_up()
+            raise
+        if lost is not None:
+            self._give_up()
+            raise lost
         errors = []
         results = []
         for host, future in self._futures:
@@ -85,6 +98,36 @@ class ArrayCallFuture:
         if errors:
             raise errors[0]
         return planner.assemble(self._plan, results)
+
+    def _wait(self) -> HostLostError | None:
+        """Waits until every host's part ended, or one host is lost: then the error to raise.
+
+        A lost host's part ends as soon as its connection knows (a reset link, a missed
+        keepalive); waiting on the other hosts' parts (minutes, or forever) would only delay
+        an error that is already certain, so they are given up (the caller cancels them)."""
+        changed = threading.Event()
+        for _, future in self._futures:
+            future.add_done_callback(lambda _: changed.set())
+        while True:
+            changed.clear()  # before looking: a part ending after the look sets it again
+            for host, future in self._futures:
+                error = future.failure()
+                if isinstance(error, HostLostError):
+                    return self._lost(host, error)
+            if all(future.done() for _, future in self._futures):
+                return None
+            changed.wait()
+
+    def _lost(self, host: HostPlan, error: HostLostError) -> HostLostError:
+        others = [h.host.name for h, _ in self._futures if h is not host]
+        if not others:
+            return error
+        lost = HostLostError(
+            f"{self._plan.name} failed: {error}; {', '.join(others)} were told to drop their part. "
+            f"Call it again once {host.host.name} is back (the heartbeat reconnects a restarted sidecar)"
+        )
+        lost.__cause__ = error
+        return lost
 
 
 def _staging(plan: CallPlan, host: HostPlan, build: CallBuilder) -> Callable[[], Call]:

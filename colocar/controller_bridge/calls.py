@@ -303,6 +303,14 @@ class CallFuture:
         f = self._call._future
         return f is None or f.done()
 
+    def failure(self) -> BaseException | None:
+        """Without waiting: the error the call ended with before any reply came (a lost host,
+        its timeout, abandoned), else None (running, or a reply came: even one of an error)."""
+        f = self._call._future
+        if f is None or not f.done() or f.cancelled():
+            return None
+        return f.exception()
+
     def cancel(self) -> bool:
         """Cancels the call, even a running one: it raises CancelledError, the next call on its
         lane goes at once, and the sidecar stops it (a worker process) or lets it run out

@@ -54,28 +54,36 @@ class LinkClient:
         self._sockets: list[socket.socket] = []
         self._lock = threading.Lock()
         self._closed = False
+        self.hello_seconds = max(10.0, 10 * poll)  # a new socket's greeting, without a deadline
         self._socket().close()  # fail now, not at the first call, if the link is unreachable
         self._local.sock = None
 
-    def _socket(self, timeout: float = 10.0) -> socket.socket:
+    def _socket(self, deadline: float | None = None) -> socket.socket:
+        """This thread's socket, opened (and greeted with the token) on first use.
+
+        Opening waits like a call does: in `poll` slices while the host is not lost, until
+        `deadline` or, without one, `hello_seconds` (longer than the heartbeat takes to find
+        a silent sidecar lost): a stopped sidecar is a lost host from a new thread too."""
         sock = getattr(self._local, "sock", None)
         if sock is not None:
             return sock
         if self._closed:
             raise TransportError(Status.UNAVAILABLE, "the local link is closed")
+        hello = time.monotonic() + self.hello_seconds
+        deadline = hello if deadline is None else min(deadline, hello)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(timeout)
+        frame = _Frame()
         try:
-            sock.connect(self.path)
+            self._connect(sock, deadline)
             link.send_request(sock, link.HELLO, self._token)
-            status, body = link.parse_reply(link.recv_frame(sock))
+            self._read_frame(sock, frame, deadline)
         except BaseException:
             sock.close()
             raise
+        status, body = link.parse_reply(frame.body())
         if status != 0:
             sock.close()
             raise TransportError(Status.of(status), body.decode(errors="replace"))
-        sock.settimeout(self._poll)
         with self._lock:
             if self._closed:  # closed while we connected: close() did not see this socket
                 sock.close()
@@ -83,6 +91,22 @@ class LinkClient:
             self._sockets.append(sock)
         self._local.sock = sock
         return sock
+
+    def _connect(self, sock: socket.socket, deadline: float) -> None:
+        """Connects; a full backlog (a sidecar stopped, or slow to accept a burst of new
+        threads) is waited out like a late reply, never taken for a broken link."""
+        sock.settimeout(self._poll)
+        while True:
+            try:
+                sock.connect(self.path)
+                return
+            except BlockingIOError:  # EAGAIN: the listener's backlog is full
+                pass
+            if self._lost() or self._closed:
+                raise TransportError(Status.UNAVAILABLE, "host lost waiting to connect")
+            if time.monotonic() > deadline:
+                raise TransportError(Status.DEADLINE_EXCEEDED, "no room to connect before the deadline")
+            time.sleep(min(0.01, self._poll))
 
     def _forget(self, sock: socket.socket) -> None:
         """Closes a socket this client will not use again."""
@@ -115,14 +139,14 @@ class LinkClient:
         sending = sent = False
         try:
             try:
-                sock = self._socket(10.0 if timeout is None else max(0.05, min(10.0, timeout)))
+                sock = self._socket(deadline)
                 self._local.sock = None  # taken: back only after a complete reply
                 data = request.SerializeToString()
                 sending = True
                 link.send_request(sock, method, data)
                 sent = True
                 self._read_frame(sock, frame, deadline)
-            except TimeoutError:  # no answer to the connection's hello within the deadline
+            except TimeoutError:  # the request was not taken within a poll (a stopped sidecar)
                 self._give_up(sock, None)
                 raise TransportError(Status.DEADLINE_EXCEEDED, "no answer on the local link") from None
             except (OSError, link.LinkClosed) as e:
