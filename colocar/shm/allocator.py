@@ -204,7 +204,7 @@ class Allocator:
         if taken > p.size:
             why = "larger than the whole pool"
         elif taken + pinned > p.size:
-            why = f"it cannot fit beside the {pinned} bytes its caller holds or still needs here: no wait helps"
+            why = f"it cannot fit beside the {pinned} bytes its caller holds or still needs: no wait helps"
         else:
             why = f"no room after waiting {timeout:g} s"
         return (
