@@ -12,6 +12,7 @@ import resource
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -87,10 +88,14 @@ def test_a_request_too_large_for_a_message_fails_clearly(cluster, grpc_cluster):
     def total() -> int:
         return int(table.sum())
 
+    def totals() -> Iterator[int]:
+        yield int(table.sum())
+
     for c in (cluster, grpc_cluster):
-        f = colocar.colocated(total).on(c.hosts[0])
         with pytest.raises(ColocarError, match="pass large values as arguments"):
-            f()
+            colocar.colocated(total).on(c.hosts[0])()
+        with pytest.raises(ColocarError, match="pass large values as arguments"):  # a stream's call
+            list(colocar.colocated(totals).on(c.hosts[0])())
         assert c.hosts[0].connection.session.lost is None
         assert colocar.colocated(lambda t: int(t.sum())).on(c.hosts[0])(table) == table.size  # as an argument
 
@@ -152,6 +157,15 @@ def test_idle_strangers_on_the_link_do_not_keep_the_controller_out(make_cluster)
         for sock in idle:
             sock.close()
     assert colocar.colocated(lambda: 7).on(host)() == 7
+
+
+def test_a_stranger_cannot_make_the_link_read_a_large_hello(cluster):
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(DEADLINE)
+        sock.connect(cluster.hosts[0].connection.session.info.link_path)
+        sock.sendall(link.LENGTH.pack(link.MAX_HELLO + 1))  # closed before a byte of it is read
+        assert sock.recv(1) == b""
+    assert colocar.colocated(lambda: 3).on(cluster.hosts[0])() == 3
 
 
 # --- allocations that can never fit ------------------------------------------------------------

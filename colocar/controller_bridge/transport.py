@@ -31,6 +31,10 @@ from .link_client import LinkClient
 MiB = 1 << 20
 LOST = (Status.UNAVAILABLE, Status.CANCELLED)
 LINK_THREADS = 16  # futures in flight at once over one host's local link
+TOO_LARGE_HINT = (  # why a request can exceed MAX_REQUEST, and what to do
+    "arguments travel through the arena, but what a function's closure or defaults capture "
+    "travels inside its code: pass large values as arguments"
+)
 
 Done = Callable[[Any, BaseException | None], None]  # (reply, None) or (None, error)
 Unsent = Callable[[], None] | None  # runs if the call certainly never reached the sidecar
@@ -103,6 +107,8 @@ def translate(e: TransportError, what: str, peer: Peer) -> Exception:
             f"{what} on {name}: the sidecar lost this session (restart or expired "
             "lease); remote objects and arrays on it are gone"
         )
+    if status == Status.RESOURCE_EXHAUSTED and "message larger than max" in details:  # gRPC's limit
+        return ColocarError(f"{what} on {name}: {details}; {TOO_LARGE_HINT}")
     if status == Status.RESOURCE_EXHAUSTED:
         return ArenaFullError(f"{what} on {name}: {details}")
     return ColocarError(f"{what} on {name} failed: {status.name}: {details}")
@@ -194,8 +200,7 @@ def too_large(request: Any) -> TransportError | None:
     return TransportError(
         Status.INVALID_ARGUMENT,
         f"the request is {size / MiB:.1f} MiB, over the {MAX_REQUEST // MiB} MiB a message to a "
-        "sidecar may carry; arguments travel through the arena, but what a function's closure "
-        "or defaults capture travels inside its code: pass large values as arguments",
+        f"sidecar may carry; {TOO_LARGE_HINT}",
     )
 
 
