@@ -194,3 +194,20 @@ def test_a_multi_block_request_larger_than_the_pool_fails_at_once(sidecar, stub,
         stub.Allocate(request, metadata=token_metadata(sidecar.token), timeout=DEADLINE / 2)
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
     assert "no wait helps" in info.value.details()
+
+
+def test_the_allocator_refuses_what_can_never_fit_and_keeps_nothing():
+    from colocar.shm import Allocator, ArenaFullError
+
+    allocator = Allocator(4096, 8 * MiB)
+    held = allocator.allocate(MiB, owner="other")  # someone else's block: worth waiting for
+    with pytest.raises(ArenaFullError, match="no wait helps"):
+        allocator.allocate_all([3 * MiB, 3 * MiB, 3 * MiB], owner="s", timeout=600.0)
+    with pytest.raises(ArenaFullError, match="no wait helps"):
+        allocator.allocate(5 * MiB, owner="s", timeout=600.0, pinned=4 * MiB)
+    assert allocator.stats()["default"]["used"] == MiB, "a refused request keeps no block"
+    blocks = allocator.allocate_all([3 * MiB, 3 * MiB], owner="s", timeout=600.0)
+    assert len(blocks) == 2
+    allocator.release(held.id, "other")
+    allocator.release_owner("s")
+    assert allocator.stats()["default"]["used"] == 0
