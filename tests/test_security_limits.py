@@ -94,6 +94,9 @@ def test_a_request_too_large_for_a_message_fails_clearly(cluster, grpc_cluster):
     for c in (cluster, grpc_cluster):
         with pytest.raises(ColocarError, match="pass large values as arguments"):
             colocar.colocated(total).on(c.hosts[0])()
+        future = colocar.colocated(total).on(c.hosts[0]).submit()  # the same, started asynchronously
+        with pytest.raises(ColocarError, match="pass large values as arguments"):
+            future.result(timeout=DEADLINE)
         with pytest.raises(ColocarError, match="pass large values as arguments"):  # a stream's call
             list(colocar.colocated(totals).on(c.hosts[0])())
         assert c.hosts[0].connection.session.lost is None

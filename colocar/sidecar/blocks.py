@@ -71,7 +71,7 @@ class SidecarArena:
 
     def empty(
         self,
-        shape: tuple[int, ...],
+        shape: int | tuple[int, ...],
         dtype: Any,
         pool: str = "default",
         timeout: float = 0.0,
@@ -84,10 +84,11 @@ class SidecarArena:
         dtype = np.dtype(dtype)
         if not holds(dtype):  # checked before allocating: a failed view must not leak the block
             raise TypeError(f"dtype {dtype} cannot live in the arena; use np.empty")
-        nbytes = math.prod(int(d) for d in shape) * dtype.itemsize
+        shape = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
+        nbytes = math.prod(shape) * dtype.itemsize  # Python ints: no int64 wrap-around
         pinned = 0 if call is None else self._holdings.held(call, pool)
         block = self.allocator.allocate(nbytes, owner=VIEW_OWNER, pool=pool, timeout=timeout, pinned=pinned)
-        array = self._make_view(block, tuple(shape), dtype)
+        array = self._make_view(block, shape, dtype)
         if call is not None:
             self._holdings.add(call, array, pool, footprint(nbytes))
         return array
