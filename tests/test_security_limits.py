@@ -214,3 +214,31 @@ def test_the_allocator_refuses_what_can_never_fit_and_keeps_nothing():
     allocator.release(held.id, "other")
     allocator.release_owner("s")
     assert allocator.stats()["default"]["used"] == 0
+
+
+def test_a_restore_larger_than_the_arena_fails_at_once(make_cluster, tmp_path):
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from colocar.checkpoint import CheckpointError, CheckpointManager
+
+    url = str(tmp_path / "ckpt")
+    big = make_cluster(arena_size=64 * MiB, processes=0)
+    sharding = NamedSharding(big.mesh(("data",), (8,)), P("data"))
+    state = {f"w{i}": jax.device_put(np.full((1024, 1024), i, np.float32), sharding) for i in range(6)}
+    with CheckpointManager(url, big) as mngr:  # 24 MiB
+        mngr.save(1, state)
+        mngr.wait()
+    big.close()
+    small = make_cluster(arena_size=16 * MiB, processes=0, alloc_timeout=600.0)
+    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
+    mngr, pool = CheckpointManager(url, small), ThreadPoolExecutor(1)
+    try:
+        restoring = pool.submit(mngr.restore, 1, target)  # a regression waits 10 minutes
+        with pytest.raises(CheckpointError, match="no wait helps"):
+            restoring.result(timeout=DEADLINE / 2)
+    finally:
+        pool.shutdown(wait=False)
+        small.close()  # ends a restore still waiting (a regression) before the manager closes
+        mngr.close()
