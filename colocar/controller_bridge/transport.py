@@ -20,6 +20,7 @@ import grpc
 
 from colocar.errors import AuthError, CallTimeoutError, ColocarError, HostLostError
 from colocar.protocol import colocar_pb2_grpc as pb_grpc
+from colocar.protocol.link import MAX_FRAME, MAX_REQUEST
 from colocar.protocol.link import METHODS as LINK_METHODS
 from colocar.protocol.status import Status, TransportError
 from colocar.protocol.tokens import TOKEN_METADATA_KEY
@@ -30,6 +31,10 @@ from .link_client import LinkClient
 MiB = 1 << 20
 LOST = (Status.UNAVAILABLE, Status.CANCELLED)
 LINK_THREADS = 16  # futures in flight at once over one host's local link
+TOO_LARGE_HINT = (  # why a request can exceed MAX_REQUEST, and what to do
+    "arguments travel through the arena, but what a function's closure or defaults capture "
+    "travels inside its code: pass large values as arguments"
+)
 
 Done = Callable[[Any, BaseException | None], None]  # (reply, None) or (None, error)
 Unsent = Callable[[], None] | None  # runs if the call certainly never reached the sidecar
@@ -40,8 +45,8 @@ def channel_options(heartbeat_seconds: float) -> list[tuple[str, Any]]:
     (calls waiting on the local link learn it from the heartbeat)."""
     ping_ms = max(200, int(heartbeat_seconds * 1000))
     return [
-        ("grpc.max_receive_message_length", 64 * MiB),
-        ("grpc.max_send_message_length", 64 * MiB),
+        ("grpc.max_receive_message_length", MAX_FRAME),
+        ("grpc.max_send_message_length", MAX_REQUEST),
         ("grpc.keepalive_time_ms", ping_ms),
         ("grpc.keepalive_timeout_ms", 2 * ping_ms),
         # gRPC >= 1.57 waits for ping acks this long (default 1 min), whatever keepalive_timeout says
@@ -102,6 +107,8 @@ def translate(e: TransportError, what: str, peer: Peer) -> Exception:
             f"{what} on {name}: the sidecar lost this session (restart or expired "
             "lease); remote objects and arrays on it are gone"
         )
+    if status == Status.RESOURCE_EXHAUSTED and "message larger than max" in details:  # gRPC's limit
+        return ColocarError(f"{what} on {name}: {details}; {TOO_LARGE_HINT}")
     if status == Status.RESOURCE_EXHAUSTED:
         return ArenaFullError(f"{what} on {name}: {details}")
     return ColocarError(f"{what} on {name} failed: {status.name}: {details}")
@@ -185,6 +192,18 @@ class GrpcTransport:
         self.channel.close()
 
 
+def too_large(request: Any) -> TransportError | None:
+    """The error for a request over what a sidecar accepts (`MAX_REQUEST`), before sending it."""
+    size = request.ByteSize()
+    if size <= MAX_REQUEST:
+        return None
+    return TransportError(
+        Status.INVALID_ARGUMENT,
+        f"the request is {size / MiB:.1f} MiB, over the {MAX_REQUEST // MiB} MiB a message to a "
+        f"sidecar may carry; {TOO_LARGE_HINT}",
+    )
+
+
 class LinkTransport:
     """The local link, when there is one (`attach`), for the methods it serves; gRPC otherwise.
 
@@ -206,6 +225,10 @@ class LinkTransport:
             old.close()
 
     def call(self, method: str, request: Any, timeout: float | None = None, unsent: Unsent = None) -> Any:
+        if (error := too_large(request)) is not None:
+            if unsent is not None:
+                unsent()
+            raise error
         link = self.link
         if link is not None and method in LINK_METHODS:
             return link.call(method, request, LINK_METHODS[method][1], timeout, self._discard, unsent)
@@ -214,6 +237,11 @@ class LinkTransport:
     def call_async(
         self, method: str, request: Any, timeout: float | None, done: Done, unsent: Unsent
     ) -> None:
+        if (error := too_large(request)) is not None:
+            if unsent is not None:
+                unsent()
+            done(None, error)
+            return
         if self.link is None or method not in LINK_METHODS:
             self.grpc.call_async(method, request, timeout, done, unsent)
             return

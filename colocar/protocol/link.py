@@ -9,6 +9,10 @@ Keepalives go over the link too: only an answer from the sidecar's own process t
 waiting on the link may still complete (a draining sidecar refuses new gRPC calls). Log lines
 are long-polled (`PollLogs`) here too: the waiting thread sleeps in one socket read.
 
+Limits: a request may be `MAX_REQUEST` bytes (the same on gRPC: bulk data travels in arena
+blocks or 1 MiB chunks, so the largest message a controller sends is a function's code), a
+hello `MAX_HELLO`; a reply `MAX_FRAME`.
+
 Frames: request `u32 length | u8 method length | method | message`;
 reply `u32 length | u8 status (a `status.Status`, gRPC's numbering; 0 = OK) | message or
 error details`.
@@ -22,7 +26,9 @@ from typing import Any
 
 from . import colocar_pb2 as pb
 
-MAX_FRAME = 64 << 20
+MAX_FRAME = 64 << 20  # a reply (the sidecar's send limit on gRPC too)
+MAX_REQUEST = 16 << 20  # a request's message, on the link and on gRPC
+MAX_HELLO = 4096  # the first frame of a connection: the method name and the token
 HELLO = "hello"
 # The unary Sidecar methods served on the link; their message types come from the proto.
 _SERVED = (
@@ -63,10 +69,11 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytes:
     return b"".join(chunks)
 
 
-def recv_frame(sock: socket.socket) -> bytes:
+def recv_frame(sock: socket.socket, limit: int = MAX_FRAME) -> bytes:
+    """One frame's content; a frame over `limit` bytes closes the link before it is read."""
     (length,) = LENGTH.unpack(_recv_exactly(sock, 4))
-    if length > MAX_FRAME:
-        raise LinkClosed(f"frame of {length} bytes exceeds {MAX_FRAME}")
+    if length > limit:
+        raise LinkClosed(f"frame of {length} bytes exceeds {limit}")
     return _recv_exactly(sock, length)
 
 

@@ -47,6 +47,11 @@ def _align_up(value: int, align: int) -> int:
     return (value + align - 1) // align * align
 
 
+def footprint(nbytes: int) -> int:
+    """The bytes of its pool a block of ``nbytes`` takes (alignment included)."""
+    return _footprint(nbytes)[1]
+
+
 def _footprint(nbytes: int) -> tuple[int, int]:
     """(alignment, bytes taken) for a request: sizes round up to the alignment, 0 takes one unit."""
     align = LARGE_ALIGN if nbytes >= LARGE_THRESHOLD else SMALL_ALIGN
@@ -150,8 +155,14 @@ class Allocator:
         except KeyError:
             raise KeyError(f"unknown pool {name!r}; known pools: {sorted(self._pools)}") from None
 
-    def allocate(self, nbytes: int, *, owner: str, pool: str = DEFAULT_POOL, timeout: float = 0.0) -> Block:
-        """Allocate ``nbytes`` in ``pool``, leased once by ``owner``; waits ``timeout`` s."""
+    def allocate(
+        self, nbytes: int, *, owner: str, pool: str = DEFAULT_POOL, timeout: float = 0.0, pinned: int = 0
+    ) -> Block:
+        """Allocate ``nbytes`` in ``pool``, leased once by ``owner``; waits ``timeout`` s.
+
+        ``pinned``: bytes of the pool the caller holds and cannot give back while it waits (its
+        own earlier blocks). A request that cannot fit beside them fails at once: no wait helps.
+        """
         if nbytes < 0:
             raise ValueError(f"cannot allocate {nbytes} bytes")
         align, taken = _footprint(nbytes)
@@ -159,7 +170,7 @@ class Allocator:
         with self._lock:
             p = self._pool(pool)
             while True:
-                offset = p.take(align, taken) if taken <= p.size else None
+                offset = p.take(align, taken) if taken + pinned <= p.size else None
                 if offset is not None:
                     block = Block(self._next_id, offset, nbytes, pool)
                     self._next_id += 1
@@ -168,12 +179,34 @@ class Allocator:
                     self._owned.setdefault(owner, set()).add(block.id)
                     return block
                 remaining = deadline - time.monotonic()
-                if taken > p.size or remaining <= 0:
-                    raise ArenaFullError(self._full_message(p, nbytes, taken, timeout))
+                if taken + pinned > p.size or remaining <= 0:
+                    raise ArenaFullError(self._full_message(p, nbytes, taken, timeout, pinned))
                 p.cond.wait(remaining)
 
-    def _full_message(self, p: _Pool, nbytes: int, taken: int, timeout: float) -> str:
-        why = "larger than the whole pool" if taken > p.size else f"no room after waiting {timeout:g} s"
+    def allocate_all(
+        self, sizes: list[int], *, owner: str, pool: str = DEFAULT_POOL, timeout: float = 0.0
+    ) -> list[Block]:
+        """One block per size, all or none (each may wait ``timeout`` s); sizes that cannot fit
+        the pool together fail at once, before any wait."""
+        blocks: list[Block] = []
+        total = sum(footprint(n) for n in sizes if n >= 0)
+        try:
+            for nbytes in sizes:
+                pinned = total - footprint(nbytes) if nbytes >= 0 else 0  # held by, or due to, the rest
+                blocks.append(self.allocate(nbytes, owner=owner, pool=pool, timeout=timeout, pinned=pinned))
+        except BaseException:
+            for block in blocks:
+                self.release(block.id, owner)
+            raise
+        return blocks
+
+    def _full_message(self, p: _Pool, nbytes: int, taken: int, timeout: float, pinned: int = 0) -> str:
+        if taken > p.size:
+            why = "larger than the whole pool"
+        elif taken + pinned > p.size:
+            why = f"it cannot fit beside the {pinned} bytes its caller holds or still needs: no wait helps"
+        else:
+            why = f"no room after waiting {timeout:g} s"
         return (
             f"arena pool {p.name!r} cannot hold {nbytes} bytes ({taken} with alignment; {why}): "
             f"largest free extent {p.largest_free()} bytes, reserved {p.size}, used {p.used}, "

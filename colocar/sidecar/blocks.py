@@ -10,6 +10,8 @@ over the blocks leased to one owner (`_Leases`).
 from __future__ import annotations
 
 import math
+import threading
+import weakref
 from typing import Any
 
 import numpy as np
@@ -27,6 +29,7 @@ from colocar.shm import (
     ndarray_view,
     remove_stale_arenas,
 )
+from colocar.shm.allocator import footprint
 from colocar.shm.reclaim import Reclaimer
 from colocar.shm.ring import SlotRing
 from colocar.shm.views import BlockHandle
@@ -44,6 +47,7 @@ class SidecarArena:
         self.arena = Arena.create(shm_dir, size, label=label)
         self.allocator = Allocator(HEADER_BYTES, size - HEADER_BYTES, pools or {})
         self._reclaimer = Reclaimer(self._release_views, name="colocar-view-reclaimer")
+        self._holdings = _CallHoldings()
 
     # --- views -----------------------------------------------------------------------------
     def view(self, block: Block, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -66,15 +70,28 @@ class SidecarArena:
             raise
 
     def empty(
-        self, shape: tuple[int, ...], dtype: Any, pool: str = "default", timeout: float = 0.0
+        self,
+        shape: int | tuple[int, ...],
+        dtype: Any,
+        pool: str = "default",
+        timeout: float = 0.0,
+        call: object | None = None,
     ) -> np.ndarray:
-        """A new uninitialised array in the arena (returning it to the controller copies nothing)."""
+        """A new uninitialised array in the arena (returning it to the controller copies nothing).
+
+        `call` names the running call: while it waits for room it cannot give back the arrays it
+        made here and still holds, so a request that cannot fit beside them fails at once."""
         dtype = np.dtype(dtype)
         if not holds(dtype):  # checked before allocating: a failed view must not leak the block
             raise TypeError(f"dtype {dtype} cannot live in the arena; use np.empty")
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        block = self.allocator.allocate(nbytes, owner=VIEW_OWNER, pool=pool, timeout=timeout)
-        return self._make_view(block, tuple(shape), dtype)
+        shape = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
+        nbytes = math.prod(shape) * dtype.itemsize  # Python ints: no int64 wrap-around
+        pinned = 0 if call is None else self._holdings.held(call, pool)
+        block = self.allocator.allocate(nbytes, owner=VIEW_OWNER, pool=pool, timeout=timeout, pinned=pinned)
+        array = self._make_view(block, shape, dtype)
+        if call is not None:
+            self._holdings.add(call, array, pool, footprint(nbytes))
+        return array
 
     def _make_view(self, block: Block, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         return ndarray_view(
@@ -155,6 +172,11 @@ class _Leases(payload.BlockSpace):
         block = self._allocator.allocate(nbytes, owner=self._owner, timeout=self._timeout)
         return pb.BlockDesc(id=block.id, offset=block.offset, nbytes=nbytes)
 
+    def allocate(self, sizes: list[int]) -> list[pb.BlockDesc]:
+        """All or none; a payload that cannot fit the pool fails at once (no wait helps)."""
+        blocks = self._allocator.allocate_all(sizes, owner=self._owner, timeout=self._timeout)
+        return [pb.BlockDesc(id=b.id, offset=b.offset, nbytes=b.nbytes) for b in blocks]
+
     def release(self, descs: list[pb.BlockDesc]) -> None:
         for desc in descs:
             self._allocator.release(desc.id, self._owner)
@@ -164,3 +186,29 @@ class _Leases(payload.BlockSpace):
         return pb.BlockDesc(id=block.id, offset=block.offset, nbytes=nbytes)
 
     unshare = release
+
+
+class _CallHoldings:
+    """The arrays each call made with `SidecarArena.empty` and still holds (weakly), by call:
+    what that call cannot give back while it waits for room (`Allocator.allocate`'s `pinned`)."""
+
+    SWEEP_AT = 256  # calls remembered before those whose arrays all died are forgotten
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        # id(call) -> (call, [(array, pool, bytes taken)]); the call is kept so its id stays its own
+        self._calls: dict[int, tuple[object, list[tuple[weakref.ref, str, int]]]] = {}
+
+    def held(self, call: object, pool: str) -> int:
+        with self._lock:
+            entry = self._calls.get(id(call))
+            return 0 if entry is None else sum(n for ref, p, n in entry[1] if p == pool and ref() is not None)
+
+    def add(self, call: object, array: np.ndarray, pool: str, taken: int) -> None:
+        with self._lock:
+            if len(self._calls) >= self.SWEEP_AT:
+                for key, (_, arrays) in list(self._calls.items()):
+                    if all(ref() is None for ref, _, _ in arrays):
+                        del self._calls[key]
+            entry = self._calls.setdefault(id(call), (call, []))
+            entry[1][:] = [h for h in entry[1] if h[0]() is not None] + [(weakref.ref(array), pool, taken)]

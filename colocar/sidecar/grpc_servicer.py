@@ -1,6 +1,7 @@
 """The sidecar's service on gRPC: the token check, then the handler; a refusal becomes the status.
 
-Every RPC checks the token first (constant time, before any unpickling). The handlers
+Every RPC checks the token first (constant time, before any unpickling; `auth.TokenInterceptor`
+refused a call without it already, before its message was read). The handlers
 (`SidecarService`) know nothing of gRPC except the context the two long streams watch; a
 `Refused` they raise ends the call with its status and details (`context.abort`).
 """

@@ -4,10 +4,16 @@ Runs in the sidecar: one accept thread, one thread per connection (a controller 
 makes synchronous calls). A connection proves the token once, in its hello; then each request
 goes to the handler of its method (the same as gRPC's, with the same session and bounds
 checks), and a `Refused` comes back as a status frame.
+
+A connection that has not proved the token yet is bounded: its hello must come within
+`HELLO_SECONDS` and fit `link.MAX_HELLO`, and at most `MAX_UNPROVEN` such connections are kept
+(a new one closes the oldest), apart from the proven ones: idle strangers can neither exhaust
+the sidecar's threads nor keep a controller's new connection out.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hmac
 import os
@@ -20,7 +26,10 @@ from colocar.protocol.status import Refused, Status
 
 from .service import SidecarService
 
-MAX_CONNECTIONS = 1024
+MAX_CONNECTIONS = 1024  # proven connections (a controller opens one per calling thread)
+MAX_UNPROVEN = 64  # connections waiting for their hello; a new one closes the oldest
+HELLO_SECONDS = 5.0  # how long a connection may take to send its hello
+MAX_REQUEST_FRAME = link.MAX_REQUEST + 256  # the message, its method's name and length
 
 
 class LinkServer:
@@ -36,8 +45,11 @@ class LinkServer:
             self._listener.bind(path)
         finally:
             os.umask(old_umask)
-        self._listener.listen(64)
-        self._connections: set[socket.socket] = set()
+        # A deep backlog: a burst of connections must not refuse a controller's (a full backlog
+        # fails a connect at once, and the controller would take the sidecar for lost).
+        self._listener.listen(socket.SOMAXCONN)
+        self._connections: set[socket.socket] = set()  # proven
+        self._unproven: collections.OrderedDict[socket.socket, None] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._closed = False
         self._busy = 0
@@ -50,21 +62,37 @@ class LinkServer:
             except OSError:
                 return
             with self._lock:
-                if len(self._connections) >= MAX_CONNECTIONS:
-                    conn.close()
-                    continue
-                self._connections.add(conn)
+                if len(self._unproven) >= MAX_UNPROVEN:
+                    oldest, _ = self._unproven.popitem(last=False)
+                    with contextlib.suppress(OSError):  # its thread sees the end and closes it
+                        oldest.shutdown(socket.SHUT_RDWR)
+                self._unproven[conn] = None
             threading.Thread(target=self._serve, args=(conn,), name="colocar-link", daemon=True).start()
+
+    def _hello(self, conn: socket.socket) -> bool:
+        """Reads the hello within `HELLO_SECONDS`; True once the connection proved the token
+        and counts as proven (False: it was answered, or dropped, and must be closed)."""
+        conn.settimeout(HELLO_SECONDS)
+        method, token = link.parse_request(link.recv_frame(conn, link.MAX_HELLO))
+        if method != link.HELLO or not hmac.compare_digest(token, self._token.encode()):
+            link.send_reply(conn, Status.UNAUTHENTICATED, b"missing or wrong colocar token")
+            return False
+        with self._lock:
+            dropped = conn not in self._unproven  # as the oldest unproven one, meanwhile
+            self._unproven.pop(conn, None)
+            if dropped or len(self._connections) >= MAX_CONNECTIONS:
+                return False
+            self._connections.add(conn)
+        conn.settimeout(None)
+        link.send_reply(conn, Status.OK, b"")
+        return True
 
     def _serve(self, conn: socket.socket) -> None:
         try:
-            method, token = link.parse_request(link.recv_frame(conn))
-            if method != link.HELLO or not hmac.compare_digest(token, self._token.encode()):
-                link.send_reply(conn, Status.UNAUTHENTICATED, b"missing or wrong colocar token")
+            if not self._hello(conn):
                 return
-            link.send_reply(conn, Status.OK, b"")
             while True:
-                method, body = link.parse_request(link.recv_frame(conn))
+                method, body = link.parse_request(link.recv_frame(conn, MAX_REQUEST_FRAME))
                 with self._lock:
                     self._busy += 1
                 try:
@@ -73,11 +101,12 @@ class LinkServer:
                 finally:
                     with self._lock:
                         self._busy -= 1
-        except (link.LinkClosed, OSError):
+        except (link.LinkClosed, OSError):  # TimeoutError (a late hello) included
             pass
         finally:
             with self._lock:
                 self._connections.discard(conn)
+                self._unproven.pop(conn, None)
             conn.close()
 
     def _handle(self, method: str, body: bytes) -> tuple[int, bytes]:

@@ -28,9 +28,10 @@ import multiprocess  # noqa: E402
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc  # noqa: E402
 
 from colocar.protocol import colocar_pb2_grpc as pb_grpc  # noqa: E402
+from colocar.protocol import link as link_protocol  # noqa: E402
 from colocar.shm import context as shm_context  # noqa: E402
 
-from . import auth, logs  # noqa: E402
+from . import auth, cancels, logs  # noqa: E402
 from .blocks import SidecarArena  # noqa: E402
 from .grpc_servicer import GrpcServicer  # noqa: E402
 from .link_server import LinkServer  # noqa: E402
@@ -40,6 +41,9 @@ from .workers import WorkerPool  # noqa: E402
 SERVICE_NAME = "colocar.v1.Sidecar"
 FORKSERVER_PRELOAD = ["numpy", "colocar.sidecar.worker_main", "colocar.loaders.worker", "grain"]
 MiB = 1 << 20
+# Streams one connection may have open at once (gRPC queues a client's further calls): bounds
+# what one peer holds here, far above what a controller uses (its streams and calls in flight).
+MAX_STREAMS_PER_CONNECTION = 1024
 
 
 def _size(text: str) -> int:
@@ -127,8 +131,9 @@ def _start_service(args: argparse.Namespace, arena: SidecarArena) -> tuple[Sidec
         max_concurrent_calls=args.threads,
         alloc_timeout_seconds=args.alloc_timeout,
     )
+    timeout = config.alloc_timeout_seconds
     shm_context.install(
-        lambda shape, dtype, pool: arena.empty(shape, dtype, pool, config.alloc_timeout_seconds), arena
+        lambda shape, dtype, pool: arena.empty(shape, dtype, pool, timeout, cancels.current()), arena
     )
     # Every worker process (call workers, pipeline workers) forks from one forkserver, started on
     # first use; what it preloads, each worker has at once (grain alone takes a second to import).
@@ -144,14 +149,16 @@ def _start_grpc(
     credentials: grpc.ServerCredentials | None,
     arena: SidecarArena,
 ) -> tuple[grpc.Server, health.HealthServicer, str]:
-    """The gRPC server with the service (the token checked on every RPC) and health checks,
-    bound and started; returns it, its health servicer (SERVING) and the bound address. Exits
-    (closing `arena`) if it cannot bind."""
+    """The gRPC server with the service (the token checked on every RPC's metadata, before its
+    message is read) and health checks, bound and started; returns it, its health servicer
+    (SERVING) and the bound address. Exits (closing `arena`) if it cannot bind."""
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=args.threads + 16, thread_name_prefix="colocar-rpc"),
+        interceptors=[auth.TokenInterceptor(token)],
         options=[
-            ("grpc.max_receive_message_length", 64 * MiB),
-            ("grpc.max_send_message_length", 64 * MiB),
+            ("grpc.max_receive_message_length", link_protocol.MAX_REQUEST),
+            ("grpc.max_send_message_length", link_protocol.MAX_FRAME),
+            ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_ping_interval_without_data_ms", 500),
             ("grpc.http2.max_ping_strikes", 0),

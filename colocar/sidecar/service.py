@@ -286,14 +286,10 @@ class SidecarService:
     def Allocate(self, request: pb.AllocateRequest) -> pb.AllocateReply:
         session = self.session(request.session_id)
         allocator = self.arena.allocator
-        blocks = []
         try:
             pool, timeout = request.pool or "default", request.timeout_seconds
-            for size in request.sizes:
-                blocks.append(allocator.allocate(size, owner=session.id, pool=pool, timeout=timeout))
+            blocks = allocator.allocate_all(list(request.sizes), owner=session.id, pool=pool, timeout=timeout)
         except (ArenaFullError, KeyError) as e:
-            for block in blocks:
-                allocator.release(block.id, session.id)
             status = Status.RESOURCE_EXHAUSTED if isinstance(e, ArenaFullError) else Status.INVALID_ARGUMENT
             raise Refused(status, str(e.args[0] if e.args else e)) from None
         return pb.AllocateReply(
