@@ -1,0 +1,76 @@
+"""One of two JAX processes that load the same pipeline over a global mesh, each from its own
+sidecar.
+
+Run by test_loaders_multi.py; argv as in ckpt_processes.py (the directory is where the
+results go), then the config's overrides as JSON. Writes process<i>.pkl: each batch's
+addressable rows (`first`: batches 0..2, `continued`: 3..4 after get_state, `resumed`: 3..4
+from a fresh iterator given that state), the state, and the errors of a mesh no sidecar of
+this process covers and of get_state called at different batches. Prints "OK".
+"""
+
+import json
+import os
+import pickle
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["JAX_PLATFORMS"] = "cpu"
+# the transforms come from loaders_helpers; the sidecars get this sys.path when we connect
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from ckpt_processes import start  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+from loaders_helpers import config  # noqa: E402
+
+process, cluster, directory = start()
+overrides = json.loads(sys.argv[6]) if len(sys.argv) > 6 else {}
+
+import colocar  # noqa: E402
+from colocar import loaders  # noqa: E402
+from colocar.errors import ColocarError  # noqa: E402
+from colocar.loaders.agreement import ProcessesDisagree  # noqa: E402
+
+# both processes' devices; the batch is split over "data", each row range on two devices
+mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+cfg = config(batch_axes=["data"], **overrides)
+
+
+def rows(batch: dict) -> dict:
+    """Per field: this process's rows as {first row: numpy copy} (replicas once)."""
+    out: dict = {}
+    for name, array in batch.items():
+        assert array.shape[0] == cfg["global_batch_size"] and not array.is_fully_addressable
+        for shard in array.addressable_shards:
+            out.setdefault(name, {})[shard.index[0].start or 0] = np.array(shard.data)
+    return out
+
+
+result: dict = {"process": process}
+with loaders.load(cfg, cluster, mesh) as it:
+    result["first"] = [rows(next(it)) for _ in range(3)]
+    result["state"] = state = it.get_state()
+    result["continued"] = [rows(next(it)) for _ in range(2)]
+with loaders.load(cfg, cluster, mesh) as it:
+    it.set_state(json.loads(json.dumps(state)))
+    result["resumed"] = [rows(next(it)) for _ in range(2)]
+    if process == 1:
+        next(it)  # one batch ahead of process 0
+    try:
+        it.get_state()
+    except ProcessesDisagree as e:
+        result["disagree"] = str(e)
+
+local = jax.local_devices()
+with colocar.connect([cluster.hosts[0].address], token_file=sys.argv[4], devices=[local[:2]]) as half:
+    try:
+        loaders.load(cfg, half, mesh)
+    except ColocarError as e:
+        result["uncovered"] = str(e)
+    result["uncovered_ids"] = [d.id for d in local[2:]]
+
+with open(os.path.join(directory, f"process{process}.pkl"), "wb") as f:
+    pickle.dump(result, f)
+cluster.close()
+print("OK", flush=True)

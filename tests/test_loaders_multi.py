@@ -1,0 +1,74 @@
+"""Input pipelines under multi-controller JAX: two JAX processes (jax.distributed on CPU, 4
+devices each), each connected to its own sidecar, load one pipeline over their global mesh.
+Each feeds only its devices' rows, and the global batches are bit-identical to those one
+controller loads from a two-host `local_cluster`, also after get_state / set_state.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import numpy as np
+from checkpoint_helpers import MiB
+from loaders_helpers import B, config
+from test_checkpoint_multi import _stop, _two_processes
+
+from colocar import loaders
+
+
+def _reference(cluster, n: int) -> list[dict[str, np.ndarray]]:
+    """The first n global batches one controller loads from the session's two hosts."""
+    c = cluster.make_current()
+    with loaders.load(config(batch_axes=["data"]), c, c.mesh(("data",))) as it:
+        return [{name: np.array(array) for name, array in next(it).items()} for _ in range(n)]
+
+
+def _assembled(results: list[dict], part: str, j: int) -> dict[str, np.ndarray]:
+    """Batch j of `part`, put together from both processes' rows; each row comes from exactly
+    one process (replicas within a process count once)."""
+    batch = {}
+    for name in results[0][part][j]:
+        pieces = sorted((start, data) for r in results for start, data in r[part][j][name].items())
+        starts = [start for start, _ in pieces]
+        assert len(set(starts)) == len(starts), f"{name}: rows {starts} loaded by both processes"
+        batch[name] = np.concatenate([data for _, data in pieces])
+        assert batch[name].shape[0] == B, f"{name}: the processes' rows {starts} do not make the batch"
+    return batch
+
+
+def _same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and a[k].tobytes() == b[k].tobytes() for k in a
+    )
+
+
+def test_two_jax_processes_load_the_single_controller_batches(make_cluster, tmp_path, cluster):
+    """Each process feeds its own devices' rows (half of each batch) from its own sidecar; put
+    together they are the single-controller batches, bit for bit, and a fresh iterator given
+    get_state's state continues exactly. get_state at different batches fails in both
+    processes; a mesh whose local devices no sidecar of the process covers fails naming them."""
+    sidecars = make_cluster(hosts=2, arena_size=16 * MiB, persist=True)
+    trainers = _two_processes("loaders_multi", sidecars, str(tmp_path))
+    try:
+        outputs = [t.communicate(timeout=240)[0] for t in trainers]
+        for t, out in zip(trainers, outputs, strict=True):
+            assert t.returncode == 0 and "OK" in out, out[-3000:]
+    finally:
+        _stop(trainers)
+    results = [pickle.load(open(os.path.join(tmp_path, f"process{i}.pkl"), "rb")) for i in range(2)]
+    reference = _reference(cluster, 5)
+    for i, r in enumerate(results):  # each process loaded only its half of the batch
+        labels = r["first"][0]["label"]
+        held = [row for start, data in labels.items() for row in range(start, start + len(data))]
+        assert sorted(held) == list(range(i * B // 2, (i + 1) * B // 2))
+    for part, ks in (("first", (0, 1, 2)), ("continued", (3, 4)), ("resumed", (3, 4))):
+        for j, k in enumerate(ks):
+            assert _same(_assembled(results, part, j), reference[k]), f"{part} batch {k}"
+    assert results[0]["state"] == results[1]["state"]
+    assert results[0]["state"]["next_batch"] == 3
+    for i, r in enumerate(results):
+        assert "get_state of the input pipeline" in r["disagree"], r.get("disagree")
+        assert "JAX process 1 has" in r["disagree"] and '"next_batch": 6' in r["disagree"]
+        assert f"JAX process {i} of 2" in r["uncovered"], r.get("uncovered")
+        assert f"devices {r['uncovered_ids']}" in r["uncovered"]
