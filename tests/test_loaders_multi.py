@@ -43,20 +43,26 @@ def _same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
     )
 
 
-def test_two_jax_processes_load_the_single_controller_batches(make_cluster, tmp_path, cluster):
-    """Each process feeds its own devices' rows (half of each batch) from its own sidecar; put
-    together they are the single-controller batches, bit for bit, and a fresh iterator given
-    get_state's state continues exactly. get_state at different batches fails in both
-    processes; a mesh whose local devices no sidecar of the process covers fails naming them."""
+def _run(make_cluster, directory) -> list[dict]:
+    """Runs tests/programs/loaders_multi.py as processes 0 and 1; their results."""
     sidecars = make_cluster(hosts=2, arena_size=16 * MiB, persist=True)
-    trainers = _two_processes("loaders_multi", sidecars, str(tmp_path))
+    trainers = _two_processes("loaders_multi", sidecars, str(directory))
     try:
         outputs = [t.communicate(timeout=240)[0] for t in trainers]
         for t, out in zip(trainers, outputs, strict=True):
             assert t.returncode == 0 and "OK" in out, out[-3000:]
     finally:
         _stop(trainers)
-    results = [pickle.load(open(os.path.join(tmp_path, f"process{i}.pkl"), "rb")) for i in range(2)]
+    return [pickle.load(open(os.path.join(directory, f"process{i}.pkl"), "rb")) for i in range(2)]
+
+
+def test_two_jax_processes_load_the_single_controller_batches(make_cluster, tmp_path, cluster):
+    """Each process feeds its own devices' rows (half of each batch) from its own sidecar; put
+    together they are the single-controller batches, bit for bit, and a fresh iterator given
+    get_state's state continues exactly. Processes that disagree (get_state at different
+    batches, other seeds, one never asking) fail, naming the process; a mesh whose local
+    devices no sidecar of the process covers fails naming them."""
+    results = _run(make_cluster, tmp_path)
     reference = _reference(cluster, 5)
     for i, r in enumerate(results):  # each process loaded only its half of the batch
         labels = r["first"][0]["label"]
@@ -65,10 +71,21 @@ def test_two_jax_processes_load_the_single_controller_batches(make_cluster, tmp_
     for part, ks in (("first", (0, 1, 2)), ("continued", (3, 4)), ("resumed", (3, 4))):
         for j, k in enumerate(ks):
             assert _same(_assembled(results, part, j), reference[k]), f"{part} batch {k}"
-    assert results[0]["state"] == results[1]["state"]
-    assert results[0]["state"]["next_batch"] == 3
+    states = [(r["state"]["next_batch"], r["state_after"]["next_batch"]) for r in results]
+    assert results[0]["state"] == results[1]["state"] and states == [(3, 5), (3, 5)]
+    assert [k.rsplit("/", 2)[-2] for k in results[0]["kept_keys"]] == ["1"] * 3  # 2 values, 1 verdict
+    _check_errors(results)
+
+
+def _check_errors(results: list[dict]) -> None:
+    alone = results[0]["alone"]
+    assert "JAX process 1 did not check get_state within 2 s" in alone, alone
     for i, r in enumerate(results):
         assert "get_state of the input pipeline" in r["disagree"], r.get("disagree")
         assert "JAX process 1 has" in r["disagree"] and '"next_batch": 6' in r["disagree"]
+        other_seed = r["other_seed"]
+        assert "load of the input pipeline" in other_seed and '"seed": 8' in other_seed, other_seed
         assert f"JAX process {i} of 2" in r["uncovered"], r.get("uncovered")
         assert f"devices {r['uncovered_ids']}" in r["uncovered"]
+        warned = r["local_mesh_warnings"]
+        assert len(warned) == 1 and f"only JAX process {i}'s devices" in warned[0], warned

@@ -69,6 +69,8 @@ class Agreement:
         if self.process == leader:
             verdict = self._compare(key, what, mine)
             client.key_value_set(f"{key}/verdict", verdict)
+            if verdict == OK and n > 0:
+                self._forget(f"{self._prefix}/{what}/{n - 1}")
         else:
             # the leader may come up to `timeout` late, then wait up to `timeout` for the others
             try:
@@ -80,6 +82,14 @@ class Agreement:
                 f"{what} of the input pipeline, JAX process {self.process}: {verdict}. Every process "
                 "must make the same loaders.load(...) and get_state/set_state calls, in the same order"
             )
+
+    def _forget(self, key: str) -> None:
+        """Deletes a past check's keys, so that a long run's store does not grow: every process
+        published this check's value, so each one has read the previous check's verdict."""
+        try:
+            self._client.key_value_delete(key)
+        except Exception:
+            pass  # only a few bytes stay
 
     def _compare(self, key: str, what: str, mine: str) -> str:
         """The leader's verdict: OK, or what the first differing (or absent) process has."""

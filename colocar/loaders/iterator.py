@@ -18,6 +18,7 @@ feed send the slots that came free. No reference counts are compared.
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any
 
 import jax
@@ -89,6 +90,13 @@ class DataIterator:
         }
         self._plan: list[HostPlan] = host_plans(groups, NamedSharding(mesh, P(axes)), B, fields)
         processes = sorted({d.process_index for d in mesh.devices.flat})
+        if jax.process_count() > 1 and len(processes) == 1:
+            warnings.warn(
+                f"the mesh has only JAX process {processes[0]}'s devices: this iterator loads whole "
+                "global batches, the same records as the same pipeline in every other process; pass "
+                "the global mesh (all processes' devices) to split each batch across processes",
+                stacklevel=3,
+            )
         self._agreement = Agreement(processes, jax.process_index(), sync_timeout)
         self._agreement.check("load", identity(config, mesh, axes, start))
         self._targets = [device for _, _, placed in self._plan for device, _ in placed]

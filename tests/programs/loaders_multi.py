@@ -2,16 +2,19 @@
 sidecar.
 
 Run by test_loaders_multi.py; argv as in ckpt_processes.py (the directory is where the
-results go), then the config's overrides as JSON. Writes process<i>.pkl: each batch's
+results go). Writes process<i>.pkl: each batch's
 addressable rows (`first`: batches 0..2, `continued`: 3..4 after get_state, `resumed`: 3..4
-from a fresh iterator given that state), the state, and the errors of a mesh no sidecar of
-this process covers and of get_state called at different batches. Prints "OK".
+from a fresh iterator given that state), the states, the keys left in jax.distributed's
+store, the warning for a process-local mesh, and the errors of: get_state at different
+batches, other seeds, get_state in process 0 only, a mesh no sidecar of this process
+covers. Prints "OK".
 """
 
 import json
 import os
 import pickle
 import sys
+import warnings
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 os.environ["JAX_PLATFORMS"] = "cpu"
@@ -25,16 +28,16 @@ from jax.sharding import Mesh  # noqa: E402
 from loaders_helpers import config  # noqa: E402
 
 process, cluster, directory = start()
-overrides = json.loads(sys.argv[6]) if len(sys.argv) > 6 else {}
 
 import colocar  # noqa: E402
 from colocar import loaders  # noqa: E402
 from colocar.errors import ColocarError  # noqa: E402
+from colocar.jax_compat import distributed_client  # noqa: E402
 from colocar.loaders.agreement import ProcessesDisagree  # noqa: E402
 
 # both processes' devices; the batch is split over "data", each row range on two devices
 mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
-cfg = config(batch_axes=["data"], **overrides)
+cfg = config(batch_axes=["data"])
 
 
 def rows(batch: dict) -> dict:
@@ -52,6 +55,10 @@ with loaders.load(cfg, cluster, mesh) as it:
     result["first"] = [rows(next(it)) for _ in range(3)]
     result["state"] = state = it.get_state()
     result["continued"] = [rows(next(it)) for _ in range(2)]
+    result["state_after"] = it.get_state()
+    if process == 0:  # the leader deleted the first get_state's keys once all checked the second
+        kept = distributed_client().key_value_dir_get(f"{it._agreement._prefix}/get_state/")
+        result["kept_keys"] = sorted(k for k, _ in kept)
 with loaders.load(cfg, cluster, mesh) as it:
     it.set_state(json.loads(json.dumps(state)))
     result["resumed"] = [rows(next(it)) for _ in range(2)]
@@ -61,6 +68,22 @@ with loaders.load(cfg, cluster, mesh) as it:
         it.get_state()
     except ProcessesDisagree as e:
         result["disagree"] = str(e)
+
+try:  # the processes' pipelines differ: their batches would not fit together
+    loaders.load(config(batch_axes=["data"], seed=7 + process), cluster, mesh)
+except ProcessesDisagree as e:
+    result["other_seed"] = str(e)
+with loaders.load(cfg, cluster, mesh, sync_timeout=2) as it:
+    if process == 0:  # process 1 never asks
+        try:
+            it.get_state()
+        except ProcessesDisagree as e:
+            result["alone"] = str(e)
+
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    loaders.load(cfg, cluster, Mesh(np.array(jax.local_devices()).reshape(2, 2), ("data", "model"))).close()
+result["local_mesh_warnings"] = [str(w.message) for w in caught]
 
 local = jax.local_devices()
 with colocar.connect([cluster.hosts[0].address], token_file=sys.argv[4], devices=[local[:2]]) as half:
