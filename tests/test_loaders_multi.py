@@ -24,12 +24,13 @@ def _reference(cluster, n: int) -> list[dict[str, np.ndarray]]:
         return [{name: np.array(array) for name, array in next(it).items()} for _ in range(n)]
 
 
-def _assembled(results: list[dict], part: str, j: int) -> dict[str, np.ndarray]:
-    """Batch j of `part`, put together from both processes' rows; each row comes from exactly
-    one process (replicas within a process count once)."""
+def _assembled(results: list[dict], part: str, j: int | None) -> dict[str, np.ndarray]:
+    """Batch j of `part` (or `part` itself, a batch), put together from both processes' rows;
+    each row comes from exactly one process (replicas within a process count once)."""
     batch = {}
-    for name in results[0][part][j]:
-        pieces = sorted((start, data) for r in results for start, data in r[part][j][name].items())
+    mine = [r[part] if j is None else r[part][j] for r in results]
+    for name in mine[0]:
+        pieces = sorted((start, data) for m in mine for start, data in m[name].items())
         starts = [start for start, _ in pieces]
         assert len(set(starts)) == len(starts), f"{name}: rows {starts} loaded by both processes"
         batch[name] = np.concatenate([data for _, data in pieces])
@@ -68,9 +69,11 @@ def test_two_jax_processes_load_the_single_controller_batches(make_cluster, tmp_
         labels = r["first"][0]["label"]
         held = [row for start, data in labels.items() for row in range(start, start + len(data))]
         assert sorted(held) == list(range(i * B // 2, (i + 1) * B // 2))
-    for part, ks in (("first", (0, 1, 2)), ("continued", (3, 4)), ("resumed", (3, 4))):
+    parts = (("first", (0, 1, 2)), ("continued", (3, 4)), ("resumed", (3, 4)), ("default_mesh", (0,)))
+    for part, ks in parts:
         for j, k in enumerate(ks):
-            assert _same(_assembled(results, part, j), reference[k]), f"{part} batch {k}"
+            got = _assembled(results, part, None if part == "default_mesh" else j)
+            assert _same(got, reference[k]), f"{part} batch {k}"
     states = [(r["state"]["next_batch"], r["state_after"]["next_batch"]) for r in results]
     assert results[0]["state"] == results[1]["state"] and states == [(3, 5), (3, 5)]
     assert [k.rsplit("/", 2)[-2] for k in results[0]["kept_keys"]] == ["1"] * 3  # 2 values, 1 verdict

@@ -5,7 +5,9 @@ host's finished slot (an arena view: a descriptor over the local link, no bytes)
 device's segment on its device (aliased on CPU, so the slot stays leased while the batch's
 arrays live) and assembles global `jax.Array`s. The workers run up to `prefetch` batches ahead
 in the ring, so the next batch is usually ready. Its state is the number of the next global
-batch: JSON-able, and exact on any number of hosts for index-based sources.
+batch: JSON-able, and exact on any number of hosts for index-based sources. Under
+multi-controller JAX each process drives only the hosts of its own devices of the global mesh
+(`plan`), and the processes check that they agree on the pipeline and the state (`agreement`).
 
 Slots come back one way, by reachability: a batch's views of its slot all derive from one
 array, the batch's anchor, and the slot is queued once the anchor is unreachable (a weakref,
@@ -366,7 +368,8 @@ def load(
 ) -> DataIterator:
     """An iterator of global batches for `config` (a file path, dict or PipelineConfig).
 
-    `mesh` defaults to `cluster.mesh(("data",))`; the batch axis is sharded over
+    `mesh` defaults to `cluster.mesh(("data",))`, with several JAX processes to one "data" axis
+    over `jax.devices()`; the batch axis is sharded over
     `config.batch_axes` (default: all mesh axes). If the program holds on to every batch of a
     host's ring for `starve_timeout` seconds, iterating raises instead of waiting forever.
     `progress=True` shows a progress line (rich) for long runs.
@@ -377,7 +380,9 @@ def load(
     processes check through jax.distributed that they load the same config from the same
     batch, here and at `get_state`/`set_state`, waiting at most `sync_timeout` s for each other.
     """
-    mesh = mesh or cluster.mesh(("data",))
+    if mesh is None:  # with several JAX processes, their devices together (host-major)
+        several = jax.process_count() > 1
+        mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",)) if several else cluster.mesh(("data",))
     return DataIterator(load_config(config), cluster, mesh, start, starve_timeout, progress, sync_timeout)
 
 

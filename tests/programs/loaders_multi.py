@@ -5,9 +5,9 @@ Run by test_loaders_multi.py; argv as in ckpt_processes.py (the directory is whe
 results go). Writes process<i>.pkl: each batch's
 addressable rows (`first`: batches 0..2, `continued`: 3..4 after get_state, `resumed`: 3..4
 from a fresh iterator given that state), the states, the keys left in jax.distributed's
-store, the warning for a process-local mesh, and the errors of: get_state at different
-batches, other seeds, get_state in process 0 only, a mesh no sidecar of this process
-covers. Prints "OK".
+store, batch 0 on the default mesh, the warning for a process-local mesh, and the errors of:
+get_state at different batches, other seeds, get_state in process 0 only, a mesh no sidecar
+of this process covers. Prints "OK".
 """
 
 import json
@@ -33,7 +33,6 @@ import colocar  # noqa: E402
 from colocar import loaders  # noqa: E402
 from colocar.errors import ColocarError  # noqa: E402
 from colocar.jax_compat import distributed_client  # noqa: E402
-from colocar.loaders.agreement import ProcessesDisagree  # noqa: E402
 
 # both processes' devices; the batch is split over "data", each row range on two devices
 mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
@@ -66,18 +65,19 @@ with loaders.load(cfg, cluster, mesh) as it:
         next(it)  # one batch ahead of process 0
     try:
         it.get_state()
-    except ProcessesDisagree as e:
+    except loaders.ProcessesDisagree as e:
         result["disagree"] = str(e)
 
 try:  # the processes' pipelines differ: their batches would not fit together
     loaders.load(config(batch_axes=["data"], seed=7 + process), cluster, mesh)
-except ProcessesDisagree as e:
+except loaders.ProcessesDisagree as e:
     result["other_seed"] = str(e)
-with loaders.load(cfg, cluster, mesh, sync_timeout=2) as it:
+with loaders.load(config(), cluster, sync_timeout=2) as it:  # the default mesh: all processes'
+    result["default_mesh"] = rows(next(it))
     if process == 0:  # process 1 never asks
         try:
             it.get_state()
-        except ProcessesDisagree as e:
+        except loaders.ProcessesDisagree as e:
             result["alone"] = str(e)
 
 with warnings.catch_warnings(record=True) as caught:
