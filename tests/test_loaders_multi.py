@@ -69,10 +69,10 @@ def test_two_jax_processes_load_the_single_controller_batches(make_cluster, tmp_
         labels = r["first"][0]["label"]
         held = [row for start, data in labels.items() for row in range(start, start + len(data))]
         assert sorted(held) == list(range(i * B // 2, (i + 1) * B // 2))
-    parts = (("first", (0, 1, 2)), ("continued", (3, 4)), ("resumed", (3, 4)), ("default_mesh", (0,)))
-    for part, ks in parts:
+    parts = (("first", (0, 1, 2)), ("continued", (3, 4)), ("resumed", (3, 4)))
+    for part, ks in (*parts, ("default_mesh", (0,)), ("two_hosts_each", (0,))):
         for j, k in enumerate(ks):
-            got = _assembled(results, part, None if part == "default_mesh" else j)
+            got = _assembled(results, part, j if part in dict(parts) else None)
             assert _same(got, reference[k]), f"{part} batch {k}"
     states = [(r["state"]["next_batch"], r["state_after"]["next_batch"]) for r in results]
     assert results[0]["state"] == results[1]["state"] and states == [(3, 5), (3, 5)]

@@ -2,12 +2,12 @@
 sidecar.
 
 Run by test_loaders_multi.py; argv as in ckpt_processes.py (the directory is where the
-results go). Writes process<i>.pkl: each batch's
-addressable rows (`first`: batches 0..2, `continued`: 3..4 after get_state, `resumed`: 3..4
-from a fresh iterator given that state), the states, the keys left in jax.distributed's
-store, batch 0 on the default mesh, the warning for a process-local mesh, and the errors of:
-get_state at different batches, other seeds, get_state in process 0 only, a mesh no sidecar
-of this process covers. Prints "OK".
+results go). Writes process<i>.pkl: each batch's addressable rows (`first`: batches 0..2,
+`continued`: 3..4 after get_state, `resumed`: 3..4 from a fresh iterator given that state;
+batch 0 on the default mesh, and with two hosts in each process), the states, the keys left
+in jax.distributed's store, the warning for a process-local mesh, and the errors of: get_state
+at different batches, other seeds, get_state in process 0 only, a mesh no sidecar of this
+process covers. Prints "OK".
 """
 
 import json
@@ -92,6 +92,12 @@ with colocar.connect([cluster.hosts[0].address], token_file=sys.argv[4], devices
     except ColocarError as e:
         result["uncovered"] = str(e)
     result["uncovered_ids"] = [d.id for d in local[2:]]
+# two "hosts" in each process (two sessions to its sidecar, two devices each): four pipelines
+address = cluster.hosts[0].address
+with colocar.connect([address, address], token_file=sys.argv[4]) as two:
+    with loaders.load(cfg, two, mesh) as it:
+        result["two_hosts_each"] = rows(next(it))
+        assert [h["host"] for h in it.stats()["hosts"]] == ["host0", "host1"], it.stats()
 
 with open(os.path.join(directory, f"process{process}.pkl"), "wb") as f:
     pickle.dump(result, f)
