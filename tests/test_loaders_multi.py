@@ -10,11 +10,14 @@ import os
 import pickle
 
 import numpy as np
+import pytest
 from checkpoint_helpers import MiB
 from loaders_helpers import B, config
 from test_checkpoint_multi import _stop, _two_processes
 
+import colocar
 from colocar import loaders
+from colocar.errors import ColocarError
 
 
 def _reference(cluster, n: int) -> list[dict[str, np.ndarray]]:
@@ -92,3 +95,16 @@ def _check_errors(results: list[dict]) -> None:
         assert f"devices {r['uncovered_ids']}" in r["uncovered"]
         warned = r["local_mesh_warnings"]
         assert len(warned) == 1 and f"only JAX process {i}'s devices" in warned[0], warned
+
+
+def test_a_mesh_device_no_sidecar_covers_is_named(cluster):
+    """One controller whose cluster covers half the mesh: the error names the other devices and
+    the process, before any pipeline starts (it said "belongs to no host" for the first one)."""
+    c = cluster.make_current()
+    with colocar.connect([c.hosts[0].address], token_file=c.token_file, devices=[c.hosts[0].devices]) as half:
+        with pytest.raises(ColocarError) as raised:
+            loaders.load(config(), half, c.mesh(("data",)))
+    message = str(raised.value)
+    assert "devices [4, 5, 6, 7] of the mesh, local to JAX process 0 of 1" in message, message
+    assert "'host0': [0, 1, 2, 3]" in message
+    c.make_current()

@@ -64,11 +64,11 @@ class Agreement:
         key = f"{self._prefix}/{what}/{n}"
         mine = json.dumps(value, sort_keys=True)
         client = self._client
-        client.key_value_set(f"{key}/{self.process}", mine)
+        self._publish(f"{key}/{self.process}", mine, what)
         leader = self.processes[0]
         if self.process == leader:
             verdict = self._compare(key, what, mine)
-            client.key_value_set(f"{key}/verdict", verdict)
+            self._publish(f"{key}/verdict", verdict, what)
             if verdict == OK and n > 0:
                 self._forget(f"{self._prefix}/{what}/{n - 1}")
         else:
@@ -82,6 +82,15 @@ class Agreement:
                 f"{what} of the input pipeline, JAX process {self.process}: {verdict}. Every process "
                 "must make the same loaders.load(...) and get_state/set_state calls, in the same order"
             )
+
+    def _publish(self, key: str, value: str, what: str) -> None:
+        try:
+            self._client.key_value_set(key, value)
+        except Exception as e:
+            raise ColocarError(
+                f"{what} of the input pipeline, JAX process {self.process}: jax.distributed's "
+                f"key-value store did not take {key}: {e}"
+            ) from e
 
     def _forget(self, key: str) -> None:
         """Deletes a past check's keys, so that a long run's store does not grow: every process
