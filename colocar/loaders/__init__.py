@@ -9,10 +9,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from .agreement import ProcessesDisagree
     from .config import ConfigError, PipelineConfig, load_config
     from .iterator import DataIterator, load
 
-__all__ = ["ConfigError", "DataIterator", "PipelineConfig", "load", "load_config"]
+__all__ = ["ConfigError", "DataIterator", "PipelineConfig", "ProcessesDisagree", "load", "load_config"]
 
 
 def __getattr__(name: str) -> Any:
@@ -20,6 +21,10 @@ def __getattr__(name: str) -> Any:
         from . import iterator
 
         return getattr(iterator, name)
+    if name == "ProcessesDisagree":
+        from . import agreement
+
+        return agreement.ProcessesDisagree
     if name in ("ConfigError", "PipelineConfig", "load_config"):
         from . import config
 

@@ -5,7 +5,9 @@ host's finished slot (an arena view: a descriptor over the local link, no bytes)
 device's segment on its device (aliased on CPU, so the slot stays leased while the batch's
 arrays live) and assembles global `jax.Array`s. The workers run up to `prefetch` batches ahead
 in the ring, so the next batch is usually ready. Its state is the number of the next global
-batch: JSON-able, and exact on any number of hosts for index-based sources.
+batch: JSON-able, and exact on any number of hosts for index-based sources. Under
+multi-controller JAX each process drives only the hosts of its own devices of the global mesh
+(`plan`), and the processes check that they agree on the pipeline and the state (`agreement`).
 
 Slots come back one way, by reachability: a batch's views of its slot all derive from one
 array, the batch's anchor, and the slot is queued once the anchor is unreachable (a weakref,
@@ -18,6 +20,7 @@ feed send the slots that came free. No reference counts are compared.
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any
 
 import jax
@@ -27,12 +30,13 @@ from jax.sharding import PartitionSpec as P
 
 from colocar import jax_compat
 from colocar.controller_bridge import colocated, colocated_class
-from colocar.controller_bridge.cluster import Cluster, Host
+from colocar.controller_bridge.cluster import Cluster
 
+from .agreement import Agreement, identity
 from .config import PipelineConfig, load_config
 from .feed import open_feed
 from .host_backend import LoaderHost
-from .layout import SlotLayout
+from .plan import HostPlan, host_plans, local_groups
 
 STATE_VERSION = 1
 
@@ -68,44 +72,35 @@ class DataIterator:
         start: int = 0,
         starve_timeout: float = 60.0,
         progress: bool = False,
+        sync_timeout: float = 300.0,
     ):
         self.config = config
         self.starve_timeout = starve_timeout
         self._progress = _Progress(config) if progress else None
         axes = config.batch_axes or tuple(mesh.axis_names)
         B = config.global_batch_size
+        groups = local_groups(cluster, mesh)  # this process's hosts and their devices of the mesh
         if config.element_spec:
             fields = {name: (tuple(f.shape), f.dtype) for name, f in config.element_spec.items()}
         else:
-            fields = _probe_fields.on(cluster.host_of(mesh.devices.flat[0]))(config)
+            fields = _probe_fields.on(groups[0][0])(config)
         if _needs_mask(config):
             fields["mask"] = ((), "bool")
         self.fields = fields
         self.shardings = {
             name: NamedSharding(mesh, P(axes, *([None] * len(shape)))) for name, (shape, _) in fields.items()
         }
-        index_map = NamedSharding(mesh, P(axes)).devices_indices_map((B,))
-        by_host: dict[int, list[Any]] = {}
-        for device in mesh.devices.flat:
-            host = cluster.host_of(device)
-            if host is None:
-                raise ValueError(f"device {device} of the mesh belongs to no host of the cluster")
-            by_host.setdefault(host.index, []).append(device)
-        self._plan: list[tuple[Host, SlotLayout, list[tuple[Any, int]]]] = []
-        for index in sorted(by_host):
-            host = cluster.hosts[index]
-            ranges = {
-                d: (index_map[d][0].indices(B)[0], index_map[d][0].indices(B)[1]) for d in by_host[index]
-            }
-            layout = SlotLayout.build(list(ranges.values()), fields)
-            placed = [(d, layout.segments.index(ranges[d])) for d in by_host[index]]
-            covered = sum(b - a for a, b in layout.segments)
-            if covered != layout.rows[1] - layout.rows[0]:
-                raise ValueError(
-                    f"{host.name}'s rows of the batch are not contiguous ({layout.segments}); "
-                    "build the mesh with cluster.mesh(...) (host-major device order)"
-                )
-            self._plan.append((host, layout, placed))
+        self._plan: list[HostPlan] = host_plans(groups, NamedSharding(mesh, P(axes)), B, fields)
+        processes = sorted({d.process_index for d in mesh.devices.flat})
+        if jax.process_count() > 1 and len(processes) == 1:
+            warnings.warn(
+                f"the mesh has only JAX process {processes[0]}'s devices: this iterator loads whole "
+                "global batches, the same records as the same pipeline in every other process; pass "
+                "the global mesh (all processes' devices) to split each batch across processes",
+                stacklevel=3,
+            )
+        self._agreement = Agreement(processes, jax.process_index(), sync_timeout)
+        self._agreement.check("load", identity(config, mesh, axes, start))
         self._targets = [device for _, _, placed in self._plan for device, _ in placed]
         self._put_order = self._batched_put_order()
         self._puts = self._batched_puts()
@@ -265,15 +260,20 @@ class DataIterator:
         self._free_dropped_slots()  # JAX's deferred releases of the deleted buffers' views first
 
     def get_state(self) -> dict[str, Any]:
-        """JSON-able position: resuming from it yields exactly the batches that would come next."""
+        """JSON-able position: resuming from it yields exactly the batches that would come next.
+
+        With a mesh over several JAX processes, every process must call it at the same batch:
+        it checks that they all hold the same state (`ProcessesDisagree` otherwise)."""
         c = self.config
-        return {
+        state = {
             "version": STATE_VERSION,
             "next_batch": self.position,
             "global_batch_size": c.global_batch_size,
             "seed": c.seed,
             "shuffle": c.shuffle,
         }
+        self._agreement.check("get_state", state)
+        return state
 
     def set_state(self, state: dict[str, Any]) -> None:
         c = self.config
@@ -285,6 +285,7 @@ class DataIterator:
                     f"iterator state was saved with {key}={state[key]!r} but the pipeline has "
                     f"{getattr(c, key)!r}: batches would not continue the saved sequence"
                 )
+        self._agreement.check("set_state", {"next_batch": int(state["next_batch"])})
         self._close_remote()
         self._open(int(state["next_batch"]))
 
@@ -363,16 +364,26 @@ def load(
     start: int = 0,
     starve_timeout: float = 60.0,
     progress: bool = False,
+    sync_timeout: float = 300.0,
 ) -> DataIterator:
     """An iterator of global batches for `config` (a file path, dict or PipelineConfig).
 
-    `mesh` defaults to `cluster.mesh(("data",))`; the batch axis is sharded over
+    `mesh` defaults to `cluster.mesh(("data",))`, with several JAX processes to one "data" axis
+    over `jax.devices()`; the batch axis is sharded over
     `config.batch_axes` (default: all mesh axes). If the program holds on to every batch of a
     host's ring for `starve_timeout` seconds, iterating raises instead of waiting forever.
     `progress=True` shows a progress line (rich) for long runs.
+
+    Multi-controller JAX (one process per host, each connected to its own sidecar): pass the
+    global mesh in every process; each one feeds only its devices' rows of each global batch,
+    from its own sidecar, and the global batch is the one a single controller would load. The
+    processes check through jax.distributed that they load the same config from the same
+    batch, here and at `get_state`/`set_state`, waiting at most `sync_timeout` s for each other.
     """
-    mesh = mesh or cluster.mesh(("data",))
-    return DataIterator(load_config(config), cluster, mesh, start, starve_timeout, progress)
+    if mesh is None:  # with several JAX processes, their devices together (host-major)
+        several = jax.process_count() > 1
+        mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",)) if several else cluster.mesh(("data",))
+    return DataIterator(load_config(config), cluster, mesh, start, starve_timeout, progress, sync_timeout)
 
 
 def _extend(pieces: dict[str, list[np.ndarray]], views: dict[str, list[np.ndarray]]) -> None:

@@ -1,0 +1,80 @@
+"""Which host of this process builds which rows of each global batch (runs in the controller).
+
+The rows come from the batch sharding over the *global* mesh (every device of every JAX
+process), so each device's rows, and so each host's, are the same whether one controller
+drives every host (`local_cluster`) or each JAX process drives its own sidecar
+(multi-controller JAX): the sampler numbers rows of the global batch, never of a host. Only
+the mesh's devices this process addresses get pipelines, on the hosts of its cluster; the
+other processes build the other rows for their own devices.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding
+
+from colocar.controller_bridge.cluster import Cluster, Host
+from colocar.errors import ColocarError
+
+from .layout import SlotLayout
+
+# (host, its slot layout, each of its devices with the index of the segment it takes)
+HostPlan = tuple[Host, SlotLayout, list[tuple[Any, int]]]
+
+
+def local_groups(cluster: Cluster, mesh: jax.sharding.Mesh) -> list[tuple[Host, list[Any]]]:
+    """The mesh's devices this process addresses, grouped by the host of `cluster` they belong
+    to (hosts in index order, devices in mesh order). Raises naming the devices and this JAX
+    process when the mesh has none of them, or when no connected sidecar covers some."""
+    process, processes = jax.process_index(), jax.process_count()
+    local = [d for d in mesh.devices.flat if d.process_index == process]
+    where = f"JAX process {process} of {processes}"
+    if not local:
+        raise ColocarError(
+            f"the mesh has none of the devices of {where}: each process loads only its own "
+            "devices' rows, so build the mesh over every process's devices (jax.devices())"
+        )
+    by_host: dict[int, list[Any]] = {}
+    uncovered = []
+    for device in local:
+        host = cluster.host_of(device)
+        if host is None:
+            uncovered.append(device)
+        else:
+            by_host.setdefault(host.index, []).append(device)
+    if uncovered:
+        covered = {h.name: [d.id for d in h.devices] for h in cluster.hosts}
+        raise ColocarError(
+            f"devices {[d.id for d in uncovered]} of the mesh, local to {where}, belong to no "
+            f"connected sidecar (this process's hosts and their devices: {covered}); connect this "
+            "process to the sidecar of the host they are on (colocar.connect([...], devices=...))"
+        )
+    return [(cluster.hosts[i], by_host[i]) for i in sorted(by_host)]
+
+
+def host_plans(
+    groups: list[tuple[Host, list[Any]]],
+    sharding: NamedSharding,
+    global_batch_size: int,
+    fields: dict[str, tuple[tuple[int, ...], str]],
+) -> list[HostPlan]:
+    """Each local host's slot layout: the global rows its devices hold under `sharding` (the
+    batch axis' sharding over the global mesh), which must be one contiguous range."""
+    B = global_batch_size
+    index_map = sharding.devices_indices_map((B,))
+    plans = []
+    for host, devices in groups:
+        ranges = {d: index_map[d][0].indices(B)[:2] for d in devices}
+        layout = SlotLayout.build(list(ranges.values()), fields)
+        placed = [(d, layout.segments.index(ranges[d])) for d in devices]
+        covered = sum(b - a for a, b in layout.segments)
+        if covered != layout.rows[1] - layout.rows[0]:
+            raise ValueError(
+                f"{host.name}'s rows of the batch are not contiguous ({layout.segments}); build the "
+                "mesh host-major: cluster.mesh(...) with one controller, jax.devices() in its order "
+                "with one JAX process per host"
+            )
+        plans.append((host, layout, placed))
+    return plans
