@@ -18,13 +18,19 @@ from collections.abc import Callable
 from colocar.sidecar import sessions
 
 
-def watch_caller(gone: Callable[[str, str], None]) -> str:
+def caller() -> str:
+    """The id of the session whose call this thread serves ("" outside a sidecar call)."""
+    session = sessions.current()
+    return "" if session is None else session.id
+
+
+def watch_caller(gone: Callable[[str, str], None]) -> None:
     """Arranges `gone(session id, why)` (a writer's bound method) for when the session whose
-    call this thread serves ends; returns that session's id ("" outside a sidecar call).
+    call this thread serves ends (at once, on another thread, if it has ended already).
     The session holds the writer weakly: a deleted writer is not kept alive by it."""
     session = sessions.current()
     if session is None:
-        return ""
+        return
     method = weakref.WeakMethod(gone)  # type: ignore[arg-type]
 
     def ended(s: sessions.Session) -> None:
@@ -34,7 +40,6 @@ def watch_caller(gone: Callable[[str, str], None]) -> str:
             threading.Thread(target=target, args=args, name="colocar-ckpt-orphan", daemon=True).start()
 
     session.on_end(f"colocar.checkpoint.writer/{id(getattr(gone, '__self__', gone))}", ended)
-    return session.id
 
 
 def _why(session: sessions.Session) -> str:

@@ -28,7 +28,7 @@ import numpy as np
 from . import layout
 from .steps import STALE_SECONDS, StepDirs
 from .storage import Storage, describe, open_storage
-from .trainer_watch import watch_caller
+from .trainer_watch import caller, watch_caller
 
 TERMINAL = ("committed", "done", "failed")
 AWAIT_HOSTS_POLL_SECONDS = 0.1  # the primary lists the done markers this often (the commit's latency)
@@ -116,7 +116,7 @@ class CheckpointWriter:
         parsed = json.loads(manifest)
         leaves = {int(e["index"]): e for e in parsed["leaves"].values() if e["kind"] != "value"}
         job = _Job(step, primary, sorted(hosts), leaves, manifest, parsed.get("attempt", ""))
-        job.session = watch_caller(self._trainer_gone)
+        job.session = caller()
         with self._lock:
             old = self._jobs.get(step)
             if old is not None and old.state not in TERMINAL:
@@ -124,6 +124,7 @@ class CheckpointWriter:
             for ended in [s for s, j in self._jobs.items() if j.reported]:
                 del self._jobs[ended]  # a long-lived writer keeps only what may still be asked
             self._jobs[step] = job
+        watch_caller(self._trainer_gone)  # after the job is known: its trainer may be gone already
         if primary:
             threading.Thread(
                 target=self._primary, args=(job,), name=f"colocar-ckpt-commit-{step}", daemon=True
