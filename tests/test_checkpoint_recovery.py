@@ -36,9 +36,12 @@ def _flip_a_byte(directory: str, step: int, key: str) -> None:
     open(chunk, "wb").write(bytes(data))
 
 
-def test_failed_restores_free_every_block_they_allocated(cluster, tmp_path):
+@pytest.mark.parametrize("reach", ["cluster", "grpc_cluster"])
+def test_failed_restores_free_every_block_they_allocated(request, tmp_path, reach):
     """One host's read hits a corrupted chunk (DATA_LOSS) while the other's succeeds: each
-    failed restore gives back the blocks of both, so the arenas return to where they were."""
+    failed restore gives back the blocks of both, so the arenas return to where they were
+    (with the arena mapped, and without it: gRPC)."""
+    cluster = request.getfixturevalue(reach)
     state = make_state(3, rows=512)
     m = CheckpointManager(str(tmp_path / "leak"), cluster)
     try:
@@ -128,31 +131,54 @@ def _next_line(lines: queue.Queue, prefixes: tuple[str, ...], deadline: float) -
         seen.append(line)
 
 
-def test_trainer_killed_mid_save_fails_the_save_in_the_other_process(make_cluster, tmp_path, cluster):
-    """Process 1 is killed after its save began on its writer, before it handed over its part:
-    its sidecar sees the session lapse (2 s lease) and marks host 1's part failed, so process
-    0's `wait` raises naming host 1, instead of waiting commit_timeout (600 s here)."""
+def _kill_mid_save(make_cluster, directory: str, killed: int) -> tuple[list, list[queue.Queue]]:
+    """Two processes save step 3 (2 s session leases, commit_timeout 600 s); process `killed`
+    is SIGKILLed once its save began on its writer, before it handed over its part."""
     sidecars = make_cluster(hosts=2, arena_size=16 * MiB, persist=True, lease_seconds=2)
+    trainers = _two_processes("ckpt_multi_killed", sidecars, directory, str(killed))
+    outputs = [_lines(t) for t in trainers]
+    deadline = time.monotonic() + 120
+    for lines in outputs:
+        assert _next_line(lines, ("ready",), deadline) == "ready"
+    for t in trainers:
+        t.stdin.write("go\n")
+        t.stdin.flush()
+    _next_line(outputs[killed], ("mid-save",), deadline)
+    trainers[killed].send_signal(signal.SIGKILL)
+    return trainers, outputs
+
+
+def test_trainer_killed_mid_save_fails_the_save_in_the_other_process(make_cluster, tmp_path, cluster):
+    """Process 1 dies mid-save: its sidecar sees the session lapse and marks host 1's part
+    failed, so process 0's `wait` raises naming host 1 within seconds, instead of waiting
+    commit_timeout (600 s here) for a done marker that cannot come."""
     directory = str(tmp_path / "killed")
-    trainers = _two_processes("ckpt_multi_killed", sidecars, directory)
+    trainers: list = []
     try:
-        outputs = [_lines(t) for t in trainers]
-        deadline = time.monotonic() + 120
-        for lines in outputs:
-            assert _next_line(lines, ("ready",), deadline) == "ready"
-        for t in trainers:
-            t.stdin.write("go\n")
-            t.stdin.flush()
-        _next_line(outputs[1], ("mid-save",), deadline)
-        trainers[1].send_signal(signal.SIGKILL)
-        killed = time.monotonic()
-        result = _next_line(outputs[0], ("committed", "failed:"), killed + 60)  # << 600 s
+        trainers, outputs = _kill_mid_save(make_cluster, directory, killed=1)
+        result = _next_line(outputs[0], ("committed", "failed:"), time.monotonic() + 60)  # << 600 s
         assert result.startswith("failed: CheckpointError save of step 3 failed"), result
-        assert "host 1" in result and "session lapsed" in result, result
+        assert "host 1: saving step 3 failed" in result and "session lapsed" in result, result
         step = os.path.join(directory, layout.step_dir(3))
         assert os.path.exists(os.path.join(step, layout.failed_marker(1)))
-        assert not os.path.exists(os.path.join(step, layout.failed_marker(0)))
         assert not os.path.exists(os.path.join(step, layout.COMMITTED))
+    finally:
+        _stop(trainers)
+        cluster.make_current()
+
+
+def test_committing_trainer_killed_mid_save_fails_its_hosts_part(make_cluster, tmp_path, cluster):
+    """Process 0 dies mid-save: its sidecar, which commits, marks host 0's part failed once the
+    session lapsed, instead of keeping the step alive until commit_timeout. (Process 1 is
+    ended by JAX itself: jax.distributed's coordinator lived in process 0.)"""
+    directory = str(tmp_path / "killed-0")
+    trainers: list = []
+    try:
+        trainers, _ = _kill_mid_save(make_cluster, directory, killed=0)
+        marker = os.path.join(directory, layout.step_dir(3), layout.failed_marker(0))
+        wait_for(lambda: os.path.exists(marker), "host 0's failure marker", timeout=60)  # << 600 s
+        assert "session lapsed" in json.load(open(marker))["error"]
+        assert not os.path.exists(os.path.join(directory, layout.step_dir(3), layout.COMMITTED))
     finally:
         _stop(trainers)
         cluster.make_current()
