@@ -4,9 +4,10 @@ A writer's job waits for pieces until its trainer says how many it sent (`finish
 process killed mid-save (OOM, a lost machine) never says it: the job would hold the step open,
 and every other process would wait `commit_timeout` for this host's done marker. The sidecar
 knows sooner: the trainer's session ends (its lease lapses a few seconds after the last sign of
-life). `watch_caller` ties a writer to the session of the call that began a job, so that the
-writer can then fail the jobs that session left unfinished, writing the host's failure marker,
-which the committing writer and the other processes see within a poll.
+life). A job records the session of the call that began it (`caller`), and `watch_caller`
+tells the writer when that session ends, so that it can fail the jobs the session left
+unfinished, writing the host's failure marker, which the committing writer and the other
+processes see within a poll.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def _why(session: sessions.Session) -> str:
     if session.ended == sessions.LAPSED:
         return (
             f"{who} went away before handing over its part: its session lapsed after "
-            f"{session.lease_seconds:g} s without a sign of life (killed, or its machine lost)"
+            f"{session.lease_seconds:g} s without a sign of life (killed, hung or cut off)"
         )
     if session.ended == sessions.STOPPED:
         return f"this sidecar shut down before {who} had handed over its part"
