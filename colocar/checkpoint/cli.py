@@ -12,14 +12,20 @@ import sys
 import time
 from typing import Any
 
-from .steps import StepDirs
+from .steps import ManifestError, StepDirs
 from .storage import open_storage
 
 
 def list_steps(steps: StepDirs) -> list[dict[str, Any]]:
+    """One row per step directory; a step whose manifest is unreadable gets a row saying so
+    (status "unreadable", its error in "error") instead of failing the whole listing."""
     rows = []
     for step in steps.all():
-        manifest = json.loads(steps.manifest(step) or b"{}")
+        try:
+            manifest = steps.read_manifest(step) or {}
+        except ManifestError as e:
+            rows.append(_unreadable_row(steps, step, str(e)))
+            continue
         leaves = manifest.get("leaves", {}).values()
         nbytes = sum(_nbytes(e) for e in leaves if e.get("kind") != "value")
         rows.append(
@@ -33,6 +39,29 @@ def list_steps(steps: StepDirs) -> list[dict[str, Any]]:
             }
         )
     return rows
+
+
+def _unreadable_row(steps: StepDirs, step: int, error: str) -> dict[str, Any]:
+    status = "unreadable (committed)" if steps.is_committed(step) else "unreadable"
+    row: dict[str, Any] = {"step": step, "status": status, "time": None, "leaves": 0, "bytes": 0}
+    return {**row, "hosts": None, "error": error}
+
+
+def _print_steps(url: str, rows: list[dict[str, Any]], as_json: bool) -> None:
+    """`ls`: a table (the errors of unreadable steps after it, on stderr), or one JSON object."""
+    if as_json:
+        print(json.dumps({"path": url, "steps": rows}))
+        return
+    print(f"{url}: {len(rows)} step(s)")
+    print(f"{'step':>10}  {'status':<24} {'saved':<19}  {'leaves':>6}  {'MiB':>10}  hosts")
+    for r in rows:
+        print(
+            f"{r['step']:>10}  {r['status']:<24} {_when(r['time']):<19}  {r['leaves']:>6}  "
+            f"{r['bytes'] / 2**20:>10.1f}  {r['hosts']}"
+        )
+    for r in rows:
+        if "error" in r:
+            print(r["error"], file=sys.stderr)
 
 
 def _nbytes(entry: dict[str, Any]) -> int:
@@ -67,22 +96,11 @@ def main(argv: list[str]) -> None:
         storage = open_storage(args.path)
         steps = StepDirs(storage)
         if args.command == "ls":
-            rows = list_steps(steps)
-            if args.json:
-                print(json.dumps({"path": storage.url, "steps": rows}))
-                return
-            print(f"{storage.url}: {len(rows)} step(s)")
-            print(f"{'step':>10}  {'status':<24} {'saved':<19}  {'leaves':>6}  {'MiB':>10}  hosts")
-            for r in rows:
-                print(
-                    f"{r['step']:>10}  {r['status']:<24} {_when(r['time']):<19}  {r['leaves']:>6}  "
-                    f"{r['bytes'] / 2**20:>10.1f}  {r['hosts']}"
-                )
+            _print_steps(storage.url, list_steps(steps), args.json)
             return
-        body = steps.manifest(args.step)
-        if body is None:
+        manifest = steps.read_manifest(args.step)
+        if manifest is None:
             raise ValueError(f"no step {args.step} in {storage.url}")
-        manifest = json.loads(body)
         status = steps.status(args.step)
         if args.json:
             print(json.dumps({"path": storage.url, "status": status, **manifest}))

@@ -34,7 +34,7 @@ from .inflight import InFlight, Save, SaveStats, save_failed
 from .lease import WriterLease
 from .restore import RestoreStats, restore_leaves
 from .save import Piece
-from .steps import STALE_SECONDS, StepDirs
+from .steps import STALE_SECONDS, ManifestError, StepDirs
 from .storage import open_storage
 from .topology import topology_of
 from .writer_backend import WriterOptions
@@ -136,7 +136,7 @@ class CheckpointManager:
 
     def metadata(self, step: int | None = None) -> dict[str, Any]:
         """The user metadata saved with `step` (default: the latest)."""
-        return self._manifest(self._committed_step(step))["metadata"]
+        return self._manifest(self._committed_step(step), latest=step is None)["metadata"]
 
     def delete(self, step: int) -> None:
         """Deletes a step: its commit marker first, so it is never half-restorable."""
@@ -301,8 +301,9 @@ class CheckpointManager:
         (the same devices must exist) as plain dicts and lists; `keys` restricts that to some
         top-level keys.
         """
+        latest = step is None
         step = self._committed_step(step)
-        manifest = self._manifest(step)
+        manifest = self._manifest(step, latest)
         if target is not None:
             leaves, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=tree._is_none)
             targets = {jax.tree_util.keystr(path): leaf for path, leaf in leaves}
@@ -338,11 +339,14 @@ class CheckpointManager:
             )
         return step
 
-    def _manifest(self, step: int) -> dict[str, Any]:
-        body = self.steps.manifest(step)
-        if body is None:
+    def _manifest(self, step: int, latest: bool = False) -> dict[str, Any]:
+        """`step`'s manifest; `latest`: the caller named no step (the error says what to pick)."""
+        try:
+            manifest = self.steps.read_manifest(step)
+        except ManifestError as e:
+            raise CheckpointError(f"{e}{self.steps.older_than(step) if latest else ''}") from None
+        if manifest is None:
             raise CheckpointError(f"step {step} in {self.storage.url} has no manifest (corrupted)")
-        manifest = json.loads(body)
         if manifest.get("format") != layout.FORMAT:
             raise CheckpointError(f"step {step}: unknown format {manifest.get('format')!r}")
         return manifest

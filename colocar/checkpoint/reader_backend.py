@@ -9,6 +9,8 @@ mismatch or a missing chunk raises with the object's name.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from colocar.shm import empty
@@ -50,11 +52,30 @@ def read_slices(
     stores = {leaf: future.result() for leaf, future in opened.items()}
     before = bytes_read()
     outputs, pending = [], []
-    for leaf, dtype, bounds in requests:
-        out = empty(tuple(b - a for a, b in bounds), np.dtype(dtype))
-        target = ts.array(out, copy=False, write=True)
-        pending.append(target.write(stores[leaf][layout.slices_of(bounds)]))
-        outputs.append(out)
-    for future in pending:
-        future.result()
+    try:
+        for leaf, dtype, bounds in requests:
+            out = empty(tuple(b - a for a, b in bounds), np.dtype(dtype))
+            target = ts.array(out, copy=False, write=True)
+            pending.append(target.write(stores[leaf][layout.slices_of(bounds)]))
+            outputs.append(out)
+    except BaseException:
+        _settle(pending, raise_first=False)
+        raise
+    _settle(pending)
     return outputs, bytes_read() - before
+
+
+def _settle(pending: list[Any], raise_first: bool = True) -> None:
+    """Waits for every read, then raises the first failure: no read still writes into a block
+    when a failed call's blocks go back to the arena."""
+    error: Exception | None = None
+    for future in pending:
+        try:
+            future.result()
+        except Exception as e:
+            error = error or e
+    try:
+        if error is not None and raise_first:
+            raise error
+    finally:
+        error = None  # no cycle error -> traceback -> this frame -> error: it would pin the blocks

@@ -9,7 +9,6 @@ assembles the global array with `jax.make_array_from_single_device_arrays`.
 
 from __future__ import annotations
 
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -143,21 +142,32 @@ def _read_all(
     url: str, step: int, requests: Requests, cluster: Any, storage_timeout: float, stats: RestoreStats
 ) -> dict[int, list[np.ndarray]]:
     """Every host reads its slices at once (on its sidecar); host -> arrays in request order.
-    Records the bytes each host read in `stats`."""
-    futures: dict[int, Future] = {
-        host.index: _read.on(host).submit(url, step, requests[host.index], storage_timeout)
-        for host in cluster.hosts
-        if requests[host.index]
-    }
+    Records the bytes each host read in `stats`. When one host fails, every other host's read
+    is given up (cancelled, or its arrays freed): a failed restore keeps no block."""
+    futures: dict[int, Any] = {}
     results: dict[int, list[np.ndarray]] = {}
-    for host_index, future in futures.items():
-        try:
-            arrays, nbytes = future.result()
-        except Exception as e:
-            raise CheckpointError(f"restoring step {step} on host {host_index} failed: {describe(e)}") from e
-        results[host_index] = arrays
-        stats.bytes_read[host_index] = nbytes
-    return results
+    future: Any = None
+    try:
+        for host in cluster.hosts:
+            if requests[host.index]:
+                futures[host.index] = _read.on(host).submit(url, step, requests[host.index], storage_timeout)
+        for h, future in futures.items():
+            results[h] = _host_result(step, h, future, stats)
+        return results
+    except BaseException:
+        for pending in futures.values():
+            pending.give_up()
+        futures, results, future = {}, {}, None  # the error's frames must not keep hosts' arrays
+        raise
+
+
+def _host_result(step: int, host_index: int, future: Any, stats: RestoreStats) -> list[np.ndarray]:
+    try:
+        arrays, nbytes = future.result()
+    except Exception as e:
+        raise CheckpointError(f"restoring step {step} on host {host_index} failed: {describe(e)}") from e
+    stats.bytes_read[host_index] = nbytes
+    return list(arrays)
 
 
 def restore_leaves(

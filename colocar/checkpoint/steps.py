@@ -13,11 +13,16 @@ from __future__ import annotations
 import json
 import socket
 import time
+from typing import Any
 
 from . import layout
 from .storage import Storage
 
 STALE_SECONDS = 60.0  # an uncommitted step without a fresher heartbeat is abandoned (debris)
+
+
+class ManifestError(ValueError):
+    """A step's manifest cannot be read as JSON: the step cannot be restored or listed."""
 
 
 class StepDirs:
@@ -40,6 +45,31 @@ class StepDirs:
 
     def manifest(self, step: int) -> bytes | None:
         return self.storage.read(self._name(step, layout.MANIFEST))
+
+    def read_manifest(self, step: int) -> dict[str, Any] | None:
+        """The parsed manifest of `step` (None: it has none yet); raises ManifestError naming
+        the object when it is not a JSON object (a truncated write, a damaged object)."""
+        body = self.manifest(step)
+        if body is None:
+            return None
+        try:
+            manifest = json.loads(body)
+        except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
+            raise ManifestError(self._unreadable(step, f"{len(body)} bytes, not JSON: {e}")) from None
+        if not isinstance(manifest, dict):
+            raise ManifestError(self._unreadable(step, f"a JSON {type(manifest).__name__}, not an object"))
+        return manifest
+
+    def older_than(self, step: int) -> str:
+        """What a user whose latest committed step is broken can do instead."""
+        older = [s for s in self.committed() if s < step]
+        if not older:
+            return f"; step {step} is the only committed step: there is no older one to restore"
+        return f"; step {step} is the latest committed step: restore(step={older[-1]}) picks an older one"
+
+    def _unreadable(self, step: int, why: str) -> str:
+        name = f"{self.storage.url}/{self._name(step, layout.MANIFEST)}"
+        return f"step {step}: its manifest {name} is unreadable ({why})"
 
     def age(self, step: int) -> float | None:
         """Seconds since the save of `step` last showed life: its heartbeat, else its manifest."""

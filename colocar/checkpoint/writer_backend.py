@@ -28,6 +28,7 @@ import numpy as np
 from . import layout
 from .steps import STALE_SECONDS, StepDirs
 from .storage import Storage, describe, open_storage
+from .trainer_watch import caller, watch_caller
 
 TERMINAL = ("committed", "done", "failed")
 AWAIT_HOSTS_POLL_SECONDS = 0.1  # the primary lists the done markers this often (the commit's latency)
@@ -79,6 +80,7 @@ class _Job:
     bytes_written: int = 0
     pending: int = 0
     reported: bool = False  # the controller saw the job's end (see `wait`)
+    session: str = ""  # the trainer session that began the job (see `trainer_watch`)
     started: float = field(default_factory=time.monotonic)
     finished: float = 0.0
     stores: dict[int, Any] = field(default_factory=dict)
@@ -114,6 +116,7 @@ class CheckpointWriter:
         parsed = json.loads(manifest)
         leaves = {int(e["index"]): e for e in parsed["leaves"].values() if e["kind"] != "value"}
         job = _Job(step, primary, sorted(hosts), leaves, manifest, parsed.get("attempt", ""))
+        job.session = caller()
         with self._lock:
             old = self._jobs.get(step)
             if old is not None and old.state not in TERMINAL:
@@ -121,6 +124,7 @@ class CheckpointWriter:
             for ended in [s for s, j in self._jobs.items() if j.reported]:
                 del self._jobs[ended]  # a long-lived writer keeps only what may still be asked
             self._jobs[step] = job
+        watch_caller(self._trainer_gone)  # after the job is known: its trainer may be gone already
         if primary:
             threading.Thread(
                 target=self._primary, args=(job,), name=f"colocar-ckpt-commit-{step}", daemon=True
@@ -175,6 +179,17 @@ class CheckpointWriter:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _trainer_gone(self, session_id: str, why: str) -> None:
+        """The trainer session `session_id` ended: its jobs still waiting for pieces (no
+        `finish` yet) can never end, so they fail with this host's failure marker."""
+        with self._lock:
+            jobs = [j for j in self._jobs.values() if j.session == session_id]
+        for job in jobs:
+            with job.lock:
+                orphaned = job.state == "writing" and job.pieces_sent is None
+            if orphaned:
+                self._fail(job, f"host {self.host}: saving step {job.step} failed: {why}")
 
     # --- writing ----------------------------------------------------------------------------
     def _job(self, step: int) -> _Job:

@@ -2,7 +2,9 @@
 
 A controller opens a session at connect and renews it with keepalives (and with every call).
 When a lease runs out (controller killed, disconnected or partitioned), `on_expire` frees
-everything the session owned. A reaper thread checks a few times per lease.
+everything the session owned. A reaper thread checks a few times per lease. Shipped code that
+must outlive its call but not its controller (a checkpoint writer's save in progress) finds
+the session it serves with `current()` and asks to hear of its end with `Session.on_end`.
 """
 
 from __future__ import annotations
@@ -14,6 +16,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 LOG_QUEUE_LINES = 10_000
+LAPSED, CLOSED, STOPPED = "lapsed", "closed", "stopped"  # how a session ended (`Session.ended`)
+
+_serving = threading.local()  # .session: the session of the request this thread serves last
+
+
+def current() -> Session | None:
+    """The session whose request this thread is serving (None outside a request's thread)."""
+    return getattr(_serving, "session", None)
 
 
 @dataclass
@@ -26,6 +36,29 @@ class Session:
     dropped_log_lines: int = 0
     reported_dropped_lines: int = 0  # of dropped_log_lines, those take_lines already reported
     closed: bool = False
+    ended: str = ""  # LAPSED, CLOSED or STOPPED once it ended
+    _end_hooks: dict[str, Callable[[Session], None]] = field(default_factory=dict, init=False, repr=False)
+    _hooks_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+
+    def on_end(self, key: str, callback: Callable[[Session], None]) -> None:
+        """Calls `callback(session)` once the session ends (at once if it has); one callback
+        per `key` (registering a key again replaces it). It runs on the reaper's or the closer's
+        thread, so it must be quick (start a thread for slow work)."""
+        with self._hooks_lock:
+            if not self.ended:
+                self._end_hooks[key] = callback
+                return
+        callback(self)
+
+    def _run_end_hooks(self, how: str) -> None:
+        with self._hooks_lock:
+            self.ended = how
+            hooks, self._end_hooks = list(self._end_hooks.values()), {}
+        for callback in hooks:
+            try:
+                callback(self)
+            except Exception as e:  # one failing hook must not keep the others from running
+                print(f"colocar sidecar: a hook on the end of session {self.id} failed: {e!r}", flush=True)
 
     def renew(self) -> None:
         self.expires_at = time.monotonic() + self.lease_seconds
@@ -93,21 +126,23 @@ class SessionTable:
         session = self._sessions.get(session_id)
         if session is not None:
             session.renew()
+        _serving.session = session
         return session
 
     def close(self, session_id: str) -> None:
         with self._lock:
             session = self._sessions.pop(session_id, None)
         if session is not None:
-            self._expire(session)
+            self._expire(session, CLOSED)
 
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def _expire(self, session: Session) -> None:
+    def _expire(self, session: Session, how: str) -> None:
         session.closed = True
         session.log("")  # wakes a wait for log lines so it can end
         self._on_expire(session)
+        session._run_end_hooks(how)
 
     def _reap(self) -> None:
         while not self._stop.wait(min(0.25, self.default_lease / 4)):
@@ -117,7 +152,7 @@ class SessionTable:
                 for session in expired:
                     del self._sessions[session.id]
             for session in expired:
-                self._expire(session)
+                self._expire(session, LAPSED)
 
     def stop(self) -> None:
         self._stop.set()
@@ -125,4 +160,4 @@ class SessionTable:
             sessions = list(self._sessions.values())
             self._sessions.clear()
         for session in sessions:
-            self._expire(session)
+            self._expire(session, STOPPED)

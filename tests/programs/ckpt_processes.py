@@ -25,12 +25,12 @@ def start() -> tuple[int, Any, str]:
     return process, cluster, directory
 
 
-def saver(cluster: Any, directory: str) -> tuple[jax.Array, Any]:
-    """`w` sharded over both processes' 8 devices and a manager with a 5 s commit_timeout."""
+def saver(cluster: Any, directory: str, commit_timeout: float = 5) -> tuple[jax.Array, Any]:
+    """`w` sharded over both processes' 8 devices and a manager (commit_timeout 5 s unless given)."""
     from colocar.checkpoint import CheckpointManager
 
     full = np.arange(64 * 16, dtype=np.float32).reshape(64, 16)
     mesh = Mesh(np.array(jax.devices()).reshape(8), ("d",))
     w = jax.make_array_from_callback(full.shape, NamedSharding(mesh, P("d")), lambda index: full[index])
-    m = CheckpointManager(directory, cluster, max_chunk_bytes=1 << 20, commit_timeout=5)
+    m = CheckpointManager(directory, cluster, max_chunk_bytes=1 << 20, commit_timeout=commit_timeout)
     return w, m
