@@ -125,6 +125,13 @@ def assemble(
             if device in index_map:
                 pieces.append(block[layout.local(index_bounds(index_map[device], shape))])
                 targets.append(device)
+    missing = set(sharding.addressable_devices) - set(targets)
+    if missing:
+        raise ArrayLayoutError(
+            f"{what}: its sharding {sharding} puts shards on devices "
+            f"{sorted(d.id for d in missing)}, which no host of the call holds; shard outputs over "
+            "the devices of the call's array inputs"
+        )
     arrays = jax.device_put(pieces, targets)
     return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays)
 

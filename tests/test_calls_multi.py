@@ -1,0 +1,52 @@
+"""`@colocated` calls under multi-controller JAX: two JAX processes (jax.distributed on CPU, 4
+devices each), each connected to its own sidecar, call with the same global arrays. Each runs
+on its own sidecar with its devices' blocks and gets global `jax.Array`s whose addressable
+shards are right (tests/programs/calls_multi.py checks them against numpy); non-array results
+are its own host's; calls that cannot run name the process and the devices.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from checkpoint_helpers import MiB
+from test_checkpoint_multi import _stop, _two_processes
+
+
+def _run(make_cluster, directory) -> list[dict]:
+    """Runs tests/programs/calls_multi.py as processes 0 and 1; their results."""
+    sidecars = make_cluster(hosts=2, arena_size=16 * MiB, persist=True)
+    trainers = _two_processes("calls_multi", sidecars, str(directory))
+    try:
+        outputs = [t.communicate(timeout=240)[0] for t in trainers]
+        for t, out in zip(trainers, outputs, strict=True):
+            assert t.returncode == 0 and "OK" in out, out[-3000:]
+    finally:
+        _stop(trainers)
+    return [json.load(open(os.path.join(directory, f"process{i}.json"))) for i in range(2)]
+
+
+def test_two_jax_processes_call_on_global_arrays(make_cluster, tmp_path):
+    """Rows, a 2-D mesh both ways, replicated, an odd shape, out_specs_fn, a method, no array
+    inputs, a host claiming every device: each process's shards of the results are right (it
+    failed at once before: 'device cpu:2051 belongs to no open colocar cluster'). A non-array result
+    is the process's own host's value: its block of the rows."""
+    results = _run(make_cluster, tmp_path)
+    for i, r in enumerate(results):
+        assert r["process"] == i
+        assert r["described"] == {"shape": [8, 8], "first": float(i * 64)}, r["described"]
+        assert r["reachable"] == 5
+        _check_errors(i, r, results[1 - i]["ids"])
+
+
+def _check_errors(i: int, r: dict, theirs: list[int]) -> None:
+    """The errors name this process, the other process and its devices (`theirs`)."""
+    elsewhere = r["elsewhere"]
+    assert f"array argument args[0] has no shard on JAX process {i} of 2" in elsewhere, elsewhere
+    assert f"devices {theirs} of JAX processes [{1 - i}]" in elsewhere, elsewhere
+    devices = r["devices_elsewhere"]
+    assert f"({theirs}) belongs to JAX process {i} of 2" in devices, devices
+    for key in ("unreachable", "unreachable_class"):
+        assert r[key].startswith("host0 ("), r[key]
+        assert f"is not reachable from JAX process {i} of 2: its cluster was closed" in r[key], r[key]
