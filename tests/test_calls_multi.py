@@ -10,8 +10,16 @@ from __future__ import annotations
 import json
 import os
 
+import jax
+import numpy as np
+import pytest
 from checkpoint_helpers import MiB
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 from test_checkpoint_multi import _stop, _two_processes
+
+import colocar
+from colocar.errors import ArrayLayoutError
 
 
 def _run(make_cluster, directory) -> list[dict]:
@@ -47,6 +55,25 @@ def _check_errors(i: int, r: dict, theirs: list[int]) -> None:
     assert f"devices {theirs} of JAX processes [{1 - i}]" in elsewhere, elsewhere
     devices = r["devices_elsewhere"]
     assert f"({theirs}) belongs to JAX process {i} of 2" in devices, devices
+    assert "on() takes Host objects of this process's clusters (cluster.hosts[i]), not str" in r["not_a_host"]
+    mine = r["ids"]
+    uncovered = r["uncovered"]
+    assert f"device {mine[2]} of JAX process {i} of 2 belongs to no host of this process's" in uncovered
+    assert f"{{'host0': {mine[:2]}}}" in uncovered, uncovered
     for key in ("unreachable", "unreachable_class"):
         assert r[key].startswith("host0 ("), r[key]
         assert f"is not reachable from JAX process {i} of 2: its cluster was closed" in r[key], r[key]
+
+
+def test_an_output_sharded_beyond_the_calls_hosts_is_named(cluster):
+    """One controller: the input lies on host0's devices, out_specs_fn shards the output over
+    every device. The error names the devices no host of the call holds."""
+    c = cluster.make_current()
+    x = jax.device_put(np.arange(8.0), NamedSharding(Mesh(np.array(c.hosts[0].devices), ("d",)), P("d")))
+    wide = NamedSharding(c.mesh(("d",)), P("d"))
+    f = colocar.colocated(lambda x: x * 2).specialize(
+        out_specs_fn=lambda x: jax.ShapeDtypeStruct((16,), x.dtype, sharding=wide)
+    )
+    with pytest.raises(ArrayLayoutError) as raised:
+        f(x)
+    assert "puts shards on devices [4, 5, 6, 7], which no host of the call holds" in str(raised.value)

@@ -6,8 +6,9 @@ go). Calls on arrays sharded over both processes' 8 devices (rows, a 2-D mesh bo
 replicated, an odd shape), with out_specs_fn, through a method of a colocated class, without
 array inputs, and through a host that claims every process's devices; checks each addressable
 shard of every result against numpy on the whole input. Writes process<i>.json: the non-array
-results this process got and the errors of a call on another process's devices only and of
-`.on` with an unreachable host. Prints "OK".
+results this process got and the errors of a call on another process's devices only, of `.on`
+with an unreachable host or a string, and of a call on devices no open cluster covers. Prints
+"OK".
 """
 
 import json
@@ -143,9 +144,20 @@ try:
     Offset.on(closed.hosts[0])(1)
 except ColocarError as e:
     result["unreachable_class"] = str(e)
+try:
+    affine.on("host0")(1)  # type: ignore[arg-type]
+except TypeError as e:
+    result["not_a_host"] = str(e)
 result["reachable"] = affine.on(cluster.hosts[0])(np.arange(3))[-1].item()
+
+cluster.close()  # left open: a host with two of this process's devices
+local = jax.local_devices()
+with colocar.connect([address], token_file=sys.argv[4], devices=[local[:2]]):
+    try:
+        affine(x)
+    except ColocarError as e:
+        result["uncovered"] = str(e)
 
 with open(os.path.join(directory, f"process{process}.json"), "w") as f:
     json.dump(result, f)
-cluster.close()
 print("OK", flush=True)
