@@ -46,6 +46,26 @@ def test_two_jax_processes_call_on_global_arrays(make_cluster, tmp_path):
         assert r["described"] == {"shape": [8, 8], "first": float(i * 64)}, r["described"]
         assert r["reachable"] == 5
         _check_errors(i, r, results[1 - i]["ids"])
+    _check_agreement(results)
+
+
+def _check_agreement(results: list[dict]) -> None:
+    """Process 0 (the first of the call) keeps its outputs; process 1 raises when its outputs'
+    shapes differ (it returned a global array of another shape before), when process 0's part
+    failed, and when process 0 never makes the call (after 2 s here)."""
+    first, second = results
+    assert first["differ"] == [16, 1] and "differ_errors" not in first, first
+    errors = second["differ_errors"]
+    assert len(errors) == 2 and errors[0] == errors[1], errors
+    assert errors[0].startswith("ProcessesDiffer: __main__.data_dependent: the outputs of JAX process 1 ")
+    assert "here PyTreeDef(*): float32[16, 2], there PyTreeDef(*): float32[16, 1]. " in errors[0], errors[0]
+    assert "failed" not in first and "boom in process 0's host" in first["failed_errors"][0]
+    failed = second["failed_errors"]
+    assert len(failed) == 2 and "failed" not in second, second
+    assert "JAX process 0's part of this call failed: " in failed[0], failed[0]
+    assert "boom in process 0's host" in failed[0]
+    alone = second["alone"]
+    assert "JAX process 0 did not finish the same call (its call number 0) within 2 s" in alone, alone
 
 
 def _check_errors(i: int, r: dict, theirs: list[int]) -> None:

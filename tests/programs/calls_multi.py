@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 process, cluster, directory = start()
 
 import colocar  # noqa: E402
+from colocar.controller_bridge import processes as processes_module  # noqa: E402
 from colocar.errors import ColocarError  # noqa: E402
 
 
@@ -45,6 +46,24 @@ def describe(x):
 @colocar.colocated
 def row_sums(x):
     return x.sum(axis=1), x - 1
+
+
+@colocar.colocated
+def data_dependent(x):
+    """Keeps as many columns as the block's first value says: 1 in process 0, 2 in process 1."""
+    return x[:, : int(x.flat[0]) % 3 + 1]
+
+
+@colocar.colocated
+def fails_in_process_0(x):
+    if x.flat[0] == 0:
+        raise ValueError("boom in process 0's host")
+    return x
+
+
+@colocar.colocated
+def only_in_process_1(x):
+    return x
 
 
 @colocar.colocated
@@ -144,6 +163,23 @@ try:
     Offset.on(closed.hosts[0])(1)
 except ColocarError as e:
     result["unreachable_class"] = str(e)
+# the processes' outputs differ, or process 0's part fails: the others raise
+for key, f in (("differ", data_dependent), ("failed", fails_in_process_0)):
+    future = f.submit(x)
+    for _ in range(2):  # a second result() gives the same outcome
+        try:
+            result[key] = list(future.result().shape)
+        except Exception as e:
+            result.setdefault(f"{key}_errors", []).append(f"{type(e).__name__}: {e}")
+processes_module.SYNC_TIMEOUT = 2
+if process == 1:  # process 0 never makes this call
+    try:
+        only_in_process_1(x)
+    except ColocarError as e:
+        result["alone"] = str(e)
+processes_module.SYNC_TIMEOUT = 300
+check(affine(x), full * 2 + 1, layouts["rows"], "after another function's call only process 1 made")
+
 try:
     affine.on("host0")(1)  # type: ignore[arg-type]
 except TypeError as e:
