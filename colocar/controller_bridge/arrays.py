@@ -66,7 +66,8 @@ def host_layout(
         raise ArrayLayoutError(
             f"{what}: the shards on this host do not form one rectangular block of the global array "
             f"(blocks {sorted(blocks)}); use a sharding whose per-host part is a hyper-rectangle "
-            "(host-major device order, as cluster.mesh builds), or specialize(per_device_shards=True)"
+            "(host-major device order, as cluster.mesh builds, or jax.devices() in its order under "
+            "multi-controller JAX), or specialize(per_device_shards=True)"
         )
     return HostLayout(start, box, blocks)
 

@@ -10,7 +10,8 @@ shapes and dtypes of its outputs (or that its part failed) in jax.distributed's 
 store, and every other process compares its own with them before returning: a difference
 raises there, naming both processes. The first process never waits; the others wait until it
 finished the same call. Keys are numbered per set of processes and function, in the order each
-process starts its calls: every process makes the same calls in the same order (SPMD).
+process starts its calls: every process makes the same calls in the same order (SPMD), and
+waits for their results (the first process publishes when it has its own).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class OutputCheck:
         """The check a call needs: one when it spans several JAX processes and the default rule
         shapes its outputs (out_specs_fn gives them; per-device shards are per-process lists)."""
         options = plan.options
-        if options.out_specs_fn is not None or options.per_device_shards:
+        if jax.process_count() == 1 or options.out_specs_fn is not None or options.per_device_shards:
             return None
         devices = [d for x in plan.arrays for d in x.sharding.device_set] or list(options.devices or ())
         processes = {d.process_index for d in devices}

@@ -177,6 +177,10 @@ if process == 1:  # process 0 never makes this call
         only_in_process_1(x)
     except ColocarError as e:
         result["alone"] = str(e)
+    # a process-local array: this process alone, nothing to compare, no waiting
+    here = NamedSharding(Mesh(np.array(jax.local_devices()), ("d",)), P("d"))
+    got = affine(global_array(full, here))
+    assert got.is_fully_addressable and np.array_equal(np.asarray(got), full * 2 + 1)
 processes_module.SYNC_TIMEOUT = 300
 check(affine(x), full * 2 + 1, layouts["rows"], "after another function's call only process 1 made")
 
