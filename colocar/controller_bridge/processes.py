@@ -24,8 +24,11 @@ from typing import Any
 import jax
 
 from colocar.errors import ColocarError
+from colocar.jax_compat import distributed_client
 
-SYNC_TIMEOUT = 300.0  # seconds another process waits for the first one to finish the same call
+# seconds another process waits, once its own part ended, for the first one to finish the same
+# call (plus the call's timeout if it has one: the first one's part may take that long)
+SYNC_TIMEOUT = 300.0
 KEEP = 4096  # calls of one function whose keys the first process keeps for the others
 
 _made: collections.Counter[str] = collections.Counter()
@@ -39,10 +42,9 @@ class ProcessesDiffer(ColocarError):
 class OutputCheck:
     """One multi-controller call's comparison of outputs with its first process's."""
 
-    def __init__(self, name: str, processes: Iterable[int]):
-        from colocar.jax_compat import distributed_client
-
+    def __init__(self, name: str, processes: Iterable[int], call_timeout: float | None = None):
         self.name = name
+        self.timeout = SYNC_TIMEOUT + (call_timeout or 0.0)
         self.processes = sorted(processes)
         self.leader = self.processes[0]
         self.process = jax.process_index()
@@ -67,7 +69,7 @@ class OutputCheck:
             return None
         devices = [d for x in plan.arrays for d in x.sharding.device_set] or list(options.devices or ())
         processes = {d.process_index for d in devices}
-        return OutputCheck(plan.name, processes) if len(processes) > 1 else None
+        return OutputCheck(plan.name, processes, options.timeout) if len(processes) > 1 else None
 
     def failed(self, error: BaseException) -> None:
         """This process's part failed: the first process tells the others (they raise too)."""
@@ -114,11 +116,11 @@ class OutputCheck:
 
     def _theirs(self) -> str:
         try:
-            return str(self._client.blocking_key_value_get(self._key(), int(SYNC_TIMEOUT * 1000)))
+            return str(self._client.blocking_key_value_get(self._key(), int(self.timeout * 1000)))
         except Exception as e:
             raise ProcessesDiffer(
                 f"{self.name}, JAX process {self.process}: JAX process {self.leader} did not finish "
-                f"the same call (its call number {self.n}) within {SYNC_TIMEOUT:.0f} s ({e}). Every "
+                f"the same call (its call number {self.n}) within {self.timeout:.0f} s ({e}). Every "
                 "process must make the same array calls in the same order"
             ) from e
 
