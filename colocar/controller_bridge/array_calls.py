@@ -10,6 +10,7 @@ Staging for several hosts runs concurrently on a small shared pool; for one host
 inline. The first failure wins, and whatever was staged for the other hosts goes back; an
 interrupt returns at once and leaves the stagings still running to give back their blocks.
 Once started, a lost host fails the call at once, and the other hosts are told to drop theirs.
+Under multi-controller JAX the processes then check that their outputs agree (`processes.py`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from . import planner
 from .calls import Call, CallFuture
 from .cluster import Host
 from .planner import CallPlan, HostPlan
+from .processes import OutputCheck
 from .specs import Options
 
 STAGING_THREADS = 8  # hosts staged at once; their copies and RPCs release the GIL
@@ -53,9 +55,19 @@ class ArrayCallFuture:
 
     def __init__(self, target: ArrayTarget, args: tuple, kwargs: dict):
         self._plan = planner.plan_call(target.name, target.label, target.options, args, kwargs)
+        self._check = OutputCheck.needed(self._plan)  # numbered now: calls are started in order
+        self._outcome: tuple[bool, Any] | None = None
+        self._futures: list[tuple[HostPlan, CallFuture]] = []
+        try:
+            self._start(target)
+        except BaseException as e:
+            if self._check is not None:
+                self._check.failed(e)
+            raise
+
+    def _start(self, target: ArrayTarget) -> None:
         builders = [target.bind(h.host) for h in self._plan.hosts]
         tasks = [_staging(self._plan, h, b) for h, b in zip(self._plan.hosts, builders, strict=True)]
-        self._futures: list[tuple[HostPlan, CallFuture]] = []
         calls: list[Call] = []
         try:
             calls = stage(tasks)
@@ -76,7 +88,30 @@ class ArrayCallFuture:
     def result(self) -> Any:
         """The global result; an interrupt while waiting cancels the call on every host, and so
         does a lost host, at once (see `_wait`). Other errors are raised once all hosts ended,
-        the first host's first."""
+        the first host's first. A call spanning several JAX processes then checks that they all
+        got the same outputs (`processes.py`)."""
+        if self._check is None:
+            return self._result()
+        if self._outcome is None:  # checked once: a second result() gives the same outcome
+            self._outcome = self._checked(self._check)
+        ok, value = self._outcome
+        if not ok:
+            raise value
+        return value
+
+    def _checked(self, check: OutputCheck) -> tuple[bool, Any]:
+        try:
+            result = self._result()
+        except BaseException as e:
+            check.failed(e)
+            return False, e
+        try:
+            check.agree(result)
+        except BaseException as e:
+            return False, e
+        return True, result
+
+    def _result(self) -> Any:
         try:
             lost = self._wait()
         except BaseException:

@@ -66,7 +66,8 @@ def host_layout(
         raise ArrayLayoutError(
             f"{what}: the shards on this host do not form one rectangular block of the global array "
             f"(blocks {sorted(blocks)}); use a sharding whose per-host part is a hyper-rectangle "
-            "(host-major device order, as cluster.mesh builds), or specialize(per_device_shards=True)"
+            "(host-major device order, as cluster.mesh builds, or jax.devices() in its order under "
+            "multi-controller JAX), or specialize(per_device_shards=True)"
         )
     return HostLayout(start, box, blocks)
 
@@ -125,6 +126,13 @@ def assemble(
             if device in index_map:
                 pieces.append(block[layout.local(index_bounds(index_map[device], shape))])
                 targets.append(device)
+    missing = set(sharding.addressable_devices) - set(targets)
+    if missing:
+        raise ArrayLayoutError(
+            f"{what}: its sharding {sharding} puts shards on devices "
+            f"{sorted(d.id for d in missing)}, which no host of the call holds; shard outputs over "
+            "the devices of the call's array inputs"
+        )
     arrays = jax.device_put(pieces, targets)
     return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays)
 

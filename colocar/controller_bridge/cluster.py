@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -147,6 +147,19 @@ def current_cluster() -> Cluster:
     )
 
 
+def where() -> str:
+    """This controller among the JAX processes, for messages: "JAX process 1 of 2"."""
+    return f"JAX process {jax.process_index()} of {jax.process_count()}"
+
+
+def addressable(devices: Iterable[Any]) -> list[Any]:
+    """The devices this JAX process owns (all of them with one controller), in their order.
+    Under multi-controller JAX a global array also lies on other processes' devices; this
+    process reaches only its own, through its own sidecars."""
+    process = jax.process_index()
+    return [d for d in devices if d.process_index == process]
+
+
 def host_of_device(device: Any) -> Host:
     """The host (of the most recently opened active cluster) that a device belongs to."""
     with _active_lock:
@@ -155,10 +168,36 @@ def host_of_device(device: Any) -> Host:
         host = cluster.host_of(device)
         if host is not None:
             return host
+    if not clusters:
+        raise ColocarError(
+            f"device {device} belongs to no open colocar cluster: open one with "
+            "colocar.local_cluster(...) or colocar.connect(...) first"
+        )
+    covered = {h.name: [d.id for d in h.devices] for c in clusters for h in c.hosts}
     raise ColocarError(
-        f"device {device} belongs to no open colocar cluster: open one with "
-        "colocar.local_cluster(...) or colocar.connect(...) first"
+        f"device {device.id} of {where()} belongs to no host of this process's open colocar "
+        f"clusters (their hosts and devices: {covered}); connect this process to the sidecar of "
+        "the host it is on (colocar.connect([...], devices=...))"
     )
+
+
+def check_reachable(host: Any) -> None:
+    """Raises unless `host` is a `Host` of an open cluster of this process: a process calls only
+    the sidecars it connected to (under multi-controller JAX, each process its own)."""
+    if not isinstance(host, Host):
+        raise TypeError(
+            f"on() takes Host objects of this process's clusters (cluster.hosts[i]), not "
+            f"{type(host).__name__} {host!r}"
+        )
+    with _active_lock:
+        open_hosts = [h for c in _active for h in c.hosts]
+    if not any(h is host for h in open_hosts) or host.connection.session.closed:
+        names = [h.name for h in open_hosts]
+        raise ColocarError(
+            f"{host.name} ({host.address}) is not reachable from {where()}: its cluster was closed "
+            f"(this process's open hosts: {names}); call hosts of an open cluster, or "
+            "colocar.connect(...) to it again"
+        )
 
 
 def split_devices(devices: Sequence[Any], hosts: int) -> list[list[Any]]:

@@ -23,7 +23,7 @@ from colocar.protocol import colocar_pb2 as pb
 
 from .array_calls import ArrayCallFuture, ArrayTarget, CallBuilder
 from .calls import Call, ShippedCode
-from .cluster import Host
+from .cluster import Host, check_reachable
 from .remote_iterator import RemoteIterator
 from .specs import Options
 
@@ -107,6 +107,8 @@ class HostCaller:
         self._hosts = [hosts] if isinstance(hosts, Host) else list(hosts)
         if not self._hosts:
             raise ValueError("on() needs at least one host")
+        for host in self._hosts:
+            check_reachable(host)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._stream_code is not None:

@@ -18,7 +18,7 @@ from colocar.protocol import colocar_pb2 as pb
 
 from .array_calls import ArrayCallFuture, ArrayTarget, CallBuilder
 from .calls import Call, ShippedCode
-from .cluster import Host
+from .cluster import Host, check_reachable
 from .remote import ObjectAddress, RemoteObject
 from .specs import Options
 
@@ -37,6 +37,7 @@ class ColocatedClass:
 
     def on(self, host: Host, *, name: str = "", ttl: float = 0.0) -> Any:
         """A constructor that creates the object on `host` (detached if `name` is given)."""
+        check_reachable(host)
 
         def construct(*args: Any, **kwargs: Any) -> RemoteObject:
             return RemoteObject(self.create(host, args, kwargs, name=name, ttl=ttl))

@@ -20,7 +20,7 @@ import numpy as np
 from colocar.errors import ArrayLayoutError, ColocarError
 
 from . import arrays
-from .cluster import Host, host_of_device
+from .cluster import Host, addressable, host_of_device, where
 from .specs import Options, check_in_specs, same_value, spec_of
 
 
@@ -29,6 +29,7 @@ class HostPlan:
     """One host of a call and where its part of each array argument lies."""
 
     host: Host
+    devices: tuple[Any, ...]  # the host's devices this JAX process owns (all, with one controller)
     layouts: tuple[arrays.HostLayout, ...]  # one per array argument; none with per-device shards
 
 
@@ -61,7 +62,7 @@ class CallPlan:
 
     def shards(self, host: HostPlan) -> list[list[np.ndarray]]:
         """Each array argument as the list of its shards on the host (`per_device_shards`)."""
-        return [arrays.per_device(x, host.host.devices) for x in self.arrays]
+        return [arrays.per_device(x, host.devices) for x in self.arrays]
 
     def arguments(self, values: Sequence[Any]) -> tuple[tuple, dict]:
         """The host's (args, kwargs): the arguments with `values` in place of the arrays."""
@@ -81,16 +82,25 @@ def hosts_of(devices: Sequence[Any]) -> list[Host]:
 
 
 def plan_call(name: str, label: str, options: Options, args: tuple, kwargs: dict) -> CallPlan:
-    """The plan of a call; raises before anything is staged if the call cannot run."""
+    """The plan of a call; raises before anything is staged if the call cannot run.
+
+    Only the devices this JAX process owns count (under multi-controller JAX every process
+    calls with the same global arrays and runs on its own hosts); with one controller, all."""
     if options.in_specs is not None:
         check_in_specs(options.in_specs, args, kwargs, name)
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
     leaves = [arrays.key_data(leaf) for leaf in leaves]
     positions = tuple(i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array))
     if positions:
-        devices = [d for i in positions for d in leaves[i].sharding.device_set]
+        devices = _local_devices(name, (args, kwargs), leaves, positions)
     elif options.devices is not None:
-        devices = list(options.devices)
+        devices = addressable(options.devices)
+        if not devices:
+            raise ColocarError(
+                f"{name}: none of the devices given with specialize(devices=...) "
+                f"({sorted(d.id for d in options.devices)}) belongs to {where()}; give each "
+                "process devices that include its own (jax.devices() lists every process's)"
+            )
     else:
         raise ValueError(
             f"{name} has no jax.Array arguments: give it devices with "
@@ -98,17 +108,46 @@ def plan_call(name: str, label: str, options: Options, args: tuple, kwargs: dict
         )
     in_specs = jax.tree_util.tree_map(spec_of, jax.tree_util.tree_unflatten(treedef, leaves))
     xs = [leaves[i] for i in positions]
-    hosts = tuple(
-        HostPlan(host, () if options.per_device_shards else _layouts(xs, host, name))
-        for host in hosts_of(devices)
-    )
-    return CallPlan(name, label, options, tuple(leaves), treedef, positions, hosts, in_specs)
+    plans = []
+    for host in hosts_of(devices):
+        mine = tuple(addressable(host.devices))
+        layouts = () if options.per_device_shards else _layouts(xs, host, mine, name)
+        plans.append(HostPlan(host, mine, layouts))
+    return CallPlan(name, label, options, tuple(leaves), treedef, positions, tuple(plans), in_specs)
 
 
-def _layouts(xs: list[jax.Array], host: Host, name: str) -> tuple[arrays.HostLayout, ...]:
+def _local_devices(name: str, tree: Any, leaves: list[Any], positions: tuple[int, ...]) -> list[Any]:
+    """The devices of this JAX process holding the array arguments; raises naming the argument
+    and the processes holding it if one lies only on other processes' devices."""
+    devices = []
+    for i in positions:
+        sharding = leaves[i].sharding
+        mine = sorted(sharding.addressable_devices, key=lambda d: d.id)
+        if not mine:
+            paths = [_argument(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+            held = sorted(sharding.device_set, key=lambda d: d.id)
+            raise ColocarError(
+                f"{name}: array argument {paths[i]} has no shard on {where()}: it lies on devices "
+                f"{[d.id for d in held]} of JAX processes {sorted({d.process_index for d in held})}. "
+                "Under multi-controller JAX every process calls with the same global arrays and "
+                "runs on its own devices' blocks: shard the array over every process's devices "
+                "(a mesh of jax.devices()), or call only from the processes that hold it"
+            )
+        devices.extend(mine)
+    return devices
+
+
+def _argument(path: tuple[Any, ...]) -> str:
+    """An (args, kwargs) leaf's path as the user wrote it: `args[0]`, `kwargs['params']['w']`."""
+    return ("args" if path[0].idx == 0 else "kwargs") + jax.tree_util.keystr(path[1:])
+
+
+def _layouts(
+    xs: list[jax.Array], host: Host, devices: Sequence[Any], name: str
+) -> tuple[arrays.HostLayout, ...]:
     layouts = []
     for x in xs:
-        layout = arrays.host_layout(x.sharding, x.shape, host.devices, f"argument of {name}")
+        layout = arrays.host_layout(x.sharding, x.shape, devices, f"argument of {name}")
         if layout is None:
             raise ArrayLayoutError(
                 f"{name}: an array argument has no shard on {host.name}, while another "
@@ -162,8 +201,7 @@ def _out_specs(plan: CallPlan, n: int) -> list[Any]:
 def _global(
     plan: CallPlan, values: list[Any], results: Sequence[tuple[HostPlan, Any]], spec: Any, what: str
 ) -> jax.Array:
-    hosts = [h.host for h, _ in results]
-    blocks = {h.index: (h.devices, np.asarray(v)) for h, v in zip(hosts, values, strict=True)}
+    blocks = {h.host.index: (h.devices, np.asarray(v)) for (h, _), v in zip(results, values, strict=True)}
     if spec is not None:
         return arrays.assemble(spec.shape, spec.dtype, spec.sharding, blocks, what)
     if not plan.positions:
