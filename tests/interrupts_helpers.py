@@ -17,7 +17,7 @@ from helpers import wait_for
 import colocar
 
 DEADLINE = 30.0
-QUICK = 10.0  # the next call after an interrupted 60 s call must end well within this
+QUICK = 120.0  # a deadline, not a timing: the interrupted call runs 600 s unless stopped
 
 
 # --- delivering the interrupt -------------------------------------------------------------------
@@ -81,7 +81,7 @@ def ident(x):
 
 
 @colocar.colocated
-def wait_for_file(path, limit=60.0):
+def wait_for_file(path, limit=600.0):
     """Sleeps until `path` exists (at most `limit` s), then returns a value of its own."""
     deadline = time.monotonic() + limit
     while not os.path.exists(path) and time.monotonic() < deadline:
