@@ -55,3 +55,8 @@ class ArrayLayoutError(ColocarError, ValueError):
 
 class CheckpointError(ColocarError):
     """A save or restore failed; the message names the step, the key, the host and the cause."""
+
+
+class ProcessesDisagree(ColocarError):
+    """Under multi-controller JAX, the processes hold different values for what must be the same
+    (an array call's outputs, a data iterator's state or config); names the process that differs."""

@@ -57,7 +57,7 @@ def _check_agreement(results: list[dict]) -> None:
     assert first["differ"] == [16, 1] and "differ_errors" not in first, first
     errors = second["differ_errors"]
     assert len(errors) == 2 and errors[0] == errors[1], errors
-    assert errors[0].startswith("ProcessesDiffer: __main__.data_dependent: the outputs of JAX process 1 ")
+    assert errors[0].startswith("ProcessesDisagree: __main__.data_dependent: the outputs of JAX process 1 ")
     assert "here PyTreeDef(*): float32[16, 2], there PyTreeDef(*): float32[16, 1]. " in errors[0], errors[0]
     assert "failed" not in first and "boom in process 0's host" in first["failed_errors"][0]
     failed = second["failed_errors"]

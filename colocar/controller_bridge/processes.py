@@ -23,7 +23,7 @@ from typing import Any
 
 import jax
 
-from colocar.errors import ColocarError
+from colocar.errors import ColocarError, ProcessesDisagree
 from colocar.jax_compat import distributed_client
 
 # seconds another process waits, once its own part ended, for the first one to finish the same
@@ -33,10 +33,6 @@ KEEP = 4096  # calls of one function whose keys the first process keeps for the 
 
 _made: collections.Counter[str] = collections.Counter()
 _made_lock = threading.Lock()
-
-
-class ProcessesDiffer(ColocarError):
-    """The JAX processes of one array call got different outputs (or the first one failed)."""
 
 
 class OutputCheck:
@@ -78,19 +74,19 @@ class OutputCheck:
 
     def agree(self, result: Any) -> None:
         """Publishes (first process) or compares with the first process's (others) `result`'s
-        structure, shapes and dtypes; raises `ProcessesDiffer` in a process that differs."""
+        structure, shapes and dtypes; raises `ProcessesDisagree` in a process that differs."""
         mine = signature(result)
         if self.process == self.leader:
             self._publish(mine)
             return
         theirs = self._theirs()
         if theirs.startswith("failed: "):
-            raise ProcessesDiffer(
+            raise ProcessesDisagree(
                 f"{self.name}: JAX process {self.leader}'s part of this call {theirs}; every process "
                 "of the call fails with it"
             )
         if theirs != mine:
-            raise ProcessesDiffer(
+            raise ProcessesDisagree(
                 f"{self.name}: the outputs of JAX process {self.process} differ from those of JAX "
                 f"process {self.leader}: here {mine}, there {theirs}. Its hosts returned other "
                 "sizes along a dimension the first array input does not split (or other dtypes) "
@@ -118,7 +114,7 @@ class OutputCheck:
         try:
             return str(self._client.blocking_key_value_get(self._key(), int(self.timeout * 1000)))
         except Exception as e:
-            raise ProcessesDiffer(
+            raise ProcessesDisagree(
                 f"{self.name}, JAX process {self.process}: JAX process {self.leader} did not finish "
                 f"the same call (its call number {self.n}) within {self.timeout:.0f} s ({e}). Every "
                 "process must make the same array calls in the same order"

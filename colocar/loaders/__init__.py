@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .agreement import ProcessesDisagree
+    from colocar.errors import ProcessesDisagree
+
     from .config import ConfigError, PipelineConfig, load_config
     from .iterator import DataIterator, load
 
@@ -21,10 +22,10 @@ def __getattr__(name: str) -> Any:
         from . import iterator
 
         return getattr(iterator, name)
-    if name == "ProcessesDisagree":
-        from . import agreement
+    if name == "ProcessesDisagree":  # kept here too: the loaders raised it first
+        from colocar.errors import ProcessesDisagree
 
-        return agreement.ProcessesDisagree
+        return ProcessesDisagree
     if name in ("ConfigError", "PipelineConfig", "load_config"):
         from . import config
 

@@ -20,17 +20,13 @@ import json
 import time
 from typing import Any
 
-from colocar.errors import ColocarError
+from colocar.errors import ColocarError, ProcessesDisagree
 
 OK = "ok"
 
 # Per set of processes: iterators over meshes spanning the same processes are made in the same
 # order in each of them (SPMD), so the n-th one has the same keys everywhere.
 _made: collections.defaultdict[tuple[int, ...], itertools.count] = collections.defaultdict(itertools.count)
-
-
-class ProcessesDisagree(ColocarError):
-    """The JAX processes of one mesh hold different values for what must be the same."""
 
 
 class Agreement:
