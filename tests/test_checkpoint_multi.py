@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from checkpoint_helpers import MiB, make_state
+from checkpoint_helpers import MiB, attempt_path, make_state
 from helpers import program
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -32,7 +32,7 @@ def test_multi_controller_save_and_restore(make_cluster, tmp_path, cluster):
         outputs = [t.communicate(timeout=240)[0] for t in trainers]
         for t, out in zip(trainers, outputs, strict=True):
             assert t.returncode == 0 and "OK" in out, out[-3000:]
-        step = os.path.join(directory, layout.step_dir(3))
+        step = attempt_path(directory, 3)
         assert sorted(os.listdir(os.path.join(step, layout.DONE_DIR))) == ["host_0.json", "host_1.json"]
         assert json.load(open(os.path.join(step, layout.MANIFEST)))["hosts"] == [0, 1]
         for out in outputs:  # each process read about half of `w` (its devices' slices)
@@ -129,9 +129,9 @@ def test_multi_controller_commit_never_coming_times_out_in_the_others(make_clust
         expected = "failed: CheckpointError step 3 was not committed within commit_timeout (5 s)"
         assert expected in out, out[-3000:]
         assert "is process 0 alive?" in out
-        step = os.path.join(directory, layout.step_dir(3))
+        step = attempt_path(directory, 3)
         assert os.listdir(os.path.join(step, layout.DONE_DIR)) == ["host_1.json"]  # its part is durable
-        assert not os.path.exists(os.path.join(step, layout.COMMITTED))
+        assert not os.path.exists(os.path.join(directory, layout.step_dir(3), layout.COMMITTED))
         wedged.kill()  # a host that hung stays out: the step is never committed
         assert trainers[0].wait(timeout=120) == 0
     finally:

@@ -19,6 +19,7 @@ import signal
 import threading
 import time
 import uuid
+import warnings
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
@@ -90,6 +91,7 @@ class CheckpointManager:
         self.pool = pool
         self.max_chunk_bytes = max_chunk_bytes
         self.storage_timeout = storage_timeout
+        self._id = uuid.uuid4().hex
         self.options = WriterOptions(
             concurrent_writes=concurrent_writes,
             nice=writer_nice,
@@ -99,8 +101,8 @@ class CheckpointManager:
             max_to_keep=max_to_keep,
             keep_period=keep_period,
             storage_timeout=storage_timeout,
+            owner=self._id,
         )
-        self._id = uuid.uuid4().hex
         self._saves = 0  # save() calls past the interval check; names a save in every process
         self._ordinal = next(_ORDINALS[directory])  # managers of this directory made before, here
         self.topology = topology_of(self.cluster, pool, self._kv)
@@ -109,6 +111,8 @@ class CheckpointManager:
         self._restore_stats = RestoreStats()
         self._lock = threading.RLock()
         self._lease = WriterLease(self.storage, self._id, lease_seconds)
+        if self.topology.leader and (conflict := self._lease.conflict()):
+            warnings.warn(f"this manager cannot save yet: {conflict}", RuntimeWarning, stacklevel=2)
         self._preempted = False
         self._previous_handler: Any = None
         self._closed = False
@@ -169,8 +173,8 @@ class CheckpointManager:
                     raise CheckpointError(
                         f"step {step} already exists in {self.storage.url}; delete it first"
                     )
-                if self.topology.leader:  # one lease per job: the leader writes for all
-                    self._lease.acquire()
+                if self.topology.leader and self._lease.acquire():  # one lease per job: the leader's
+                    self._writers.fence_others()  # writers of earlier holders stop before we write
                 attempt = self.topology.attempt(
                     step,
                     functools.partial(self._clear_failed_save, step),
@@ -343,7 +347,7 @@ class CheckpointManager:
         if body is None:
             raise CheckpointError(f"step {step} in {self.storage.url} has no manifest (corrupted)")
         manifest = json.loads(body)
-        if manifest.get("format") != layout.FORMAT:
+        if manifest.get("format") not in (layout.FORMAT, layout.FORMAT_1):
             raise CheckpointError(f"step {step}: unknown format {manifest.get('format')!r}")
         return manifest
 
