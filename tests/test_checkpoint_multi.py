@@ -81,6 +81,7 @@ def test_multi_controller_save_refused_to_process_0_fails_every_process(make_clu
     trainers = _two_processes("ckpt_multi_saves", sidecars, directory, "3", "all")
     try:
         outputs = _run_after_ready(trainers)
+        assert "cannot save yet" in outputs[0].split("failed:")[0]  # told when the manager was made
         assert "failed: 3 CheckpointError" in outputs[0] and "another CheckpointManager" in outputs[0], (
             outputs[0]
         )
@@ -171,15 +172,21 @@ def _two_processes(name: str, sidecars, directory: str, *extra: str) -> list[sub
 
 def _run_after_ready(trainers: list[subprocess.Popen], meanwhile=None) -> list[str]:
     """Waits until every process printed "ready", runs `meanwhile`, lets them all go at once
-    (each one's exit waits for the other: jax.distributed) and returns their output."""
+    (each one's exit waits for the other: jax.distributed) and returns their output (with
+    what they printed before "ready", such as warnings)."""
+    before = []
     for t in trainers:
-        assert t.stdout.readline().strip() == "ready", t.stdout.read()[-3000:]
+        lines = []
+        while (line := t.stdout.readline()) and line.strip() != "ready":
+            lines.append(line)
+        assert line, "".join(lines)[-3000:]
+        before.append("".join(lines))
     if meanwhile is not None:
         meanwhile()
     for t in trainers:
         t.stdin.write("go\n")
         t.stdin.flush()
-    return [t.communicate(timeout=120)[0] for t in trainers]
+    return [b + t.communicate(timeout=120)[0] for b, t in zip(before, trainers, strict=True)]
 
 
 def _stop(processes: list[subprocess.Popen]) -> None:
