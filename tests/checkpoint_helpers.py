@@ -68,3 +68,13 @@ def attempt_path(directory: str, step: int) -> str:
             return os.path.join(step_dir, layout.ATTEMPT_PREFIX + json.load(f)["attempt"])
     (only,) = [n for n in os.listdir(step_dir) if n.startswith(layout.ATTEMPT_PREFIX)]
     return os.path.join(step_dir, only)
+
+
+def drill_state(step: int, generation: int, rows: int) -> dict:
+    """The crash drills' state of `step` as trainer `generation` saves it: every element says
+    which step and trainer wrote it, so a mixed restore cannot pass for either."""
+    mesh = Mesh(np.array(jax.devices()).reshape(8), ("d",))
+    values = (
+        np.arange(rows * 64, dtype=np.int32).reshape(rows, 64) + step * 10_000_000 + generation * 1_000_000
+    )
+    return {"w": jax.device_put(values, NamedSharding(mesh, P("d"))), "step": step, "generation": generation}

@@ -113,6 +113,7 @@ class CheckpointManager:
         self._lease = WriterLease(self.storage, self._id, lease_seconds)
         if self.topology.leader and (conflict := self._lease.conflict()):
             warnings.warn(f"this manager cannot save yet: {conflict}", RuntimeWarning, stacklevel=2)
+        self._fenced = 0  # saves of earlier lease holders that taking the lease stopped
         self._preempted = False
         self._previous_handler: Any = None
         self._closed = False
@@ -169,12 +170,12 @@ class CheckpointManager:
                 self._inflight.reap()
                 while len(self._inflight.saves) > (1 if self.queue else 0):
                     self._inflight.wait_one(self._inflight.saves[0], timeout=None)
+                if self.topology.leader and self._lease.acquire():  # one lease per job: the leader's
+                    self._fenced += self._writers.fence_others()  # earlier holders' writers stop first
                 if any(s.step == step for s in self._inflight.saves) or self.steps.is_committed(step):
                     raise CheckpointError(
                         f"step {step} already exists in {self.storage.url}; delete it first"
                     )
-                if self.topology.leader and self._lease.acquire():  # one lease per job: the leader's
-                    self._writers.fence_others()  # writers of earlier holders stop before we write
                 attempt = self.topology.attempt(
                     step,
                     functools.partial(self._clear_failed_save, step),
