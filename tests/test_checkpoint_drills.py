@@ -76,11 +76,16 @@ def _run_trainer(sidecars, url: str, generation: int, first: int, rnd: random.Ra
     return lines
 
 
-def _drill(make_cluster, url: str, seed: int, trials: int, env: dict | None = None) -> Counter:
-    """`trials` crash-and-restart rounds; returns the counts it prints."""
+def _drill(
+    make_cluster, url: str, seed: int, trials: int, env: dict | None = None, elsewhere: bool = False
+) -> Counter:
+    """`trials` crash-and-restart rounds; returns the counts it prints. `elsewhere`: the
+    restarted trainer uses other sidecars, which cannot fence the dead trainer's writers (the
+    lease they check before they commit stops them)."""
     rnd = random.Random(seed)
     sidecars = make_cluster(hosts=2, arena_size=32 * MiB, persist=True, env=env or {})
-    sidecars.make_current()
+    restarts = make_cluster(hosts=2, arena_size=32 * MiB, env=env or {}) if elsewhere else sidecars
+    restarts.make_current()
     savers: dict[int, set[int]] = defaultdict(set)  # step -> generations that started saving it
     counts: Counter = Counter()
     first = 1
@@ -89,27 +94,39 @@ def _drill(make_cluster, url: str, seed: int, trials: int, env: dict | None = No
         for line in _run_trainer(sidecars, url, dead, first, rnd):
             if line.startswith("saving"):
                 savers[int(line.split()[1])].add(dead)
-        m = CheckpointManager(url, sidecars, max_chunk_bytes=16 * 1024)  # at once, same host
-        latest = m.latest_step()
-        if latest is not None:
-            _check_step(m, latest, savers[latest])
-        step = _save_next(m, latest, restarted, savers, counts)
-        m.wait(timeout=120)
-        counts["orphaned saves fenced"] += m._fenced
-        restored = m.restore(step, target=abstract(drill_state(step, 0, ROWS)))
-        assert restored["generation"] == restarted
-        _check_step(m, step, savers[step])
+        m = CheckpointManager(url, restarts, max_chunk_bytes=16 * 1024)  # at once, same host
+        first = _restart(m, restarted, savers, counts) + 1
         m.close()
         counts["trials"] += 1
-        first = step + 1
-    fresh = CheckpointManager(url, sidecars)
+    fresh = CheckpointManager(url, restarts)
     for step in fresh.all_steps():  # the dead trainers' writers may have committed steps too
         _check_step(fresh, step, savers[step])
     counts["committed steps"] = len(fresh.all_steps())
     counts["leftover attempts"] = _leftovers(url, fresh.all_steps())
     fresh.close()
     print(f"crash drill {url} seed {seed}: {dict(counts)}")
+    if not elsewhere:  # the restart fenced them: none commits once the restart's save began
+        assert not counts["steps a dead trainer's writer committed first"]
     return counts
+
+
+def _restart(m: CheckpointManager, generation: int, savers: dict, counts: Counter) -> int:
+    """The restarted trainer: restores the latest step, saves the next one; returns it."""
+    latest = m.latest_step()
+    if latest is not None:
+        _check_step(m, latest, savers[latest])
+    step = _save_next(m, latest, generation, savers, counts)
+    try:
+        m.wait(timeout=120)
+    except CheckpointError as e:  # a writer the restart could not fence committed first
+        assert "committed by another writer meanwhile" in str(e), e
+        counts["steps a dead trainer's writer committed first"] += 1
+        _check_step(m, step, savers[step])
+        return step
+    counts["orphaned saves fenced"] += m._fenced
+    assert m.restore(step, target=abstract(drill_state(step, 0, ROWS)))["generation"] == generation
+    _check_step(m, step, savers[step])
+    return step
 
 
 def _save_next(
@@ -170,5 +187,24 @@ def test_crash_and_immediate_restart_on_gcs_many_seeds(make_cluster, gcs_server,
     gcs_server.create_bucket(f"colocar-drill-{seed}")
     try:
         _drill(make_cluster, f"gs://colocar-drill-{seed}/run", seed, trials=3, env=gcs_server.env)
+    finally:
+        cluster.make_current()
+
+
+@pytest.mark.parametrize("seed", [1])
+def test_crash_and_immediate_restart_elsewhere(make_cluster, tmp_path, cluster, seed):
+    """The restart reaches other sidecars: the dead trainer's writers are not fenced by it, but
+    they commit nothing once the lease names another manager."""
+    try:
+        _drill(make_cluster, str(tmp_path / "drill"), seed, trials=2, elsewhere=True)
+    finally:
+        cluster.make_current()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(2, 8))
+def test_crash_and_immediate_restart_elsewhere_many_seeds(make_cluster, tmp_path, cluster, seed):
+    try:
+        _drill(make_cluster, str(tmp_path / "drill"), seed, trials=4, elsewhere=True)
     finally:
         cluster.make_current()

@@ -7,7 +7,8 @@ namespace, and its process is gone): then, as for an older (stale) lease, it tak
 once. A manager learns at creation whether a live holder will refuse its saves (`conflict`).
 A holder that could not refresh for a while (its process was paused) checks that the lease is
 still its own before it saves again. The writers of an earlier holder are fenced by the new
-one (see `fencing`).
+one (see `fencing`). Closing a manager marks its lease released instead of deleting it: the
+next manager takes it at once, and writers of earlier holders stay fenced.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ class WriterLease:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def _body(self) -> bytes:
+    def _body(self, released: bool = False) -> bytes:
         holder = {
             "owner": self.owner,
             "hostname": socket.gethostname(),
@@ -82,6 +83,7 @@ class WriterLease:
             "pidns": _pid_namespace(),
             "started": _started(os.getpid()),
             "time": time.time(),
+            "released": released,
         }
         return json.dumps(holder).encode()
 
@@ -91,7 +93,7 @@ class WriterLease:
     def conflict(self) -> str:
         """Why `acquire` would refuse now (a live holder's fresh lease), or "" when it would not."""
         holder = self._holder()
-        if not holder or holder.get("owner") == self.owner or is_dead(holder):
+        if not holder or holder.get("owner") == self.owner or holder.get("released") or is_dead(holder):
             return ""
         age = self.storage.age(layout.WRITER_LEASE)
         if age is None or age >= self.seconds:
@@ -143,13 +145,14 @@ class WriterLease:
                 pass  # storage trouble: the saves report it; the lease just ages
 
     def release(self) -> None:
-        """Stops refreshing and deletes the lease if it is still ours (best effort)."""
+        """Stops refreshing and marks the lease released if it is still ours (best effort). It
+        keeps naming this manager, so writers of earlier holders that still run stay fenced."""
         self._stop.set()
         if self._thread is None:
             return
         self._thread.join(timeout=5)
         try:
             if self._holder().get("owner") == self.owner:
-                self.storage.delete(layout.WRITER_LEASE)
+                self.storage.write(layout.WRITER_LEASE, self._body(released=True))
         except Exception:
             pass
