@@ -40,9 +40,10 @@ def _check_step(m: CheckpointManager, step: int, savers: set[int]) -> None:
     )
 
 
-def _run_trainer(sidecars, url: str, generation: int, first: int, rnd: random.Random) -> list[str]:
-    """Starts a trainer saving steps from `first` on and SIGKILLs it at a seeded random point:
-    right after a save returned (its writers are busy), or a little later. Returns its lines."""
+def _run_trainer(sidecars, url: str, generation: int, rnd: random.Random) -> list[str]:
+    """Starts a trainer (it restores the latest step and saves the next ones) and SIGKILLs it
+    at a seeded random point: right after a save returned (its writers are busy), or a little
+    later. Returns its lines."""
     trainer = subprocess.Popen(
         [
             sys.executable,
@@ -51,7 +52,6 @@ def _run_trainer(sidecars, url: str, generation: int, first: int, rnd: random.Ra
             sidecars.token_file,
             url,
             str(generation),
-            str(first),
             "4",
             str(ROWS),
         ],
@@ -88,14 +88,16 @@ def _drill(
     restarts.make_current()
     savers: dict[int, set[int]] = defaultdict(set)  # step -> generations that started saving it
     counts: Counter = Counter()
-    first = 1
     for trial in range(trials):
-        dead, restarted = 2 * trial + 1, 2 * trial + 2
-        for line in _run_trainer(sidecars, url, dead, first, rnd):
-            if line.startswith("saving"):
-                savers[int(line.split()[1])].add(dead)
+        for dead in range(3 * trial + 1, 3 * trial + 1 + rnd.choice([1, 1, 2])):  # the 2nd: at once
+            for line in _run_trainer(sidecars, url, dead, rnd):
+                what, _, step = line.partition(" ")
+                if what == "saving" and step:  # (a line the kill cut short: its save never began)
+                    savers[int(step)].add(dead)
+                counts["steps the dead trainer committed meanwhile"] += what == "exists"
+            counts["trainers killed"] += 1
         m = CheckpointManager(url, restarts, max_chunk_bytes=16 * 1024)  # at once, same host
-        first = _restart(m, restarted, savers, counts) + 1
+        _restart(m, 3 * trial + 3, savers, counts)
         m.close()
         counts["trials"] += 1
     fresh = CheckpointManager(url, restarts)
