@@ -101,3 +101,25 @@ def test_lease_of_a_live_holder_is_reported_when_the_manager_is_made(cluster, tm
     with pytest.raises(CheckpointError, match="another CheckpointManager .* on elsewhere"):
         m.save(1, {"x": np.arange(3)})
     m.close()
+
+
+def test_a_format_1_step_still_restores(cluster, tmp_path):
+    """Steps written before attempt directories (format 1: manifest, markers and arrays
+    directly in the step directory) restore as before."""
+    directory = str(tmp_path / "format1")
+    state = {"x": np.arange(12, dtype=np.int32), "note": "old"}
+    m = CheckpointManager(directory, cluster)
+    m.save(1, state)
+    m.wait()
+    m.close()
+    step = os.path.join(directory, layout.step_dir(1))
+    (attempt,) = [n for n in os.listdir(step) if n.startswith(layout.ATTEMPT_PREFIX)]
+    for name in os.listdir(os.path.join(step, attempt)):
+        os.rename(os.path.join(step, attempt, name), os.path.join(step, name))
+    os.rmdir(os.path.join(step, attempt))
+    manifest = json.load(open(os.path.join(step, layout.MANIFEST)))
+    json.dump({**manifest, "format": layout.FORMAT_1}, open(os.path.join(step, layout.MANIFEST), "w"))
+    reader = CheckpointManager(directory, cluster)
+    restored = reader.restore(1)
+    assert np.array_equal(restored["x"], state["x"]) and restored["note"] == "old"
+    reader.close()
