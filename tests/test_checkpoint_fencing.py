@@ -52,6 +52,23 @@ def test_a_fenced_writer_never_commits(tmp_path):
     writer.close()
 
 
+def test_processes_sharing_a_sidecar_fence_only_earlier_lease_holders(tmp_path):
+    """Multi-controller processes of one job may share a sidecar: the leader taking the lease
+    fences the writers of the manager that committed before it, not its siblings' writers."""
+    directory = str(tmp_path / "shared")
+    old_leader = _primary_waiting_for_host_1(directory, "old-leader")
+    sibling = CheckpointWriter(directory, 1, WriterOptions(owner="sibling"))
+    manifest = {"format": layout.FORMAT, "step": 5, "attempt": "new", "leaves": {}, "tree": None}
+    sibling.begin(5, json.dumps(manifest).encode(), [0, 1], False)
+    assert fence_writers(directory, "new-leader", everyone=False) == 1
+    assert old_leader.wait(2)["state"] == "failed"
+    assert sibling.wait(5)["state"] == "writing"
+    sibling.finish(5, 0)
+    assert sibling.wait(5, timeout=60)["state"] == "done"
+    old_leader.close()
+    sibling.close()
+
+
 @pytest.mark.parametrize("holder", ["dead-trainer", "new-holder"])
 def test_a_writer_commits_only_while_its_manager_holds_the_lease(tmp_path, holder):
     """A writer the new holder could not reach (other sidecars) checks the lease before it

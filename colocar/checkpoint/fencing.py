@@ -28,13 +28,16 @@ def register(writer: Any) -> None:
         _WRITERS.add(writer)
 
 
-def fence_writers(url: str, owner: str) -> int:
-    """Fences every writer of `url` in this sidecar made by a manager other than `owner` (the
-    new lease holder); returns how many jobs in progress it stopped."""
+def fence_writers(url: str, owner: str, everyone: bool = True) -> int:
+    """Fences the writers of `url` in this sidecar made by managers other than `owner` (the new
+    lease holder); returns how many jobs in progress it stopped. Without `everyone` (processes
+    of one job share the sidecar), only the writers of managers that held the lease (one of
+    their writers was given a step to commit): their siblings' writers commit nothing."""
     with _LOCK:
         others = [w for w in _WRITERS if w.url == url and w.options.owner != owner]
+    holders = {w.options.owner for w in others if everyone or w.commits}
     reason = f"another CheckpointManager ({owner}) took over the lease of {url}; this save is abandoned"
-    return sum(w.fence(reason) for w in others)
+    return sum(w.fence(reason) for w in others if w.options.owner in holders)
 
 
 def check_lease(storage: Storage, owner: str) -> None:

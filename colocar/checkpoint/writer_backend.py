@@ -110,6 +110,7 @@ class CheckpointWriter:
         )
         self._context: Any = None
         self.fenced = ""  # why this writer may not commit any more (another manager took over)
+        self.commits = False  # it was given a step to commit (its manager held the lease)
         self._commit_lock = threading.Lock()  # a fence waits for a commit in progress
         fencing.register(self)
 
@@ -127,6 +128,7 @@ class CheckpointWriter:
                 del self._jobs[ended]  # a long-lived writer keeps only what may still be asked
             self._jobs[step] = job
         if primary:
+            self.commits = True
             threading.Thread(
                 target=self._primary, args=(job,), name=f"colocar-ckpt-commit-{step}", daemon=True
             ).start()

@@ -88,7 +88,8 @@ class Writers:
         """Fences the writers of this directory other managers left on this process's hosts;
         returns how many saves in progress that stopped. A host that cannot be reached is
         skipped: its writers check the lease before they commit."""
-        futures = [_fence.on(host).submit(self.url, self.owner) for host in self.topology.cluster.hosts]
+        everyone = self.topology.sole_client
+        futures = [_fence.on(h).submit(self.url, self.owner, everyone) for h in self.topology.cluster.hosts]
         stopped = 0
         for future in futures:
             try:
