@@ -1,12 +1,18 @@
-"""What the checkpoint tests share: a sharded test state, bit-exact comparison, targets."""
+"""What the checkpoint tests share: a sharded test state, bit-exact comparison, targets, where
+a step's committed attempt lies."""
 
 from __future__ import annotations
+
+import json
+import os
 
 import jax
 import ml_dtypes
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from colocar.checkpoint import layout
 
 MiB = 1 << 20
 
@@ -51,3 +57,24 @@ def abstract(tree):
         ),
         tree,
     )
+
+
+def attempt_path(directory: str, step: int) -> str:
+    """The directory of the save attempt that committed `step` (uncommitted: its only attempt)."""
+    step_dir = os.path.join(directory, layout.step_dir(step))
+    committed = os.path.join(step_dir, layout.COMMITTED)
+    if os.path.exists(committed):
+        with open(committed) as f:
+            return os.path.join(step_dir, layout.ATTEMPT_PREFIX + json.load(f)["attempt"])
+    (only,) = [n for n in os.listdir(step_dir) if n.startswith(layout.ATTEMPT_PREFIX)]
+    return os.path.join(step_dir, only)
+
+
+def drill_state(step: int, generation: int, rows: int) -> dict:
+    """The crash drills' state of `step` as trainer `generation` saves it: every element says
+    which step and trainer wrote it, so a mixed restore cannot pass for either."""
+    mesh = Mesh(np.array(jax.devices()).reshape(8), ("d",))
+    values = (
+        np.arange(rows * 64, dtype=np.int32).reshape(rows, 64) + step * 10_000_000 + generation * 1_000_000
+    )
+    return {"w": jax.device_put(values, NamedSharding(mesh, P("d"))), "step": step, "generation": generation}

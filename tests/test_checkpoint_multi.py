@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from checkpoint_helpers import MiB, make_state
+from checkpoint_helpers import MiB, attempt_path, make_state
 from helpers import program
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -32,7 +32,7 @@ def test_multi_controller_save_and_restore(make_cluster, tmp_path, cluster):
         outputs = [t.communicate(timeout=240)[0] for t in trainers]
         for t, out in zip(trainers, outputs, strict=True):
             assert t.returncode == 0 and "OK" in out, out[-3000:]
-        step = os.path.join(directory, layout.step_dir(3))
+        step = attempt_path(directory, 3)
         assert sorted(os.listdir(os.path.join(step, layout.DONE_DIR))) == ["host_0.json", "host_1.json"]
         assert json.load(open(os.path.join(step, layout.MANIFEST)))["hosts"] == [0, 1]
         for out in outputs:  # each process read about half of `w` (its devices' slices)
@@ -81,6 +81,7 @@ def test_multi_controller_save_refused_to_process_0_fails_every_process(make_clu
     trainers = _two_processes("ckpt_multi_saves", sidecars, directory, "3", "all")
     try:
         outputs = _run_after_ready(trainers)
+        assert "cannot save yet" in outputs[0].split("failed:")[0]  # told when the manager was made
         assert "failed: 3 CheckpointError" in outputs[0] and "another CheckpointManager" in outputs[0], (
             outputs[0]
         )
@@ -129,9 +130,9 @@ def test_multi_controller_commit_never_coming_times_out_in_the_others(make_clust
         expected = "failed: CheckpointError step 3 was not committed within commit_timeout (5 s)"
         assert expected in out, out[-3000:]
         assert "is process 0 alive?" in out
-        step = os.path.join(directory, layout.step_dir(3))
+        step = attempt_path(directory, 3)
         assert os.listdir(os.path.join(step, layout.DONE_DIR)) == ["host_1.json"]  # its part is durable
-        assert not os.path.exists(os.path.join(step, layout.COMMITTED))
+        assert not os.path.exists(os.path.join(directory, layout.step_dir(3), layout.COMMITTED))
         wedged.kill()  # a host that hung stays out: the step is never committed
         assert trainers[0].wait(timeout=120) == 0
     finally:
@@ -171,15 +172,21 @@ def _two_processes(name: str, sidecars, directory: str, *extra: str) -> list[sub
 
 def _run_after_ready(trainers: list[subprocess.Popen], meanwhile=None) -> list[str]:
     """Waits until every process printed "ready", runs `meanwhile`, lets them all go at once
-    (each one's exit waits for the other: jax.distributed) and returns their output."""
+    (each one's exit waits for the other: jax.distributed) and returns their output (with
+    what they printed before "ready", such as warnings)."""
+    before = []
     for t in trainers:
-        assert t.stdout.readline().strip() == "ready", t.stdout.read()[-3000:]
+        lines = []
+        while (line := t.stdout.readline()) and line.strip() != "ready":
+            lines.append(line)
+        assert line, "".join(lines)[-3000:]
+        before.append("".join(lines))
     if meanwhile is not None:
         meanwhile()
     for t in trainers:
         t.stdin.write("go\n")
         t.stdin.flush()
-    return [t.communicate(timeout=120)[0] for t in trainers]
+    return [b + t.communicate(timeout=120)[0] for b, t in zip(before, trainers, strict=True)]
 
 
 def _stop(processes: list[subprocess.Popen]) -> None:

@@ -5,6 +5,7 @@ a trainer process killed mid-save fails the save in every process within its ses
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import queue
@@ -13,7 +14,7 @@ import threading
 import time
 
 import pytest
-from checkpoint_helpers import MiB, abstract, assert_same, make_state
+from checkpoint_helpers import MiB, abstract, assert_same, attempt_path, make_state
 from helpers import wait_for
 from test_checkpoint_multi import _stop, _two_processes
 
@@ -28,8 +29,9 @@ def _used(cluster) -> list[int]:
 
 def _flip_a_byte(directory: str, step: int, key: str) -> None:
     """Corrupts the first chunk of `key` in `step` (its checksum no longer matches)."""
-    leaves = json.load(open(os.path.join(directory, layout.step_dir(step), layout.MANIFEST)))["leaves"]
-    array = os.path.join(directory, layout.step_dir(step), layout.array_dir(leaves[key]["index"]))
+    attempt = attempt_path(directory, step)
+    leaves = json.load(open(os.path.join(attempt, layout.MANIFEST)))["leaves"]
+    array = os.path.join(attempt, layout.array_dir(leaves[key]["index"]))
     chunk = os.path.join(array, "c", "0", "0")
     data = bytearray(open(chunk, "rb").read())
     data[10] ^= 0x40
@@ -68,7 +70,7 @@ def truncated(cluster, tmp_path):
     for step, state in states.items():
         m.save(step, state)
     m.wait()
-    manifest = os.path.join(m.directory, layout.step_dir(2), layout.MANIFEST)
+    manifest = os.path.join(attempt_path(m.directory, 2), layout.MANIFEST)
     body = open(manifest, "rb").read()
     open(manifest, "wb").write(body[: len(body) // 2])
     yield m, states
@@ -160,7 +162,7 @@ def test_trainer_killed_mid_save_fails_the_save_in_the_other_process(make_cluste
         assert result.startswith("failed: CheckpointError save of step 3 failed"), result
         assert "host 1: saving step 3 failed" in result and "session lapsed" in result, result
         step = os.path.join(directory, layout.step_dir(3))
-        assert os.path.exists(os.path.join(step, layout.failed_marker(1)))
+        assert os.path.exists(os.path.join(attempt_path(directory, 3), layout.failed_marker(1)))
         assert not os.path.exists(os.path.join(step, layout.COMMITTED))
     finally:
         _stop(trainers)
@@ -175,9 +177,9 @@ def test_committing_trainer_killed_mid_save_fails_its_hosts_part(make_cluster, t
     trainers: list = []
     try:
         trainers, _ = _kill_mid_save(make_cluster, directory, killed=0)
-        marker = os.path.join(directory, layout.step_dir(3), layout.failed_marker(0))
-        wait_for(lambda: os.path.exists(marker), "host 0's failure marker", timeout=60)  # << 600 s
-        assert "session lapsed" in json.load(open(marker))["error"]
+        marker = os.path.join(directory, layout.step_dir(3), "*", layout.failed_marker(0))
+        wait_for(lambda: glob.glob(marker), "host 0's failure marker", timeout=60)  # << 600 s
+        assert "session lapsed" in json.load(open(glob.glob(marker)[0]))["error"]
         assert not os.path.exists(os.path.join(directory, layout.step_dir(3), layout.COMMITTED))
     finally:
         _stop(trainers)

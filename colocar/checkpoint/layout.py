@@ -5,16 +5,17 @@ Imported by the controller, the sidecar writer and the `colocar ckpt` command; n
 JAX. One directory per step:
 
     ROOT/writer.json                  lease of the manager that writes ROOT (refreshed)
-    ROOT/step_<N>/manifest.json       tree, leaves, shapes, dtypes, shardings, plan, metadata
-    ROOT/step_<N>/HEARTBEAT           rewritten while the save is in flight
-    ROOT/step_<N>/arrays/<i>/...      one zarr3 array per array leaf (tensorstore)
-    ROOT/step_<N>/done/host_<h>.json  host h's part is durable
-    ROOT/step_<N>/failed/host_<h>.json   host h's part failed (the step never commits)
-    ROOT/step_<N>/COMMITTED           written last, create-only: the step is restorable
+    ROOT/step_<N>/HEARTBEAT           rewritten while a save of the step is in flight
+    ROOT/step_<N>/COMMITTED           written last, create-only: names the attempt restored
+    ROOT/step_<N>/attempt_<A>/manifest.json   tree, leaves, shapes, shardings, plan, metadata
+    ROOT/step_<N>/attempt_<A>/arrays/<i>/...  one zarr3 array per array leaf (tensorstore)
+    ROOT/step_<N>/attempt_<A>/done/host_<h>.json    host h's part is durable
+    ROOT/step_<N>/attempt_<A>/failed/host_<h>.json  host h's part failed (never committed)
 
-The manifest, the markers and COMMITTED name the save's `attempt` (an id shared by every
-process of the save), so markers that a crashed earlier save of the same step left are never
-taken for this save's.
+Everything a save writes lies under its `attempt` (an id shared by every process of the save,
+new for every save), so writers of a crashed earlier save of the step that still run can
+never touch this save's objects, and COMMITTED covers exactly the objects of the attempt it
+names. Format 1 (read only) kept the manifest, markers and arrays directly in the step.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import re
 import time
 from typing import Any
 
-FORMAT = "colocar-checkpoint/1"
+FORMAT = "colocar-checkpoint/2"
+FORMAT_1 = "colocar-checkpoint/1"  # everything directly in the step directory (read only)
 WRITER_LEASE = "writer.json"
 MANIFEST = "manifest.json"
 HEARTBEAT = "HEARTBEAT"
@@ -33,6 +35,7 @@ COMMITTED = "COMMITTED"
 DONE_DIR = "done"
 FAILED_DIR = "failed"
 ARRAYS_DIR = "arrays"
+ATTEMPT_PREFIX = "attempt_"
 
 MAX_INNER_CHUNK_BYTES = 16 << 20
 MAX_OUTER_CHUNK_BYTES = 256 << 20
@@ -48,6 +51,23 @@ def step_dir(step: int) -> str:
 def parse_step_dir(name: str) -> int | None:
     match = _STEP_RE.match(name.rstrip("/"))
     return int(match.group(1)) if match else None
+
+
+def attempt_dir(step: int, attempt: str) -> str:
+    """The directory of everything save `attempt` of `step` writes."""
+    return f"{step_dir(step)}/{ATTEMPT_PREFIX}{attempt}"
+
+
+def parse_attempt_dir(name: str) -> str | None:
+    name = name.rstrip("/")
+    return name[len(ATTEMPT_PREFIX) :] if name.startswith(ATTEMPT_PREFIX) else None
+
+
+def arrays_root(step: int, manifest: dict[str, Any]) -> str:
+    """Where the arrays of a step's manifest lie (relative to the checkpoint root)."""
+    if manifest.get("format") == FORMAT_1:
+        return f"{step_dir(step)}/{ARRAYS_DIR}"
+    return f"{attempt_dir(step, manifest['attempt'])}/{ARRAYS_DIR}"
 
 
 def done_marker(host: int) -> str:

@@ -2,9 +2,13 @@
 
 The lease is a small object (`writer.json`: owner id, hostname, pid) created create-only and
 refreshed every `seconds / 4` by a thread while the manager lives. Another manager finding a
-lease younger than `seconds` is refused; an older one is stale (its holder died) and taken over.
+lease younger than `seconds` is refused, unless its holder is provably dead (same host and PID
+namespace, and its process is gone): then, as for an older (stale) lease, it takes it over at
+once. A manager learns at creation whether a live holder will refuse its saves (`conflict`).
 A holder that could not refresh for a while (its process was paused) checks that the lease is
-still its own before it saves again.
+still its own before it saves again. The writers of an earlier holder are fenced by the new
+one (see `fencing`). Closing a manager marks its lease released instead of deleting it: the
+next manager takes it at once, and writers of earlier holders stay fenced.
 """
 
 from __future__ import annotations
@@ -14,11 +18,51 @@ import os
 import socket
 import threading
 import time
+from typing import Any
+
+import psutil
 
 from colocar.errors import CheckpointError
 
 from . import layout
 from .storage import Storage
+
+
+def holder_of(storage: Storage) -> dict[str, Any]:
+    """The lease's content ({} when there is none, or it is unreadable)."""
+    try:
+        holder = json.loads(storage.read(layout.WRITER_LEASE) or b"{}")
+    except ValueError:
+        return {}
+    return holder if isinstance(holder, dict) else {}
+
+
+def _pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def _started(pid: int) -> float:
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.Error, OSError):
+        return 0.0
+
+
+def is_dead(holder: dict[str, Any]) -> bool:
+    """True when the holder's process provably ended: it ran on this host, in this PID
+    namespace, and its PID is gone or now names a process started later."""
+    pid = holder.get("pid")
+    if holder.get("hostname") != socket.gethostname() or not isinstance(pid, int):
+        return False
+    if holder.get("pidns", "") != _pid_namespace():
+        return False  # another container with the same host name: its PIDs are not ours
+    if not psutil.pid_exists(pid):
+        return True
+    started = holder.get("started")
+    return isinstance(started, int | float) and abs(_started(pid) - started) > 1.0
 
 
 class WriterLease:
@@ -31,40 +75,53 @@ class WriterLease:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def _body(self) -> bytes:
+    def _body(self, released: bool = False) -> bytes:
         holder = {
             "owner": self.owner,
             "hostname": socket.gethostname(),
             "pid": os.getpid(),
+            "pidns": _pid_namespace(),
+            "started": _started(os.getpid()),
             "time": time.time(),
+            "released": released,
         }
         return json.dumps(holder).encode()
 
     def _holder(self) -> dict:
-        return json.loads(self.storage.read(layout.WRITER_LEASE) or b"{}")
+        return holder_of(self.storage)
 
-    def acquire(self) -> None:
-        """Takes the lease (once), or raises CheckpointError naming the live holder. Held already
-        but not refreshed lately (the process was paused, or storage was slow), it first checks
-        that no other writer took it over meanwhile."""
+    def conflict(self) -> str:
+        """Why `acquire` would refuse now (a live holder's fresh lease), or "" when it would not."""
+        holder = self._holder()
+        if not holder or holder.get("owner") == self.owner or holder.get("released") or is_dead(holder):
+            return ""
+        age = self.storage.age(layout.WRITER_LEASE)
+        if age is None or age >= self.seconds:
+            return ""
+        return (
+            f"{self.storage.url} is being written by another CheckpointManager (pid "
+            f"{holder.get('pid')} on {holder.get('hostname')}, seen {age:.0f} s ago); two writers "
+            f"would destroy each other's steps. Stop it, write elsewhere, or wait until its "
+            f"lease is {self.seconds:.0f} s old"
+        )
+
+    def acquire(self) -> bool:
+        """Takes the lease (once; True then), or raises CheckpointError naming the live holder.
+        Held already but not refreshed lately (the process was paused, or storage was slow), it
+        first checks that no other writer took it over meanwhile."""
         if self._thread is not None:
             if time.monotonic() - self._refreshed > self.seconds / 2:
                 self._confirm()
-            return
+            return False
         if not self.storage.write(layout.WRITER_LEASE, self._body(), create_only=True):
-            holder = self._holder()
-            age = self.storage.age(layout.WRITER_LEASE)
-            if holder.get("owner") != self.owner and age is not None and age < self.seconds:
-                raise CheckpointError(
-                    f"{self.storage.url} is being written by another CheckpointManager (pid "
-                    f"{holder.get('pid')} on {holder.get('hostname')}, seen {age:.0f} s ago); two writers "
-                    f"would destroy each other's steps. Stop it, write elsewhere, or wait until its "
-                    f"lease is {self.seconds:.0f} s old"
-                )
-            self.storage.write(layout.WRITER_LEASE, self._body())  # a stale lease: take it over
+            refused = self.conflict()
+            if refused:
+                raise CheckpointError(refused)
+            self.storage.write(layout.WRITER_LEASE, self._body())  # stale, or its holder died: take it over
         self._refreshed = time.monotonic()
         self._thread = threading.Thread(target=self._refresh, name="colocar-ckpt-lease", daemon=True)
         self._thread.start()
+        return True
 
     def _confirm(self) -> None:
         """Refreshes the lease if it is still ours; raises CheckpointError if it is not."""
@@ -88,13 +145,14 @@ class WriterLease:
                 pass  # storage trouble: the saves report it; the lease just ages
 
     def release(self) -> None:
-        """Stops refreshing and deletes the lease if it is still ours (best effort)."""
+        """Stops refreshing and marks the lease released if it is still ours (best effort). It
+        keeps naming this manager, so writers of earlier holders that still run stay fenced."""
         self._stop.set()
         if self._thread is None:
             return
         self._thread.join(timeout=5)
         try:
             if self._holder().get("owner") == self.owner:
-                self.storage.delete(layout.WRITER_LEASE)
+                self.storage.write(layout.WRITER_LEASE, self._body(released=True))
         except Exception:
             pass

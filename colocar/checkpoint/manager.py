@@ -19,6 +19,7 @@ import signal
 import threading
 import time
 import uuid
+import warnings
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
@@ -34,7 +35,7 @@ from .inflight import InFlight, Save, SaveStats, save_failed
 from .lease import WriterLease
 from .restore import RestoreStats, restore_leaves
 from .save import Piece
-from .steps import STALE_SECONDS, ManifestError, StepDirs
+from .steps import STALE_SECONDS, StepDirs
 from .storage import open_storage
 from .topology import topology_of
 from .writer_backend import WriterOptions
@@ -90,6 +91,7 @@ class CheckpointManager:
         self.pool = pool
         self.max_chunk_bytes = max_chunk_bytes
         self.storage_timeout = storage_timeout
+        self._id = uuid.uuid4().hex
         self.options = WriterOptions(
             concurrent_writes=concurrent_writes,
             nice=writer_nice,
@@ -99,8 +101,8 @@ class CheckpointManager:
             max_to_keep=max_to_keep,
             keep_period=keep_period,
             storage_timeout=storage_timeout,
+            owner=self._id,
         )
-        self._id = uuid.uuid4().hex
         self._saves = 0  # save() calls past the interval check; names a save in every process
         self._ordinal = next(_ORDINALS[directory])  # managers of this directory made before, here
         self.topology = topology_of(self.cluster, pool, self._kv)
@@ -109,6 +111,9 @@ class CheckpointManager:
         self._restore_stats = RestoreStats()
         self._lock = threading.RLock()
         self._lease = WriterLease(self.storage, self._id, lease_seconds)
+        if self.topology.leader and (conflict := self._lease.conflict()):
+            warnings.warn(f"this manager cannot save yet: {conflict}", RuntimeWarning, stacklevel=2)
+        self._fenced = 0  # saves of earlier lease holders that taking the lease stopped
         self._preempted = False
         self._previous_handler: Any = None
         self._closed = False
@@ -136,7 +141,7 @@ class CheckpointManager:
 
     def metadata(self, step: int | None = None) -> dict[str, Any]:
         """The user metadata saved with `step` (default: the latest)."""
-        return self._manifest(self._committed_step(step), latest=step is None)["metadata"]
+        return self.steps.committed_manifest(step)[1]["metadata"]
 
     def delete(self, step: int) -> None:
         """Deletes a step: its commit marker first, so it is never half-restorable."""
@@ -165,12 +170,12 @@ class CheckpointManager:
                 self._inflight.reap()
                 while len(self._inflight.saves) > (1 if self.queue else 0):
                     self._inflight.wait_one(self._inflight.saves[0], timeout=None)
+                if self.topology.leader and self._lease.acquire():  # one lease per job: the leader's
+                    self._fenced += self._writers.fence_others()  # earlier holders' writers stop first
                 if any(s.step == step for s in self._inflight.saves) or self.steps.is_committed(step):
                     raise CheckpointError(
                         f"step {step} already exists in {self.storage.url}; delete it first"
                     )
-                if self.topology.leader:  # one lease per job: the leader writes for all
-                    self._lease.acquire()
                 attempt = self.topology.attempt(
                     step,
                     functools.partial(self._clear_failed_save, step),
@@ -301,9 +306,7 @@ class CheckpointManager:
         (the same devices must exist) as plain dicts and lists; `keys` restricts that to some
         top-level keys.
         """
-        latest = step is None
-        step = self._committed_step(step)
-        manifest = self._manifest(step, latest)
+        step, manifest = self.steps.committed_manifest(step)
         if target is not None:
             leaves, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=tree._is_none)
             targets = {jax.tree_util.keystr(path): leaf for path, leaf in leaves}
@@ -325,31 +328,6 @@ class CheckpointManager:
         )
         skeleton = tree.prune(manifest["tree"], wanted) if keys is not None else manifest["tree"]
         return tree.rebuild(skeleton, values) if skeleton is not None else None
-
-    def _committed_step(self, step: int | None) -> int:
-        if step is None:
-            latest = self.latest_step()
-            if latest is None:
-                raise CheckpointError(f"no committed checkpoint in {self.storage.url}")
-            return latest
-        if not self.steps.is_committed(step):
-            raise CheckpointError(
-                f"step {step} is not a committed checkpoint in {self.storage.url} "
-                f"(committed: {self.all_steps()})"
-            )
-        return step
-
-    def _manifest(self, step: int, latest: bool = False) -> dict[str, Any]:
-        """`step`'s manifest; `latest`: the caller named no step (the error says what to pick)."""
-        try:
-            manifest = self.steps.read_manifest(step)
-        except ManifestError as e:
-            raise CheckpointError(f"{e}{self.steps.older_than(step) if latest else ''}") from None
-        if manifest is None:
-            raise CheckpointError(f"step {step} in {self.storage.url} has no manifest (corrupted)")
-        if manifest.get("format") != layout.FORMAT:
-            raise CheckpointError(f"step {step}: unknown format {manifest.get('format')!r}")
-        return manifest
 
     # --- writers, lease, preemption -----------------------------------------------------------
     def _chunk_bytes(self) -> int:

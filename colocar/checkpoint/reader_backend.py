@@ -33,17 +33,17 @@ def bytes_read() -> int:
 
 
 def read_slices(
-    url: str, step: int, requests: list[tuple[int, str, list[list[int]]]], storage_timeout: float
+    url: str, arrays: str, requests: list[tuple[int, str, list[list[int]]]], storage_timeout: float
 ) -> tuple[list[np.ndarray], int]:
-    """[(leaf index, stored dtype, [[start, stop], ...])] -> (arena arrays, bytes read)."""
+    """[(leaf index, stored dtype, [[start, stop], ...])] of the arrays under `arrays` (see
+    `layout.arrays_root`) -> (arena arrays, bytes read)."""
     import tensorstore as ts
 
     storage = open_storage(url, storage_timeout)
     context = ts.Context(storage.context_spec())
-    step_dir = layout.step_dir(step)
     opened = {
         leaf: ts.open(
-            layout.read_spec(storage.kvstore(f"{step_dir}/{layout.array_dir(leaf)}")),
+            layout.read_spec(storage.kvstore(f"{arrays}/{leaf}")),
             context=context,
             open=True,
         )

@@ -18,7 +18,7 @@ import numpy as np
 from colocar.controller_bridge.func import colocated
 from colocar.errors import CheckpointError
 
-from . import tree
+from . import layout, tree
 from .reader_backend import read_slices
 from .save import shard_bounds
 from .storage import describe
@@ -139,18 +139,25 @@ def _plan(leaves: list[_Leaf], cluster: Any, stats: RestoreStats) -> tuple[Reque
 
 
 def _read_all(
-    url: str, step: int, requests: Requests, cluster: Any, storage_timeout: float, stats: RestoreStats
+    url: str,
+    root: str,
+    step: int,
+    requests: Requests,
+    cluster: Any,
+    storage_timeout: float,
+    stats: RestoreStats,
 ) -> dict[int, list[np.ndarray]]:
-    """Every host reads its slices at once (on its sidecar); host -> arrays in request order.
-    Records the bytes each host read in `stats`. When one host fails, every other host's read
-    is given up (cancelled, or its arrays freed): a failed restore keeps no block."""
+    """Every host reads its slices at once (on its sidecar) from the arrays under `root`;
+    host -> arrays in request order. Records the bytes each host read in `stats`. When one
+    host fails, every other host's read is given up (cancelled, or its arrays freed): a failed
+    restore keeps no block."""
     futures: dict[int, Any] = {}
     results: dict[int, list[np.ndarray]] = {}
     future: Any = None
     try:
         for host in cluster.hosts:
             if requests[host.index]:
-                futures[host.index] = _read.on(host).submit(url, step, requests[host.index], storage_timeout)
+                futures[host.index] = _read.on(host).submit(url, root, requests[host.index], storage_timeout)
         for h, future in futures.items():
             results[h] = _host_result(step, h, future, stats)
         return results
@@ -182,7 +189,8 @@ def restore_leaves(
     values, leaves = _split_targets(manifest["leaves"], targets, cluster.devices, step)
     stats = RestoreStats()
     requests, where = _plan(leaves, cluster, stats)
-    results = _read_all(url, step, requests, cluster, storage_timeout, stats)
+    root = layout.arrays_root(step, manifest)
+    results = _read_all(url, root, step, requests, cluster, storage_timeout, stats)
     for leaf in leaves:
         values[leaf.key] = _assemble(leaf, cluster, where, results)
     return values, stats

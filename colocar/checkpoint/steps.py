@@ -5,7 +5,8 @@ writer and the `colocar ckpt` command; no JAX).
 the writers and the command agree on them: which steps are committed (a `COMMITTED` marker),
 how a step is deleted (that marker first: never half-restorable), when an uncommitted step is
 abandoned (no sign of life for `STALE_SECONDS`), which hosts finished or failed a save
-`attempt`, and what removing a failed save's leftovers means.
+`attempt`, and what removing a failed save's leftovers means. A save's objects lie under its
+attempt's directory (see `layout`); the commit marker names the attempt a restore reads.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import json
 import socket
 import time
 from typing import Any
+
+from colocar.errors import CheckpointError
 
 from . import layout
 from .storage import Storage
@@ -43,8 +46,32 @@ class StepDirs:
     def is_committed(self, step: int) -> bool:
         return self.storage.exists(self._name(step, layout.COMMITTED))
 
+    def committed_attempt(self, step: int) -> str | None:
+        """The attempt the commit marker of `step` names (None: not committed, or unreadable)."""
+        try:
+            body = json.loads(self.storage.read(self._name(step, layout.COMMITTED)) or b"null")
+        except ValueError:
+            return None
+        return str(body["attempt"]) if isinstance(body, dict) and body.get("attempt") else None
+
+    def attempts(self, step: int) -> list[str]:
+        """The attempts that wrote something under `step`."""
+        names = self.storage.children(layout.step_dir(step))
+        return [a for a in map(layout.parse_attempt_dir, names) if a]
+
     def manifest(self, step: int) -> bytes | None:
-        return self.storage.read(self._name(step, layout.MANIFEST))
+        """The manifest of the attempt that committed `step` (uncommitted: of the attempt that
+        showed life last), or of a format-1 step; None when there is none."""
+        attempt = self.committed_attempt(step)
+        if attempt is None and not self.is_committed(step):
+            ages = [(self.storage.age(self._manifest(step, a)), a) for a in self.attempts(step)]
+            alive = sorted((age, a) for age, a in ages if age is not None)
+            attempt = alive[0][1] if alive else None
+        if attempt is not None:
+            body = self.storage.read(self._manifest(step, attempt))
+            if body is not None:
+                return body
+        return self.storage.read(self._name(step, layout.MANIFEST))  # format 1
 
     def read_manifest(self, step: int) -> dict[str, Any] | None:
         """The parsed manifest of `step` (None: it has none yet); raises ManifestError naming
@@ -59,6 +86,31 @@ class StepDirs:
         if not isinstance(manifest, dict):
             raise ManifestError(self._unreadable(step, f"a JSON {type(manifest).__name__}, not an object"))
         return manifest
+
+    def committed_manifest(self, step: int | None) -> tuple[int, dict[str, Any]]:
+        """`step` (default: the latest committed one) and its manifest; raises CheckpointError
+        when it is not committed or its manifest is missing, unreadable (naming an older step
+        to pick when the caller named none) or of an unknown format."""
+        latest = step is None
+        if step is None:
+            committed = self.committed()
+            if not committed:
+                raise CheckpointError(f"no committed checkpoint in {self.storage.url}")
+            step = committed[-1]
+        elif not self.is_committed(step):
+            raise CheckpointError(
+                f"step {step} is not a committed checkpoint in {self.storage.url} "
+                f"(committed: {self.committed()})"
+            )
+        try:
+            manifest = self.read_manifest(step)
+        except ManifestError as e:
+            raise CheckpointError(f"{e}{self.older_than(step) if latest else ''}") from None
+        if manifest is None:
+            raise CheckpointError(f"step {step} in {self.storage.url} has no manifest (corrupted)")
+        if manifest.get("format") not in (layout.FORMAT, layout.FORMAT_1):
+            raise CheckpointError(f"step {step}: unknown format {manifest.get('format')!r}")
+        return step, manifest
 
     def older_than(self, step: int) -> str:
         """What a user whose latest committed step is broken can do instead."""
@@ -99,14 +151,25 @@ class StepDirs:
         self.storage.delete_tree(layout.step_dir(step))
 
     def clear_failed_save(self, step: int) -> None:
-        """Removes what an earlier, failed save of uncommitted `step` wrote (only the objects a
-        save writes), so that a new save of the step neither fails on it nor mixes with it."""
+        """Removes what a failed format-1 save of uncommitted `step` left directly in the step.
+        A failed save's attempt directory stays until a new save of the step commits
+        (`clear_other_attempts`): its writers may still be running, and they cannot touch
+        another attempt's objects anyway."""
         if not self.storage.children(layout.step_dir(step)):
             return
-        for entry in (layout.HEARTBEAT, layout.MANIFEST):
-            self.storage.delete(self._name(step, entry))
+        self.storage.delete(self._name(step, layout.MANIFEST))
         for directory in (layout.DONE_DIR, layout.FAILED_DIR, layout.ARRAYS_DIR):
             self.storage.delete_tree(self._name(step, directory))
+
+    def clear_other_attempts(self, step: int, attempt: str) -> None:
+        """Deletes the directories of every attempt at `step` but `attempt` (best effort: a
+        writer of a dead save still running may re-create some of its objects)."""
+        for other in self.attempts(step):
+            if other != attempt:
+                try:
+                    self.storage.delete_tree(layout.attempt_dir(step, other))
+                except Exception:
+                    pass
 
     # --- markers of one save attempt ----------------------------------------------------------
     def mark_done(self, step: int, host: int, attempt: str, pieces: int, nbytes: int) -> None:
@@ -119,16 +182,16 @@ class StepDirs:
             "pieces": pieces,
             "bytes": nbytes,
         }
-        self.storage.write(self._name(step, layout.done_marker(host)), json.dumps(body).encode())
+        self.storage.write(self._in(step, attempt, layout.done_marker(host)), json.dumps(body).encode())
 
     def mark_failed(self, step: int, host: int, attempt: str, error: str) -> None:
         """Host `host`'s part of save `attempt` failed: the step will never be committed."""
         body = layout.failure_body(host, attempt, error)
-        self.storage.write(self._name(step, layout.failed_marker(host)), body)
+        self.storage.write(self._in(step, attempt, layout.failed_marker(host)), body)
 
     def failure(self, step: int, attempt: str) -> str | None:
         """The error of the first failure marker of save `attempt` (others' markers: ignored)."""
-        directory = self._name(step, layout.FAILED_DIR)
+        directory = self._in(step, attempt, layout.FAILED_DIR)
         for name in self.storage.children(directory):
             body = layout.marker_of(self.storage, f"{directory}/{name}", attempt)
             if body is not None:
@@ -137,7 +200,7 @@ class StepDirs:
 
     def done_hosts(self, step: int, attempt: str, hosts: list[int], known: set[int]) -> set[int]:
         """Which of `hosts` have a done marker of save `attempt` (`known` ones are not read again)."""
-        directory = self._name(step, layout.DONE_DIR)
+        directory = self._in(step, attempt, layout.DONE_DIR)
         present = set(self.storage.children(directory))
         done = set(known)
         for host in hosts:
@@ -153,9 +216,22 @@ class StepDirs:
         return layout.marker_of(self.storage, self._name(step, layout.COMMITTED), attempt) is not None
 
     def commit(self, step: int, attempt: str, hosts: list[int]) -> bool:
-        """Writes the commit marker, create-only; False when the step was committed already."""
+        """Writes the commit marker, create-only; False when the step was committed already.
+        Raises instead when the attempt's manifest is missing: a commit marker is never written
+        for a step that could not be restored."""
+        if self.storage.read(self._manifest(step, attempt)) is None:
+            raise RuntimeError(f"the manifest of step {step} (attempt {attempt}) is missing; not committing")
         body = json.dumps({"step": step, "attempt": attempt, "time": time.time(), "hosts": hosts})
         return self.storage.write(self._name(step, layout.COMMITTED), body.encode(), create_only=True)
 
+    def write_manifest(self, step: int, attempt: str, body: bytes) -> None:
+        self.storage.write(self._manifest(step, attempt), body)
+
     def _name(self, step: int, entry: str) -> str:
         return f"{layout.step_dir(step)}/{entry}"
+
+    def _in(self, step: int, attempt: str, entry: str) -> str:
+        return f"{layout.attempt_dir(step, attempt)}/{entry}"
+
+    def _manifest(self, step: int, attempt: str) -> str:
+        return self._in(step, attempt, layout.MANIFEST)

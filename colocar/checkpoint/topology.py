@@ -32,6 +32,7 @@ class Topology:
     """A single controller: this process drives every host of `cluster`."""
 
     leader = True  # takes the lease, clears failed saves, names the attempt, saves numpy leaves
+    sole_client = True  # the only process of its job on its sidecars (see `fencing`)
 
     def __init__(self, cluster: Cluster, pool: str):
         self.cluster = cluster
@@ -102,6 +103,7 @@ class MultiController(Topology):
                 f"(colocar.connect() with one address); this cluster has {len(cluster.hosts)} hosts"
             )
         self.process, self.processes = jax.process_index(), jax.process_count()
+        self.sole_client = False  # processes of a job may share a host's sidecar
         self.leader = self.process == 0
         self._kv = kv  # JAX's distributed key-value store, asked for when first needed
 

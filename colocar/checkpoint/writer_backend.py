@@ -9,7 +9,8 @@ holds the step's plan from `begin` on, so the commit does not depend on the trai
 the manifest, keeps the step's heartbeat fresh, waits for every planned host's done marker,
 writes the commit marker last (create-only), then applies retention and removes debris of
 crashed saves. `wait` is a long-poll: it returns when the step's job ended on this host (or
-after its timeout).
+after its timeout). A writer outlives its trainer; once another manager holds the directory's
+lease it is fenced (`fence`): its jobs stop and it never commits again (see `fencing`).
 """
 
 from __future__ import annotations
@@ -25,13 +26,12 @@ from typing import Any
 
 import numpy as np
 
-from . import layout
+from . import fencing, layout, primary
 from .steps import STALE_SECONDS, StepDirs
 from .storage import Storage, describe, open_storage
 from .trainer_watch import caller, watch_caller
 
 TERMINAL = ("committed", "done", "failed")
-AWAIT_HOSTS_POLL_SECONDS = 0.1  # the primary lists the done markers this often (the commit's latency)
 
 
 def _lower_priority(nice: int) -> None:
@@ -63,6 +63,7 @@ class WriterOptions:
     keep_period: int | None = None
     storage_timeout: float = 30.0
     nice: int = 5  # scheduling priority of the writer threads (0: as the sidecar)
+    owner: str = ""  # the manager whose writer this is: commits only while it holds the lease
 
 
 @dataclass
@@ -109,6 +110,10 @@ class CheckpointWriter:
             initargs=(options.nice,),
         )
         self._context: Any = None
+        self.fenced = ""  # why this writer may not commit any more (another manager took over)
+        self.commits = False  # it was given a step to commit (its manager held the lease)
+        self._commit_lock = threading.Lock()  # a fence waits for a commit in progress
+        fencing.register(self)
 
     # --- called by the controller -----------------------------------------------------------
     def begin(self, step: int, manifest: bytes, hosts: list[int], primary: bool) -> None:
@@ -126,6 +131,7 @@ class CheckpointWriter:
             self._jobs[step] = job
         watch_caller(self._trainer_gone)  # after the job is known: its trainer may be gone already
         if primary:
+            self.commits = True
             threading.Thread(
                 target=self._primary, args=(job,), name=f"colocar-ckpt-commit-{step}", daemon=True
             ).start()
@@ -191,6 +197,18 @@ class CheckpointWriter:
             if orphaned:
                 self._fail(job, f"host {self.host}: saving step {job.step} failed: {why}")
 
+    def fence(self, reason: str) -> int:
+        """Another manager holds the lease now: every job in progress fails, and this writer
+        never commits again; returns once no commit of it is in progress (how many jobs it
+        stopped)."""
+        with self._commit_lock:
+            self.fenced = reason
+        with self._lock:
+            jobs = [j for j in self._jobs.values() if j.state not in TERMINAL]
+        for job in jobs:
+            self._fail(job, f"host {self.host}: {reason}", marker=False)
+        return len(jobs)
+
     # --- writing ----------------------------------------------------------------------------
     def _job(self, step: int) -> _Job:
         job = self._jobs.get(step)
@@ -207,7 +225,8 @@ class CheckpointWriter:
 
     def _spec(self, job: _Job, leaf: int) -> dict[str, Any]:
         e = job.leaves[leaf]
-        kvstore = self.storage.kvstore(f"{layout.step_dir(job.step)}/{layout.array_dir(leaf)}")
+        where = f"{layout.attempt_dir(job.step, job.attempt)}/{layout.array_dir(leaf)}"
+        kvstore = self.storage.kvstore(where)
         shape, outer, inner = tuple(e["stored_shape"]), tuple(e["chunks"]), tuple(e["inner_chunks"])
         return layout.array_spec(kvstore, shape, e["stored_dtype"], outer, inner)
 
@@ -281,7 +300,7 @@ class CheckpointWriter:
                 pass  # storage itself may be what failed; the error still reaches the controller
 
     # --- the primary: plan, heartbeat, commit, retention -----------------------------------
-    def _primary(self, job: _Job) -> None:
+    def _primary(self, job: _Job) -> None:  # (its rules: `primary`)
         _lower_priority(self.options.nice)
         step = layout.step_dir(job.step)
         stop = threading.Event()
@@ -289,10 +308,9 @@ class CheckpointWriter:
             self.storage.write(f"{step}/{layout.HEARTBEAT}", b"%f" % time.time())
             threading.Thread(target=self._heartbeat, args=(job, stop), daemon=True).start()
             self._create_arrays(job)
-            self.storage.write(f"{step}/{layout.MANIFEST}", job.manifest)
-            self._await_hosts(job)
-            if not self.steps.commit(job.step, job.attempt, job.hosts):
-                raise RuntimeError(f"step {job.step} was committed by another writer meanwhile")
+            self.steps.write_manifest(job.step, job.attempt, job.manifest)
+            primary.await_hosts(self.steps, job, self.options.commit_timeout)
+            self._commit(job)
             job.finished = time.monotonic()  # durable from here on
         except Exception as e:
             self._fail(job, f"host {self.host}: committing step {job.step} failed: {describe(e)}")
@@ -300,12 +318,26 @@ class CheckpointWriter:
         finally:
             stop.set()
         try:
-            self._retain(job.step)
+            with self._lock:
+                active = {s for s, j in self._jobs.items() if j.state not in TERMINAL}
+            primary.retain(self.steps, self.options, job.step, job.attempt, active)
         except Exception as e:
             print(f"colocar checkpoint: retention after step {job.step} failed: {e}", flush=True)
         with job.lock:  # reported once retention is done too, so listings after wait() are settled
             job.state = "committed"
             job.changed.notify_all()
+
+    def _commit(self, job: _Job) -> None:
+        """Writes the commit marker unless this writer was fenced or its manager lost the lease
+        (checked under the lock a fence takes, so no commit follows a fence)."""
+        with self._commit_lock:
+            if self.fenced:
+                raise RuntimeError(self.fenced)
+            fencing.check_lease(self.storage, self.options.owner)
+            if job.state == "failed":
+                raise RuntimeError(job.error)
+            if not self.steps.commit(job.step, job.attempt, job.hosts):
+                raise RuntimeError(f"step {job.step} was committed by another writer meanwhile")
 
     def _heartbeat(self, job: _Job, stop: threading.Event) -> None:
         name = f"{layout.step_dir(job.step)}/{layout.HEARTBEAT}"
@@ -327,51 +359,6 @@ class CheckpointWriter:
                 future.result()
             except Exception as error:
                 raise RuntimeError(f"creating the array of {key} failed: {describe(error)}") from None
-
-    def _await_hosts(self, job: _Job) -> None:
-        """Until every host's done marker of this attempt exists; raises on a failure marker of
-        this attempt (markers a crashed earlier save of the step left late are not ours)."""
-        deadline = time.monotonic() + self.options.commit_timeout
-        delay = 0.01
-        done: set[int] = set()
-        while True:
-            with job.lock:
-                if job.state == "failed":
-                    raise RuntimeError(job.error)
-            failure = self.steps.failure(job.step, job.attempt)
-            if failure is not None:
-                raise RuntimeError(failure)
-            done = self.steps.done_hosts(job.step, job.attempt, job.hosts, done)
-            missing = [h for h in job.hosts if h not in done]
-            if not missing:
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"hosts {missing} did not report their part of step {job.step} done within "
-                    f"{self.options.commit_timeout:.0f} s"
-                )
-            with job.lock:  # this host's own progress wakes it at once; others' is polled
-                job.changed.wait(delay)
-            delay = min(delay * 2, AWAIT_HOSTS_POLL_SECONDS)
-
-    def _retain(self, latest: int) -> None:
-        """Deletes committed steps beyond the policy and uncommitted debris of crashed saves."""
-        steps = self.steps.all()
-        with self._lock:
-            active = {s for s, j in self._jobs.items() if j.state not in TERMINAL}
-        committed = self.steps.committed(steps)
-        keep = set(committed)
-        if self.options.max_to_keep is not None:
-            keep = set(committed[-self.options.max_to_keep :])
-            if self.options.keep_period:
-                keep |= {s for s in committed if s % self.options.keep_period == 0}
-        for s in committed:
-            if s not in keep and s != latest:
-                self.steps.delete(s)
-        for s in steps:
-            if s not in active and s not in committed:
-                if self.steps.is_abandoned(s, self.options.stale_seconds, latest):
-                    self.storage.delete_tree(layout.step_dir(s))
 
 
 def _ended(job: _Job) -> bool:

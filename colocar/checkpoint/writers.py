@@ -6,7 +6,9 @@ serves every save (its jobs are keyed by step), so a save costs no object creati
 made on first use, again when its sidecar's session was renewed (a restarted sidecar lost it),
 and again once it is old enough that its lifetime (`ttl`) might end before a save it starts
 could: `renew_after` = commit_timeout + 600 s, `ttl` twice that. A replaced writer finishes the
-saves it has, and is deleted once no save is in flight (else its lifetime ends it).
+saves it has, and is deleted once no save is in flight (else its lifetime ends it). When the
+manager takes the directory's lease, the writers other managers left on its hosts are fenced
+(`fence_others`, see `fencing`).
 """
 
 from __future__ import annotations
@@ -17,12 +19,15 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
+from colocar.controller_bridge.func import colocated
 from colocar.controller_bridge.obj import colocated_class
 
+from .fencing import fence_writers
 from .topology import Topology
 from .writer_backend import CheckpointWriter, WriterOptions
 
 _Writer = colocated_class(CheckpointWriter)
+_fence = colocated(fence_writers)
 
 
 @dataclass
@@ -78,6 +83,20 @@ class Writers:
         generation = host.connection.session.generation
         handle = _Writer.on(host, name=name, ttl=2 * self.renew_after)(self.url, h, self.options)
         return _Held(handle, generation, time.monotonic())
+
+    def fence_others(self) -> int:
+        """Fences the writers of this directory other managers left on this process's hosts;
+        returns how many saves in progress that stopped. A host that cannot be reached is
+        skipped: its writers check the lease before they commit."""
+        everyone = self.topology.sole_client
+        futures = [_fence.on(h).submit(self.url, self.owner, everyone) for h in self.topology.cluster.hosts]
+        stopped = 0
+        for future in futures:
+            try:
+                stopped += int(future.result())
+            except Exception:
+                pass
+        return stopped
 
     def settle(self) -> None:
         """No save is in flight: deletes the writers that were replaced (best effort)."""

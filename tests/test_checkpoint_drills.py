@@ -1,0 +1,212 @@
+"""Crash drills: a trainer SIGKILLed at random points of its saves and restarted at once, on
+local disk and on a real GCS server (fake-gcs-server).
+
+The restart takes the dead trainer's lease over at once (same host, its process is gone) and
+saves the step the dead one was writing while the dead one's writers may still be running in
+the sidecars. After every restart and at the end, each committed step must restore bit-exactly
+to the state one trainer saved for it (never a mix of two), and every committed step must be
+restorable.
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import time
+from collections import Counter, defaultdict
+
+import numpy as np
+import pytest
+from checkpoint_helpers import MiB, abstract, drill_state
+from helpers import program
+
+from colocar.checkpoint import CheckpointError, CheckpointManager
+from colocar.checkpoint.steps import StepDirs
+from colocar.checkpoint.storage import open_storage
+
+ROWS = 8192  # 2 MiB of int32 in 16 KiB chunks: the dead trainer's writers run for a while
+
+
+def _check_step(m: CheckpointManager, step: int, savers: set[int]) -> None:
+    """`step` restores bit-exactly to the state of exactly one of the trainers that saved it."""
+    restored = m.restore(step, target=abstract(drill_state(step, 0, ROWS)))
+    generation = restored["generation"]
+    assert generation in savers, (step, generation, savers)
+    expected = np.asarray(drill_state(step, generation, ROWS)["w"])
+    got = np.asarray(restored["w"])
+    assert got.tobytes() == expected.tobytes(), (
+        f"step {step} mixes trainers: generations {sorted(set((got // 1_000_000 % 10).ravel().tolist()))}"
+    )
+
+
+def _run_trainer(sidecars, url: str, generation: int, rnd: random.Random) -> list[str]:
+    """Starts a trainer (it restores the latest step and saves the next ones) and SIGKILLs it
+    at a seeded random point: right after a save returned (its writers are busy), or a little
+    later. Returns its lines."""
+    trainer = subprocess.Popen(
+        [
+            sys.executable,
+            program("ckpt_drill_trainer"),
+            ",".join(h.address for h in sidecars.hosts),
+            sidecars.token_file,
+            url,
+            str(generation),
+            "4",
+            str(ROWS),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines: list[str] = []
+    try:
+        saves = rnd.randrange(1, 4)
+        while sum(x.startswith("saved") for x in lines) < saves and (line := trainer.stdout.readline()):
+            lines.append(line.strip())
+        time.sleep(rnd.choice([0.0, 0.0, rnd.uniform(0.0, 0.3), rnd.uniform(0.3, 2.0)]))
+    finally:
+        trainer.kill()
+        trainer.wait(timeout=60)
+        lines += [x.strip() for x in trainer.stdout.read().splitlines()]  # printed before it died
+        err = trainer.stderr.read()
+        trainer.stdout.close()
+        trainer.stderr.close()
+    assert any(x.startswith("saved") for x in lines), err[-3000:]
+    return lines
+
+
+def _drill(
+    make_cluster, url: str, seed: int, trials: int, env: dict | None = None, elsewhere: bool = False
+) -> Counter:
+    """`trials` crash-and-restart rounds; returns the counts it prints. `elsewhere`: the
+    restarted trainer uses other sidecars, which cannot fence the dead trainer's writers (the
+    lease they check before they commit stops them)."""
+    rnd = random.Random(seed)
+    sidecars = make_cluster(hosts=2, arena_size=32 * MiB, persist=True, env=env or {})
+    restarts = make_cluster(hosts=2, arena_size=32 * MiB, env=env or {}) if elsewhere else sidecars
+    restarts.make_current()
+    savers: dict[int, set[int]] = defaultdict(set)  # step -> generations that started saving it
+    counts: Counter = Counter()
+    for trial in range(trials):
+        for dead in range(3 * trial + 1, 3 * trial + 1 + rnd.choice([1, 1, 2])):  # the 2nd: at once
+            for line in _run_trainer(sidecars, url, dead, rnd):
+                what, _, step = line.partition(" ")
+                if what == "saving" and step:  # (a line the kill cut short: its save never began)
+                    savers[int(step)].add(dead)
+                counts["steps the dead trainer committed meanwhile"] += what == "exists"
+            counts["trainers killed"] += 1
+        m = CheckpointManager(url, restarts, max_chunk_bytes=16 * 1024)  # at once, same host
+        _restart(m, 3 * trial + 3, savers, counts)
+        m.close()
+        counts["trials"] += 1
+    fresh = CheckpointManager(url, restarts)
+    for step in fresh.all_steps():  # the dead trainers' writers may have committed steps too
+        _check_step(fresh, step, savers[step])
+    counts["committed steps"] = len(fresh.all_steps())
+    counts["leftover attempts"] = _leftovers(url, fresh.all_steps())
+    fresh.close()
+    print(f"crash drill {url} seed {seed}: {dict(counts)}")
+    if not elsewhere:  # the restart fenced them: none commits once the restart's save began
+        assert not counts["steps a dead trainer's writer committed first"]
+    return counts
+
+
+def _restart(m: CheckpointManager, generation: int, savers: dict, counts: Counter) -> int:
+    """The restarted trainer: restores the latest step, saves the next one; returns it."""
+    latest = m.latest_step()
+    if latest is not None:
+        _check_step(m, latest, savers[latest])
+    step = _save_next(m, latest, generation, savers, counts)
+    try:
+        m.wait(timeout=120)
+    except CheckpointError as e:  # a writer the restart could not fence committed first
+        assert "committed by another writer meanwhile" in str(e), e
+        counts["steps a dead trainer's writer committed first"] += 1
+        _check_step(m, step, savers[step])
+        return step
+    counts["orphaned saves fenced"] += m._fenced
+    assert m.restore(step, target=abstract(drill_state(step, 0, ROWS)))["generation"] == generation
+    _check_step(m, step, savers[step])
+    return step
+
+
+def _save_next(
+    m: CheckpointManager, latest: int | None, generation: int, savers: dict, counts: Counter
+) -> int:
+    """Saves the step after `latest`, as the restarted trainer; returns it. Taking the lease
+    fences the dead trainer's writers; one that committed that step just before is no error
+    of the drill (the save says so): the restart then saves the next step."""
+    step = (latest or 0) + 1
+    savers[step].add(generation)
+    try:
+        m.save(step, drill_state(step, generation, ROWS))
+    except CheckpointError as e:
+        assert f"step {step} already exists" in str(e)
+        counts["steps the dead trainer committed meanwhile"] += 1
+        _check_step(m, step, savers[step])
+        step += 1
+        savers[step].add(generation)
+        m.save(step, drill_state(step, generation, ROWS))
+    return step
+
+
+def _leftovers(url: str, committed: list[int]) -> int:
+    """Attempt directories besides the committed one in committed steps (debris of dead saves)."""
+    steps = StepDirs(open_storage(url))
+    return sum(len(steps.attempts(s)) - 1 for s in committed)
+
+
+@pytest.mark.parametrize("seed", [1])
+def test_crash_and_immediate_restart_on_local_disk(make_cluster, tmp_path, cluster, seed):
+    try:
+        _drill(make_cluster, str(tmp_path / "drill"), seed, trials=2)
+    finally:
+        cluster.make_current()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(2, 12))
+def test_crash_and_immediate_restart_on_local_disk_many_seeds(make_cluster, tmp_path, cluster, seed):
+    try:
+        _drill(make_cluster, str(tmp_path / "drill"), seed, trials=4)
+    finally:
+        cluster.make_current()
+
+
+@pytest.mark.parametrize("seed", [1])
+def test_crash_and_immediate_restart_on_gcs(make_cluster, gcs_server, cluster, seed):
+    gcs_server.create_bucket(f"colocar-drill-{seed}")
+    try:
+        _drill(make_cluster, f"gs://colocar-drill-{seed}/run", seed, trials=1, env=gcs_server.env)
+    finally:
+        cluster.make_current()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(2, 8))
+def test_crash_and_immediate_restart_on_gcs_many_seeds(make_cluster, gcs_server, cluster, seed):
+    gcs_server.create_bucket(f"colocar-drill-{seed}")
+    try:
+        _drill(make_cluster, f"gs://colocar-drill-{seed}/run", seed, trials=3, env=gcs_server.env)
+    finally:
+        cluster.make_current()
+
+
+@pytest.mark.parametrize("seed", [1])
+def test_crash_and_immediate_restart_elsewhere(make_cluster, tmp_path, cluster, seed):
+    """The restart reaches other sidecars: the dead trainer's writers are not fenced by it, but
+    they commit nothing once the lease names another manager."""
+    try:
+        _drill(make_cluster, str(tmp_path / "drill"), seed, trials=2, elsewhere=True)
+    finally:
+        cluster.make_current()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(2, 8))
+def test_crash_and_immediate_restart_elsewhere_many_seeds(make_cluster, tmp_path, cluster, seed):
+    try:
+        _drill(make_cluster, str(tmp_path / "drill"), seed, trials=4, elsewhere=True)
+    finally:
+        cluster.make_current()
