@@ -53,6 +53,7 @@ class _Sidecar:
                 start_new_session=persist,
             )
         self.info: dict[str, Any] | None = None
+        self.terminated = False
 
     def poll_ready(self) -> bool:
         if self.info is None and os.path.exists(self.ready_file):
@@ -72,9 +73,10 @@ class _Sidecar:
         return None if code is None else f"sidecar process exited with code {code}"
 
     def terminate(self) -> None:
-        """Asks the sidecar to drain and exit (SIGTERM); `stop` waits for it."""
-        if self.process.poll() is None:
+        """Asks the sidecar to drain and exit (SIGTERM, once); `stop` waits for it."""
+        if self.process.poll() is None and not self.terminated:
             self.process.send_signal(signal.SIGTERM)
+            self.terminated = True
 
     def stop(self, grace: float) -> None:
         if self.process.poll() is None:
@@ -174,12 +176,12 @@ class ClusterDroppedWarning(UserWarning):
     """A local cluster was dropped (a notebook cell re-run, a variable reassigned) unclosed."""
 
 
-def _shutdown_dropped(hosts: list[Host], shutdown: Callable[[], None], what: str) -> None:
+def _shutdown_dropped(hosts: list[Host], shutdown: Callable[[], None], what: str, doing: str) -> None:
     """A dropped cluster's finalizer: warns, then closes its sessions and stops its sidecars in
     a thread of its own (the collection that found it may run in any thread, even one of
     these connections'); the thread is not a daemon, so an exiting interpreter finishes it."""
     warnings.warn(
-        f"{what} was dropped without close(): shutting its sidecars down. Close clusters "
+        f"{what} was dropped without close(): {doing}. Close clusters "
         "you replace (cluster.close(), or `with colocar.local_cluster(...) as cluster:`)",
         ClusterDroppedWarning,
         stacklevel=2,
@@ -201,6 +203,11 @@ def _owned_cluster(
     `files`: the work folder and `persist` (see `_shutdown`); `arenas` says their size."""
     shutdown = functools.partial(_shutdown, sidecars, *files)
     what = f"a local_cluster of {len(hosts)} sidecar(s) with {arenas}"
+    doing = (
+        "closing its connections (persist=True: its sidecars keep running)"
+        if files[1]
+        else "stopping its sidecars"
+    )
     dropped: list[weakref.finalize] = []
 
     def on_close() -> None:
@@ -208,7 +215,7 @@ def _owned_cluster(
         shutdown()
 
     cluster = Cluster(hosts, on_close=on_close)
-    dropped.append(weakref.finalize(cluster, _shutdown_dropped, hosts, shutdown, what))
+    dropped.append(weakref.finalize(cluster, _shutdown_dropped, hosts, shutdown, what, doing))
     dropped[0].atexit = False
     cluster.processes = [s.process for s in sidecars]  # type: ignore[attr-defined]
     cluster.log_files = [s.log_file for s in sidecars]  # type: ignore[attr-defined]
