@@ -85,6 +85,11 @@ def test_sidecar_with_a_missing_token_file_says_which(tmp_path: Path) -> None:
     assert os.listdir(tmp_path) == []  # no arena was created
 
 
+def test_sidecar_without_room_for_its_arena_says_why(tmp_path: Path) -> None:
+    result = colocar("sidecar", "--shm-dir", str(tmp_path / "missing"), "--processes", "0")
+    assert_user_error(result, "colocar sidecar: error: cannot create an arena file", "missing")
+
+
 def test_k8s_render_upper_case_bucket_is_a_clear_error() -> None:
     base = ["k8s", "render", "--topology", "v5e-16", "--image", "img:1"]
     result = colocar(*base, "--bucket", "gs://BUCKET/runs")

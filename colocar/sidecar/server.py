@@ -32,6 +32,7 @@ from colocar.cli_help import HelpFormatter  # noqa: E402
 from colocar.protocol import colocar_pb2_grpc as pb_grpc  # noqa: E402
 from colocar.protocol import link as link_protocol  # noqa: E402
 from colocar.shm import context as shm_context  # noqa: E402
+from colocar.shm.arena import ShmUnavailableError  # noqa: E402
 from colocar.sizes import parse_size  # noqa: E402
 
 from . import auth, cancels, logs  # noqa: E402
@@ -275,8 +276,8 @@ def serve(argv: list[str] | None = None) -> int:
     token, credentials = _security(args)
     try:
         arena = SidecarArena(args.shm_dir, args.arena_size, dict(args.pool), label=args.label)
-    except OSError as e:
-        raise SystemExit(f"colocar sidecar: error: no arena in --shm-dir {args.shm_dir}: {e}") from None
+    except (OSError, ShmUnavailableError) as e:
+        raise SystemExit(f"colocar sidecar: error: {e}") from None
     logs.install()
     service, workers = _start_service(args, arena)
     link = _start_link(service, arena.arena.path, token)
