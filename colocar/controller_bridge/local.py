@@ -29,6 +29,7 @@ import jax
 
 from colocar.errors import ColocarError
 from colocar.protocol.tokens import new_token, write_token_file
+from colocar.sizes import parse_size
 
 from .cluster import Cluster, Host, split_devices
 from .connection import HostConnection
@@ -196,13 +197,13 @@ def _shutdown_dropped(hosts: list[Host], shutdown: Callable[[], None], what: str
 
 
 def _owned_cluster(
-    hosts: list[Host], sidecars: list[_Sidecar], files: tuple[str, bool], arenas: str
+    hosts: list[Host], sidecars: list[_Sidecar], files: tuple[str, bool], arena_size: str
 ) -> Cluster:
     """A cluster of `sidecars` that stop on `close()`, or once nothing holds it any more (with
     a `ClusterDroppedWarning`). At interpreter exit nothing runs: `--parent-pid` stops them.
-    `files`: the work folder and `persist` (see `_shutdown`); `arenas` says their size."""
+    `files`: the work folder and `persist` (see `_shutdown`); `arena_size`: as in the flag."""
     shutdown = functools.partial(_shutdown, sidecars, *files)
-    what = f"a local_cluster of {len(hosts)} sidecar(s) with {arenas}"
+    what = f"a local_cluster of {len(hosts)} sidecar(s) with {parse_size(arena_size) // MiB} MiB arenas"
     doing = (
         "closing its connections (persist=True: its sidecars keep running)"
         if files[1]
@@ -325,6 +326,6 @@ def local_cluster(
     except BaseException:
         _shutdown(sidecars, workdir, persist=False)  # a failed start leaves nothing running
         raise
-    cluster = _owned_cluster(connected, sidecars, (workdir, persist), f"{arena_size // MiB} MiB arenas")
+    cluster = _owned_cluster(connected, sidecars, (workdir, persist), str(arena_size))
     cluster.token_file = token_file  # type: ignore[attr-defined]
     return cluster
