@@ -1,39 +1,80 @@
-"""The `colocar` command: `sidecar`, `bench`, `ckpt` (list/inspect checkpoints), `k8s` (render manifests)."""
+"""The `colocar` command: `sidecar`, `bench`, `ckpt` (list/inspect checkpoints), `k8s` (render manifests).
+
+A user's mistake (a missing file, a bucket that does not exist, storage that does not answer)
+ends the command with one line on stderr naming what failed, and exit status 1; a traceback
+means a bug in colocar. `colocar --version` prints the installed version.
+"""
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+
+USAGE = """usage: colocar [--version] {sidecar,bench,ckpt,k8s} ...
+
+  sidecar   run a sidecar (colocar sidecar --help)
+  bench     run a benchmark: colocar bench {rpc,transfer,loader,ckpt} [--json] [--quick]
+  ckpt      list and inspect checkpoints: colocar ckpt {ls PATH,show PATH STEP} [--timeout S]
+  k8s       render Kubernetes manifests: colocar k8s render --topology T --image I --bucket B
+
+Each command's --help lists its flags and their defaults. Sizes are written one way everywhere:
+bytes, or a number with K, M, G or T (binary: 16G = 16Gi = 16GiB)."""
+
+
+def version() -> str:
+    """The installed distribution's version ('unknown' when colocar runs from a plain checkout)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("colocar")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _command(name: str) -> Callable[[list[str]], object] | None:
+    if name == "sidecar":
+        from colocar.sidecar.server import main as sidecar_main
+
+        return sidecar_main
+    if name == "bench":
+        from colocar.bench.run import main as bench_main
+
+        return bench_main
+    if name == "ckpt":
+        from colocar.checkpoint.cli import main as ckpt_main
+
+        return ckpt_main
+    if name == "k8s":
+        from colocar.k8s.cli import main as k8s_main
+
+        return k8s_main
+    return None
 
 
 def main(argv: list[str] | None = None) -> None:
+    from colocar.errors import ColocarError
+
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: colocar {sidecar,bench,ckpt,k8s} ...\n")
-        print("  sidecar   run a sidecar (colocar sidecar --help)")
-        print("  bench     run a benchmark: colocar bench {rpc,transfer,loader,ckpt} [--json] [--quick]")
-        print("  ckpt      list and inspect checkpoints: colocar ckpt {ls PATH,show PATH STEP}")
-        print("  k8s       render Kubernetes manifests: colocar k8s render --topology T --image I --bucket B")
+        print(USAGE)
         sys.exit(0 if argv else 2)
+    if argv[0] == "--version":
+        print(f"colocar {version()}")
+        return
     command, rest = argv[0], argv[1:]
-    if command == "sidecar":
-        from colocar.sidecar.server import main as sidecar_main
-
-        sidecar_main(rest)
-    elif command == "bench":
-        from colocar.bench.run import main as bench_main
-
-        bench_main(rest)
-    elif command == "ckpt":
-        from colocar.checkpoint.cli import main as ckpt_main
-
-        ckpt_main(rest)
-    elif command == "k8s":
-        from colocar.k8s.cli import main as k8s_main
-
-        k8s_main(rest)
-    else:
+    run = _command(command)
+    if run is None:
         print(f"colocar: unknown command {command!r} (sidecar, bench, ckpt, k8s)", file=sys.stderr)
         sys.exit(2)
+    try:
+        run(rest)
+    except (ColocarError, OSError) as e:
+        print(f"colocar {command}: error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        print(f"colocar {command}: interrupted", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

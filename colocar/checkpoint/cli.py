@@ -1,19 +1,24 @@
 """`colocar ckpt ls PATH` and `colocar ckpt show PATH STEP`: look into a checkpoint directory.
 
 Reads the manifest and markers only (no JAX, no sidecar), so it runs anywhere the storage is
-reachable. `--json` prints one JSON object instead of a table.
+reachable. `--json` prints one JSON object instead of a table. A path that holds nothing, a
+missing bucket or storage that does not answer within `--timeout` seconds of retries ends the
+command with one line saying so and exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Any
 
+from colocar.cli_help import HelpFormatter
+
 from .steps import ManifestError, StepDirs
-from .storage import open_storage
+from .storage import DEFAULT_TIMEOUT, LocalStorage, Storage, StorageError, open_storage
 
 
 def list_steps(steps: StepDirs) -> list[dict[str, Any]]:
@@ -81,44 +86,94 @@ def _when(t: float | None) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
 
 
-def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="colocar ckpt", description=__doc__)
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="colocar ckpt", description=__doc__, formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    ls = sub.add_parser("ls", help="list the steps of a checkpoint directory")
+    ls = sub.add_parser("ls", help="list the steps of a checkpoint directory", formatter_class=HelpFormatter)
     ls.add_argument("path", help="gs://bucket/prefix, file:///path or a local path")
-    ls.add_argument("--json", action="store_true")
-    show = sub.add_parser("show", help="the tree, shapes, dtypes and shardings of one step")
-    show.add_argument("path")
+    show = sub.add_parser(
+        "show", help="the tree, shapes, dtypes and shardings of one step", formatter_class=HelpFormatter
+    )
+    show.add_argument("path", help="gs://bucket/prefix, file:///path or a local path")
     show.add_argument("step", type=int)
-    show.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
+    for p in (ls, show):
+        p.add_argument("--json", action="store_true", help="print one JSON object")
+        p.add_argument(
+            "--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds of retries per storage call"
+        )
+    return parser
+
+
+def _check_exists(storage: Storage) -> None:
+    """A path that holds nothing is a mistake (a typo, the wrong bucket): say so, not "0 steps".
+    An existing empty local directory is a checkpoint directory with no step yet."""
+    if isinstance(storage, LocalStorage):
+        if not os.path.isdir(storage.root):
+            what = "is not a directory" if os.path.exists(storage.root) else "does not exist"
+            raise ValueError(f"{storage.url} {what}")
+        return
+    if not storage.children(""):
+        raise ValueError(f"{storage.url} does not exist (no object under it)")
+
+
+def _show(storage: Storage, steps: StepDirs, step: int, as_json: bool) -> None:
+    """`show`: one step's tree (keys, dtypes, shapes, shardings), or its manifest as JSON."""
+    manifest = steps.read_manifest(step)
+    if manifest is None:
+        raise ValueError(f"no step {step} in {storage.url} (colocar ckpt ls {storage.url} lists them)")
+    status = steps.status(step)
+    if as_json:
+        print(json.dumps({"path": storage.url, "status": status, **manifest}))
+        return
+    saved = _when(manifest.get("time"))
+    print(f"{storage.url} step {step}: {status}, saved {saved}, hosts {manifest.get('hosts')}")
+    if manifest.get("metadata"):
+        print(f"metadata: {json.dumps(manifest['metadata'])}")
+    for key, e in sorted(manifest["leaves"].items()):
+        if e["kind"] == "value":
+            print(f"  {key:<40} = {json.dumps(e['value'])[:60]}")
+            continue
+        dtype = f"key<{e['impl']}>" if e["kind"] == "prng_key" else e["dtype"]
+        sharding = e.get("sharding") or {}
+        where = sharding.get("spec", sharding.get("type", "host"))
+        print(f"  {key:<40} {dtype}{e['shape']}  sharding {where}  chunks {e['chunks']}")
+
+
+def _storage_failure(error: Exception, url: str) -> str | None:
+    """A GCS answer as a user's message (a missing bucket, no permission), or None."""
     try:
-        storage = open_storage(args.path)
+        from google.api_core import exceptions
+    except ImportError:
+        return None
+    if isinstance(error, exceptions.NotFound):
+        bucket = url.removeprefix("gs://").split("/", 1)[0]
+        return f"{url}: bucket {bucket!r} does not exist (or these credentials cannot see it)"
+    if isinstance(error, exceptions.GoogleAPICallError):
+        return f"{url}: storage refused the request: {error}"
+    return None
+
+
+def main(argv: list[str]) -> None:
+    """`ls` or `show`; a user's mistake exits 2 with one line on stderr."""
+    args = _parser().parse_args(argv)
+    try:
+        storage = open_storage(args.path, timeout=args.timeout)
+    except ValueError as e:
+        print(f"colocar ckpt: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    try:
+        _check_exists(storage)
         steps = StepDirs(storage)
         if args.command == "ls":
             _print_steps(storage.url, list_steps(steps), args.json)
-            return
-        manifest = steps.read_manifest(args.step)
-        if manifest is None:
-            raise ValueError(f"no step {args.step} in {storage.url}")
-        status = steps.status(args.step)
-        if args.json:
-            print(json.dumps({"path": storage.url, "status": status, **manifest}))
-            return
-        print(
-            f"{storage.url} step {args.step}: {status}, saved {_when(manifest.get('time'))}, "
-            f"hosts {manifest.get('hosts')}"
-        )
-        if manifest.get("metadata"):
-            print(f"metadata: {json.dumps(manifest['metadata'])}")
-        for key, e in sorted(manifest["leaves"].items()):
-            if e["kind"] == "value":
-                print(f"  {key:<40} = {json.dumps(e['value'])[:60]}")
-                continue
-            dtype = f"key<{e['impl']}>" if e["kind"] == "prng_key" else e["dtype"]
-            sharding = e.get("sharding") or {}
-            where = sharding.get("spec", sharding.get("type", "host"))
-            print(f"  {key:<40} {dtype}{e['shape']}  sharding {where}  chunks {e['chunks']}")
-    except (OSError, ValueError) as e:
-        print(f"colocar ckpt: {e}", file=sys.stderr)
+        else:
+            _show(storage, steps, args.step, args.json)
+    except (OSError, ValueError, StorageError) as e:
+        print(f"colocar ckpt: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except Exception as e:
+        message = _storage_failure(e, storage.url)
+        if message is None:
+            raise
+        print(f"colocar ckpt: error: {message}", file=sys.stderr)
         sys.exit(2)

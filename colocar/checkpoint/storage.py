@@ -234,7 +234,12 @@ class GcsStorage(Storage):
 
         try:
             return fn()
-        except exceptions.NotFound:
+        except exceptions.NotFound as e:
+            if what in ("write", "list"):  # not a missing object: the bucket itself is missing
+                raise StorageError(
+                    f"{what} gs://{self.bucket_name}/{self._key(name)}: bucket {self.bucket_name!r} "
+                    "does not exist (or these credentials cannot see it)"
+                ) from e
             raise
         except exceptions.PreconditionFailed:
             raise

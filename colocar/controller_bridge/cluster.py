@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -20,8 +21,16 @@ from colocar.errors import ColocarError
 from .connection import HostConnection
 from .remote import RemoteObject, find_detached
 
-_active: list[Cluster] = []
+# Open clusters, oldest first, held weakly: a cluster nobody holds can be collected (and a local
+# one then shuts its sidecars down). Read with `_open_clusters()`.
+_active: list[weakref.ref[Cluster]] = []
 _active_lock = threading.Lock()
+
+
+def _open_clusters() -> list[Cluster]:
+    """The open clusters still referenced, oldest first (the caller holds `_active_lock`)."""
+    _active[:] = [r for r in _active if r() is not None]
+    return [c for c in (r() for r in _active) if c is not None]
 
 
 class Host:
@@ -72,7 +81,7 @@ class Cluster:
         self._closed = False
         self._device_hosts = {d: h for h in hosts for d in h.devices}
         with _active_lock:
-            _active.append(self)
+            _active.append(weakref.ref(self))
 
     @property
     def devices(self) -> list[Any]:
@@ -108,9 +117,9 @@ class Cluster:
         current) open cluster that has the device.
         """
         with _active_lock:
-            if self in _active:
-                _active.remove(self)
-                _active.append(self)
+            if weakref.ref(self) in _active:
+                _active.remove(weakref.ref(self))
+                _active.append(weakref.ref(self))
         return self
 
     def close(self) -> None:
@@ -119,8 +128,8 @@ class Cluster:
             return
         self._closed = True
         with _active_lock:
-            if self in _active:
-                _active.remove(self)
+            if weakref.ref(self) in _active:
+                _active.remove(weakref.ref(self))
         for host in self.hosts:
             host.connection.close()
         if self._on_close is not None:
@@ -139,8 +148,9 @@ class Cluster:
 def current_cluster() -> Cluster:
     """The most recently created (or made current) open cluster."""
     with _active_lock:
-        if _active:
-            return _active[-1]
+        clusters = _open_clusters()
+    if clusters:
+        return clusters[-1]
     raise ColocarError(
         "no open colocar cluster: open one with colocar.local_cluster(...) or colocar.connect(...), "
         "or pass it explicitly"
@@ -163,8 +173,8 @@ def addressable(devices: Iterable[Any]) -> list[Any]:
 def host_of_device(device: Any) -> Host:
     """The host (of the most recently opened active cluster) that a device belongs to."""
     with _active_lock:
-        clusters = list(reversed(_active))
-    for cluster in clusters:
+        clusters = _open_clusters()
+    for cluster in reversed(clusters):
         host = cluster.host_of(device)
         if host is not None:
             return host
@@ -190,7 +200,7 @@ def check_reachable(host: Any) -> None:
             f"{type(host).__name__} {host!r}"
         )
     with _active_lock:
-        open_hosts = [h for c in _active for h in c.hosts]
+        open_hosts = [h for c in _open_clusters() for h in c.hosts]
     if not any(h is host for h in open_hosts) or host.connection.session.closed:
         names = [h.name for h in open_hosts]
         raise ColocarError(

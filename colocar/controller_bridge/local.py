@@ -4,7 +4,8 @@ Runs in the controller, which owns every local device and plays device owner for
 hosts. Used by the demo, the tests and the benchmarks; the same code runs against real hosts
 through `connect(...)`. A token is generated and kept in a 0600 file; sidecars exit when the
 controller dies (unless `persist=True`), and `close()` removes their arenas even if they were
-killed.
+killed. A cluster nobody holds any more (a notebook cell re-run) shuts its sidecars down too,
+with a `ClusterDroppedWarning`.
 """
 
 from __future__ import annotations
@@ -17,14 +18,18 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Sequence
+import warnings
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 
 from colocar.errors import ColocarError
 from colocar.protocol.tokens import new_token, write_token_file
+from colocar.sizes import parse_size
 
 from .cluster import Cluster, Host, split_devices
 from .connection import HostConnection
@@ -49,6 +54,7 @@ class _Sidecar:
                 start_new_session=persist,
             )
         self.info: dict[str, Any] | None = None
+        self.terminated = False
 
     def poll_ready(self) -> bool:
         if self.info is None and os.path.exists(self.ready_file):
@@ -67,9 +73,15 @@ class _Sidecar:
         code = self.process.poll()
         return None if code is None else f"sidecar process exited with code {code}"
 
+    def terminate(self) -> None:
+        """Asks the sidecar to drain and exit (SIGTERM, once); `stop` waits for it."""
+        if self.process.poll() is None and not self.terminated:
+            self.process.send_signal(signal.SIGTERM)
+            self.terminated = True
+
     def stop(self, grace: float) -> None:
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
+            self.terminate()
             try:
                 self.process.wait(timeout=grace)
             except subprocess.TimeoutExpired:
@@ -154,9 +166,61 @@ def _shutdown(sidecars: list[_Sidecar], workdir: str, persist: bool) -> None:
             if sidecar.status() is not None:
                 sidecar.remove_files()
         return
+    for sidecar in sidecars:  # all drain at once
+        sidecar.terminate()
     for sidecar in sidecars:
         sidecar.stop(grace=10)
     shutil.rmtree(workdir, ignore_errors=True)
+
+
+class ClusterDroppedWarning(UserWarning):
+    """A local cluster was dropped (a notebook cell re-run, a variable reassigned) unclosed."""
+
+
+def _shutdown_dropped(hosts: list[Host], shutdown: Callable[[], None], what: str, doing: str) -> None:
+    """A dropped cluster's finalizer: warns, then closes its sessions and stops its sidecars in
+    a thread of its own (the collection that found it may run in any thread, even one of
+    these connections'); the thread is not a daemon, so an exiting interpreter finishes it."""
+    warnings.warn(
+        f"{what} was dropped without close(): {doing}. Close clusters "
+        "you replace (cluster.close(), or `with colocar.local_cluster(...) as cluster:`)",
+        ClusterDroppedWarning,
+        stacklevel=2,
+    )
+
+    def run() -> None:
+        for host in hosts:
+            host.connection.close()
+        shutdown()
+
+    threading.Thread(target=run, name="colocar-dropped-cluster").start()
+
+
+def _owned_cluster(
+    hosts: list[Host], sidecars: list[_Sidecar], files: tuple[str, bool], arena_size: str
+) -> Cluster:
+    """A cluster of `sidecars` that stop on `close()`, or once nothing holds it any more (with
+    a `ClusterDroppedWarning`). At interpreter exit nothing runs: `--parent-pid` stops them.
+    `files`: the work folder and `persist` (see `_shutdown`); `arena_size`: as in the flag."""
+    shutdown = functools.partial(_shutdown, sidecars, *files)
+    what = f"a local_cluster of {len(hosts)} sidecar(s) with {parse_size(arena_size) // MiB} MiB arenas"
+    doing = (
+        "closing its connections (persist=True: its sidecars keep running)"
+        if files[1]
+        else "stopping its sidecars"
+    )
+    dropped: list[weakref.finalize] = []
+
+    def on_close() -> None:
+        dropped[0].detach()
+        shutdown()
+
+    cluster = Cluster(hosts, on_close=on_close)
+    dropped.append(weakref.finalize(cluster, _shutdown_dropped, hosts, shutdown, what, doing))
+    dropped[0].atexit = False
+    cluster.processes = [s.process for s in sidecars]  # type: ignore[attr-defined]
+    cluster.log_files = [s.log_file for s in sidecars]  # type: ignore[attr-defined]
+    return cluster
 
 
 def _wait_ready(sidecars: list[_Sidecar], startup_timeout: float) -> None:
@@ -262,8 +326,6 @@ def local_cluster(
     except BaseException:
         _shutdown(sidecars, workdir, persist=False)  # a failed start leaves nothing running
         raise
-    cluster = Cluster(connected, on_close=functools.partial(_shutdown, sidecars, workdir, persist))
+    cluster = _owned_cluster(connected, sidecars, (workdir, persist), str(arena_size))
     cluster.token_file = token_file  # type: ignore[attr-defined]
-    cluster.processes = [s.process for s in sidecars]  # type: ignore[attr-defined]
-    cluster.log_files = [s.log_file for s in sidecars]  # type: ignore[attr-defined]
     return cluster

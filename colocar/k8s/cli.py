@@ -12,6 +12,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from colocar.cli_help import HelpFormatter
+
 from .options import DEFAULT_GSA, VARIANTS, RenderError, RenderOptions, build_options
 from .render import render, setup_commands, to_yaml
 from .topologies import TOPOLOGIES
@@ -24,9 +26,11 @@ EXAMPLE_ARGS = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="colocar k8s", description=__doc__)
+    p = argparse.ArgumentParser(prog="colocar k8s", description=__doc__, formatter_class=HelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-    r = sub.add_parser("render", help="print the manifests of a job (YAML on stdout)")
+    r = sub.add_parser(
+        "render", help="print the manifests of a job (YAML on stdout)", formatter_class=HelpFormatter
+    )
     r.add_argument("--topology", required=True, help=f"one of: {', '.join(TOPOLOGIES)}")
     r.add_argument("--image", required=True, help="the colocar image (or yours built on it), with a tag")
     r.add_argument("--bucket", required=True, help="gs://BUCKET/PREFIX the job reads and writes")
@@ -38,11 +42,18 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--gcp-service-account", default=DEFAULT_GSA, help="Google service account for GCS")
     r.add_argument("--namespace", default="default", help="used in the printed setup commands only")
     r.add_argument("--port", type=int, default=7070, help="sidecar port (default: 7070)")
-    r.add_argument("--shm-size", help="sizeLimit of the arena volume, e.g. 32Gi (default: per topology)")
-    r.add_argument("--pool", action="append", default=[], help="reserve NAME=SIZE of the arena (repeatable)")
+    r.add_argument(
+        "--shm-size", help="sizeLimit of the arena volume, e.g. 32G or 32Gi (default: per topology)"
+    )
+    r.add_argument(
+        "--pool",
+        action="append",
+        default=[],
+        help="reserve NAME=SIZE of the arena, e.g. ckpt=8G (repeatable)",
+    )
     r.add_argument("--sidecar-cpu", type=int, help="sidecar cores (default: per topology)")
     r.add_argument(
-        "--sidecar-memory", help="sidecar memory beyond the arena, e.g. 8Gi (default: per topology)"
+        "--sidecar-memory", help="sidecar memory beyond the arena, e.g. 8G or 8Gi (default: per topology)"
     )
     r.add_argument("--tls-secret", help="Secret with tls.crt, tls.key, ca.crt: mutual TLS to the sidecar")
     r.add_argument("--max-restarts", type=int, default=3, help="JobSet restarts before it fails (default: 3)")

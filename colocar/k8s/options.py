@@ -1,8 +1,8 @@
 """What `colocar k8s render` takes, checked before anything is rendered.
 
 Every user input (job name, images, bucket URL, sizes, pools) is validated here, so that a bad
-value fails with a message saying what to write instead and nothing reaches stdout. Sizes are
-Kubernetes binary quantities (`32Gi`); the derived sidecar flags use the sidecar's own units.
+value fails with a message saying what to write instead and nothing reaches stdout. Sizes take
+colocar's one syntax (`32G` = `32Gi`, binary); manifests get Kubernetes quantities (`32Gi`).
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 import shlex
 from dataclasses import dataclass
+
+from colocar.sizes import parse_size as parse_size_text
 
 from .topologies import TOPOLOGIES, Topology
 
@@ -19,11 +21,10 @@ VARIANTS = ("multi-controller", "single-controller")
 DEFAULT_GSA = "colocar@PROJECT_ID.iam.gserviceaccount.com"
 _NAME_RE = re.compile(r"^[a-z]([a-z0-9-]{0,38}[a-z0-9])?$")
 _POOL_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
-_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]$")
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*[a-z0-9]$")
+_BUCKET_PART_RE = re.compile(r"^[a-z0-9_-]{1,63}$")
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9._~=+@,-]+(/[A-Za-z0-9._~=+@,-]+)*$")
 _GSA_RE = re.compile(r"^[a-z][a-z0-9-]{4,28}[a-z0-9]@[A-Za-z0-9_.-]+\.iam\.gserviceaccount\.com$")
-_SIZE_RE = re.compile(r"^([0-9]+)(Mi|Gi|Ti)$")
-_UNITS = {"Mi": MiB, "Gi": GiB, "Ti": 1 << 40}
 
 
 class RenderError(ValueError):
@@ -31,13 +32,15 @@ class RenderError(ValueError):
 
 
 def parse_size(text: str, what: str) -> int:
-    """'32Gi' -> bytes. Binary units only: in Kubernetes '32G' means 32e9, a likely mistake."""
-    m = _SIZE_RE.match(text.strip())
-    if not m or int(m.group(1)) == 0:
-        raise RenderError(
-            f"{what}: {text!r} is not a size; write a whole number with Mi, Gi or Ti (e.g. 32Gi)"
-        )
-    return int(m.group(1)) * _UNITS[m.group(2)]
+    """'32Gi', '32G' or '32GiB' -> bytes (`colocar.sizes`: binary units everywhere, so '32G' is
+    32Gi here too, unlike a Kubernetes quantity); a whole number of MiB, as volumes need."""
+    try:
+        nbytes = parse_size_text(text)
+    except ValueError as e:
+        raise RenderError(f"{what}: {e}") from None
+    if nbytes == 0 or nbytes % MiB:
+        raise RenderError(f"{what}: {text!r} must be a positive whole number of MiB (e.g. 512M or 32G)")
+    return nbytes
 
 
 def quantity(nbytes: int) -> str:
@@ -84,14 +87,32 @@ def check_bucket(url: str) -> tuple[str, str]:
         raise RenderError(f"--bucket {url!r}: expected gs://BUCKET/PREFIX")
     bucket, _, prefix = url[len("gs://") :].partition("/")
     prefix = prefix.rstrip("/")
-    if not _BUCKET_RE.match(bucket) or ".." in bucket:
+    if bucket != bucket.lower() and _bucket_ok(bucket.lower()):
+        raise RenderError(
+            f"--bucket {url!r}: GCS bucket names are lower case; write gs://{bucket.lower()}"
+            f"{'/' + prefix if prefix else ''} if that is your bucket (in the docs, BUCKET stands for "
+            "your bucket's name)"
+        )
+    if not _bucket_ok(bucket):
         raise RenderError(
             f"--bucket {url!r}: {bucket!r} is not a bucket name (3-63 lowercase letters, digits, "
-            "'-', '_' and '.', starting and ending with a letter or digit)"
+            "'-', '_' and '.', starting and ending with a letter or digit; up to 222 with dots, "
+            "63 between dots)"
         )
     if prefix and not _PREFIX_RE.match(prefix):
         raise RenderError(f"--bucket {url!r}: prefix {prefix!r} has empty path parts or odd characters")
     return bucket, prefix
+
+
+def _bucket_ok(bucket: str) -> bool:
+    """What GCS accepts as a bucket name (dotted names may be longer, 63 between dots)."""
+    parts = bucket.split(".")
+    limit = 222 if len(parts) > 1 else 63
+    return (
+        3 <= len(bucket) <= limit
+        and bool(_BUCKET_RE.match(bucket))
+        and all(_BUCKET_PART_RE.match(p) for p in parts)
+    )
 
 
 def check_gsa(email: str) -> str:

@@ -37,6 +37,7 @@ from .config import PipelineConfig, load_config
 from .feed import open_feed
 from .host_backend import LoaderHost
 from .plan import HostPlan, host_plans, local_groups
+from .progress import Progress, count_batches
 
 STATE_VERSION = 1
 
@@ -55,6 +56,12 @@ def _probe_fields(config: PipelineConfig) -> dict[str, tuple[tuple[int, ...], st
         if record is not None:
             return {name: (np.shape(v), np.asarray(v).dtype.name) for name, v in record.items()}
     raise ValueError("none of the first 1000 records passes the pipeline's filters")
+
+
+def _progress(config: PipelineConfig, host: Any, start: int) -> Progress:
+    """The progress line, with the total (counted on `host`) when `num_epochs` bounds it."""
+    total = None if config.num_epochs is None else count_batches.on(host)(config)
+    return Progress(total, start)
 
 
 def _needs_mask(config: PipelineConfig) -> bool:
@@ -76,7 +83,6 @@ class DataIterator:
     ):
         self.config = config
         self.starve_timeout = starve_timeout
-        self._progress = _Progress(config) if progress else None
         axes = config.batch_axes or tuple(mesh.axis_names)
         B = config.global_batch_size
         groups = local_groups(cluster, mesh)  # this process's hosts and their devices of the mesh
@@ -107,7 +113,14 @@ class DataIterator:
         self._release_deferred = jax_compat.release_deferred()
         self.wait_seconds = 0.0
         self.batches = 0
+        self._progress: Progress | None = None
         self._open(start)
+        if progress:
+            try:
+                self._progress = _progress(config, groups[0][0], start)
+            except BaseException:
+                self.close()
+                raise
 
     def _open(self, start: int) -> None:
         self.position = start
@@ -329,31 +342,6 @@ class DataIterator:
             self._close_remote()
         except Exception:
             pass
-
-
-class _Progress:
-    """A terminal progress line for long runs (rich): batches, batches per second, time waited."""
-
-    def __init__(self, config: PipelineConfig):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        self._bar = Progress(
-            TextColumn("input pipeline"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("{task.fields[rate]:.1f} batches/s, waited {task.fields[waited]:.1f} s"),
-            TimeElapsedColumn(),
-        )
-        self._started = time.monotonic()
-        self._task = self._bar.add_task("batches", total=None, rate=0.0, waited=0.0)
-        self._bar.start()
-
-    def advance(self, position: int, waited: float) -> None:
-        rate = position / max(time.monotonic() - self._started, 1e-9)
-        self._bar.update(self._task, completed=position, rate=rate, waited=waited)
-
-    def stop(self) -> None:
-        self._bar.stop()
 
 
 def load(

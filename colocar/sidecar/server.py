@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -27,9 +28,12 @@ import grpc  # noqa: E402
 import multiprocess  # noqa: E402
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc  # noqa: E402
 
+from colocar.cli_help import HelpFormatter  # noqa: E402
 from colocar.protocol import colocar_pb2_grpc as pb_grpc  # noqa: E402
 from colocar.protocol import link as link_protocol  # noqa: E402
 from colocar.shm import context as shm_context  # noqa: E402
+from colocar.shm.arena import ShmUnavailableError  # noqa: E402
+from colocar.sizes import parse_size  # noqa: E402
 
 from . import auth, cancels, logs  # noqa: E402
 from .blocks import SidecarArena  # noqa: E402
@@ -41,18 +45,19 @@ from .workers import WorkerPool  # noqa: E402
 SERVICE_NAME = "colocar.v1.Sidecar"
 FORKSERVER_PRELOAD = ["numpy", "colocar.sidecar.worker_main", "colocar.loaders.worker", "grain"]
 MiB = 1 << 20
+DEFAULT_LABEL = "sidecar"
+log = logging.getLogger("colocar.sidecar")
 # Streams one connection may have open at once (gRPC queues a client's further calls): bounds
 # what one peer holds here, far above what a controller uses (its streams and calls in flight).
 MAX_STREAMS_PER_CONNECTION = 1024
 
 
 def _size(text: str) -> int:
-    """'256M', '1G', '4096' -> bytes."""
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    text = text.strip().upper().removesuffix("B").removesuffix("I")
-    if text and text[-1] in units:
-        return int(float(text[:-1]) * units[text[-1]])
-    return int(text)
+    """A size flag's value: '256M', '1G', '16Gi', '4096' -> bytes (one syntax: `colocar.sizes`)."""
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _pool(text: str) -> tuple[str, int]:
@@ -63,12 +68,18 @@ def _pool(text: str) -> tuple[str, int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="colocar sidecar", description=__doc__)
+    p = argparse.ArgumentParser(prog="colocar sidecar", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--address", default="127.0.0.1:0", help="host:port to bind (port 0: any)")
     p.add_argument("--ready-file", help="write the bound address and pid here as JSON when ready")
     p.add_argument("--shm-dir", default="/dev/shm", help="directory of the arena (tmpfs)")
-    p.add_argument("--arena-size", type=_size, default=1 << 30, help="arena bytes (e.g. 4G)")
-    p.add_argument("--pool", type=_pool, action="append", default=[], help="reserve NAME=SIZE of the arena")
+    p.add_argument("--arena-size", type=_size, default="1G", help="arena bytes (e.g. 4G, 16Gi)")
+    p.add_argument(
+        "--pool",
+        type=_pool,
+        action="append",
+        default=[],
+        help="reserve NAME=SIZE of the arena, e.g. ckpt=8G (repeatable)",
+    )
     p.add_argument("--token-file", help="file (mode 0600) holding the shared token")
     p.add_argument("--tls-cert", help="server certificate (PEM)")
     p.add_argument("--tls-key", help="server private key (PEM)")
@@ -84,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--drain-seconds", type=float, default=10.0, help="grace period on SIGTERM")
     p.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone")
-    p.add_argument("--label", default="sidecar", help="name part of the arena file")
+    p.add_argument("--label", default=DEFAULT_LABEL, help="name part of the arena file and host in log lines")
     return p
 
 
@@ -116,11 +127,21 @@ def _start_link(service: SidecarService, arena_path: str, token: str | None) -> 
     return link
 
 
-def _configure_logging() -> None:
-    """gRPC reports handler failures through logging; without a handler they would vanish.
-    Undecodable requests are the client's fault and answered with an error: no traceback."""
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+def _configure_logging(label: str) -> logging.Logger:
+    """Log lines on stderr carry the host, pid and thread: `[host1 pid=123 MainThread]` (the
+    host is `--label`, or the machine's name when that is left at its default). gRPC reports
+    handler failures through logging; without a handler they would vanish. Undecodable requests
+    are the client's fault and answered with an error: no traceback."""
+    host = socket.gethostname() if label == DEFAULT_LABEL else label
+    logging.basicConfig(
+        level=logging.WARNING,
+        format=f"%(asctime)s [{host} pid=%(process)d %(threadName)s] %(name)s %(levelname)s: %(message)s",
+        stream=sys.__stderr__,
+    )
     logging.getLogger("grpc._common").setLevel(logging.CRITICAL)
+    log = logging.getLogger("colocar.sidecar")
+    log.setLevel(logging.INFO)
+    return log
 
 
 def _start_service(args: argparse.Namespace, arena: SidecarArena) -> tuple[SidecarService, WorkerPool | None]:
@@ -182,14 +203,20 @@ def _start_grpc(
     return server, health_servicer, f"{host}:{port}"
 
 
-def _stop_event(parent_pid: int) -> threading.Event:
-    """Set on SIGTERM or SIGINT, or (with `parent_pid`) once that process is gone."""
-    stop = threading.Event()
+def _stop_event(parent_pid: int) -> tuple[threading.Event, list[str]]:
+    """Set on SIGTERM or SIGINT, or (with `parent_pid`) once that process is gone; the list
+    gets the reason (the signal's name, or that the parent is gone)."""
+    stop, why = threading.Event(), ["parent process gone"]
+
+    def on_signal(signum: int, _frame: object) -> None:
+        why[0] = signal.Signals(signum).name
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     if parent_pid:
         threading.Thread(target=_watch_parent, args=(parent_pid, stop), daemon=True).start()
-    return stop
+    return stop, why
 
 
 def _announce(ready_file: str | None, bound: str, arena: SidecarArena) -> None:
@@ -200,9 +227,9 @@ def _announce(ready_file: str | None, bound: str, arena: SidecarArena) -> None:
         with open(tmp, "w") as f:
             json.dump({"address": bound, "pid": os.getpid(), "arena": arena.arena.path}, f)
         os.replace(tmp, ready_file)
-    print(f"colocar sidecar serving on {bound} (arena {arena.arena.path})", file=sys.__stderr__, flush=True)
+    log.info("colocar sidecar serving on %s (arena %s)", bound, arena.arena.path)
     for path in arena.stale_removed:
-        print(f"removed the arena of a dead sidecar: {path}", file=sys.__stderr__, flush=True)
+        log.info("removed the arena of a dead sidecar: %s", path)
 
 
 def _drain(
@@ -216,31 +243,54 @@ def _drain(
     `drain_seconds` in all, then the service stops."""
     service.draining = True
     health_servicer.enter_graceful_shutdown()
-    drain_deadline = time.monotonic() + drain_seconds
+    started = time.monotonic()
+    drain_deadline = started + drain_seconds
     if link is not None:
         link.close()
     server.stop(grace=drain_seconds).wait()
     if link is not None:
         link.drain(max(0.0, drain_deadline - time.monotonic()))
     service.stop()
+    log.info("drained in %.1f s", time.monotonic() - started)
+
+
+def _security(args: argparse.Namespace) -> tuple[str | None, grpc.ServerCredentials | None]:
+    """The token and TLS credentials from their files; a file that cannot be read ends the
+    sidecar with a message naming the flag and the file (no traceback)."""
+    try:
+        token = auth.read_token_file(args.token_file) if args.token_file else None
+    except OSError as e:
+        raise SystemExit(f"colocar sidecar: error: --token-file {args.token_file}: {e.strerror}") from None
+    try:
+        credentials = auth.server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
+    except OSError as e:
+        raise SystemExit(f"colocar sidecar: error: TLS file {e.filename}: {e.strerror}") from None
+    auth.check_address_safety(args.address, token, mutual_tls=bool(args.tls_client_ca))
+    return token, credentials
 
 
 def serve(argv: list[str] | None = None) -> int:
     """Runs a sidecar until SIGTERM, SIGINT or its parent's end, then drains and exits 0."""
     args = build_parser().parse_args(argv)
-    token = auth.read_token_file(args.token_file) if args.token_file else None
-    credentials = auth.server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
-    auth.check_address_safety(args.address, token, mutual_tls=bool(args.tls_client_ca))
-    _configure_logging()
-    arena = SidecarArena(args.shm_dir, args.arena_size, dict(args.pool), label=args.label)
+    _configure_logging(args.label)
+    token, credentials = _security(args)
+    try:
+        arena = SidecarArena(args.shm_dir, args.arena_size, dict(args.pool), label=args.label)
+    except (OSError, ShmUnavailableError) as e:
+        raise SystemExit(f"colocar sidecar: error: {e}") from None
     logs.install()
     service, workers = _start_service(args, arena)
     link = _start_link(service, arena.arena.path, token)
     server, health_servicer, bound = _start_grpc(args, service, token, credentials, arena)
-    stop = _stop_event(args.parent_pid)
+    stop, why = _stop_event(args.parent_pid)
     _announce(args.ready_file, bound, arena)
     while not stop.wait(0.5):
         pass
+    log.info(
+        "%s: draining (no new calls; in-flight ones get up to %.0f s, --drain-seconds)",
+        why[0],
+        args.drain_seconds,
+    )
     _drain(args.drain_seconds, service, health_servicer, server, link)
     if workers is not None:
         workers.close()
