@@ -192,17 +192,16 @@ def host_of_device(device: Any) -> Host:
 
 
 def check_reachable(host: Any) -> None:
-    """Raises unless `host` is a `Host` of an open cluster of this process: a process calls only
-    the sidecars it connected to (under multi-controller JAX, each process its own)."""
+    """Raises unless `host` is a `Host` whose connection this process holds open: a process
+    calls only the sidecars it connected to (under multi-controller JAX, each process its own)."""
     if not isinstance(host, Host):
         raise TypeError(
             f"on() takes Host objects of this process's clusters (cluster.hosts[i]), not "
             f"{type(host).__name__} {host!r}"
         )
-    with _active_lock:
-        open_hosts = [h for c in _open_clusters() for h in c.hosts]
-    if not any(h is host for h in open_hosts) or host.connection.session.closed:
-        names = [h.name for h in open_hosts]
+    if host.connection.session.closed:
+        with _active_lock:
+            names = [h.name for c in _open_clusters() for h in c.hosts if not h.connection.session.closed]
         raise ColocarError(
             f"{host.name} ({host.address}) is not reachable from {where()}: its cluster was closed "
             f"(this process's open hosts: {names}); call hosts of an open cluster, or "
