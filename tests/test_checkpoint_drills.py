@@ -1,5 +1,5 @@
-"""Crash drills: a trainer SIGKILLed at random points of its saves and restarted at once, on
-local disk and on a real GCS server (fake-gcs-server).
+"""Crash drills: a trainer, or one of its sidecars, SIGKILLed at random points of its saves and
+restarted at once, on local disk and on a real GCS server (fake-gcs-server).
 
 The restart takes the dead trainer's lease over at once (same host, its process is gone) and
 saves the step the dead one was writing while the dead one's writers may still be running in
@@ -40,10 +40,13 @@ def _check_step(m: CheckpointManager, step: int, savers: set[int]) -> None:
     )
 
 
-def _run_trainer(sidecars, url: str, generation: int, rnd: random.Random) -> list[str]:
+def _run_trainer(
+    sidecars, url: str, generation: int, rnd: random.Random, kill_sidecar: bool = False
+) -> list[str]:
     """Starts a trainer (it restores the latest step and saves the next ones) and SIGKILLs it
     at a seeded random point: right after a save returned (its writers are busy), or a little
-    later. Returns its lines."""
+    later. `kill_sidecar`: one of its sidecars is SIGKILLed at that point first. Returns its
+    lines."""
     trainer = subprocess.Popen(
         [
             sys.executable,
@@ -65,6 +68,9 @@ def _run_trainer(sidecars, url: str, generation: int, rnd: random.Random) -> lis
         while sum(x.startswith("saved") for x in lines) < saves and (line := trainer.stdout.readline()):
             lines.append(line.strip())
         time.sleep(rnd.choice([0.0, 0.0, rnd.uniform(0.0, 0.3), rnd.uniform(0.3, 2.0)]))
+        if kill_sidecar:
+            rnd.choice(sidecars.processes).kill()
+            time.sleep(rnd.uniform(0.0, 0.5))  # the trainer may notice, or die first
     finally:
         trainer.kill()
         trainer.wait(timeout=60)
@@ -109,6 +115,35 @@ def _drill(
     print(f"crash drill {url} seed {seed}: {dict(counts)}")
     if not elsewhere:  # the restart fenced them: none commits once the restart's save began
         assert not counts["steps a dead trainer's writer committed first"]
+    return counts
+
+
+def _sidecar_drill(make_cluster, url: str, seed: int, trials: int, env: dict | None = None) -> Counter:
+    """`trials` rounds of: a trainer saving, one of its sidecars SIGKILLed at a seeded random
+    point of a save (then the trainer), a restart at once on other sidecars. Every committed
+    step restores bit-exactly to one trainer's state."""
+    rnd = random.Random(seed)
+    restarts = make_cluster(hosts=2, arena_size=32 * MiB, env=env or {})
+    restarts.make_current()
+    savers: dict[int, set[int]] = defaultdict(set)
+    counts: Counter = Counter()
+    for trial in range(trials):
+        sidecars = make_cluster(hosts=2, arena_size=32 * MiB, persist=True, env=env or {})
+        for line in _run_trainer(sidecars, url, 2 * trial + 1, rnd, kill_sidecar=True):
+            what, _, step = line.partition(" ")
+            if what == "saving" and step:
+                savers[int(step)].add(2 * trial + 1)
+        counts["sidecars killed"] += 1
+        m = CheckpointManager(url, restarts, max_chunk_bytes=16 * 1024)
+        _restart(m, 2 * trial + 2, savers, counts)
+        m.close()
+        counts["trials"] += 1
+    fresh = CheckpointManager(url, restarts)
+    for step in fresh.all_steps():
+        _check_step(fresh, step, savers[step])
+    counts["committed steps"] = len(fresh.all_steps())
+    fresh.close()
+    print(f"sidecar crash drill {url} seed {seed}: {dict(counts)}")
     return counts
 
 
@@ -189,6 +224,29 @@ def test_crash_and_immediate_restart_on_gcs_many_seeds(make_cluster, gcs_server,
     gcs_server.create_bucket(f"colocar-drill-{seed}")
     try:
         _drill(make_cluster, f"gs://colocar-drill-{seed}/run", seed, trials=3, env=gcs_server.env)
+    finally:
+        cluster.make_current()
+
+
+@pytest.mark.parametrize("seed", [1])
+def test_sidecar_killed_mid_save_then_restart(make_cluster, tmp_path, cluster, seed):
+    try:
+        counts = _sidecar_drill(make_cluster, str(tmp_path / "drill"), seed, trials=2)
+    finally:
+        cluster.make_current()
+    assert counts["committed steps"] >= 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(2, 8))
+def test_sidecar_killed_mid_save_then_restart_many_seeds(make_cluster, tmp_path, gcs_server, cluster, seed):
+    """Half the seeds on local disk, half on the GCS server."""
+    url, env = str(tmp_path / "drill"), None
+    if seed % 2:
+        gcs_server.create_bucket(f"colocar-sidecar-drill-{seed}")
+        url, env = f"gs://colocar-sidecar-drill-{seed}/run", gcs_server.env
+    try:
+        _sidecar_drill(make_cluster, url, seed, trials=3, env=env)
     finally:
         cluster.make_current()
 
