@@ -55,7 +55,7 @@ def _target_leaf(key: str, entry: dict[str, Any], target: Any, devices: list[Any
         sharding = tree.sharding_from_json(entry["sharding"], devices)
         if sharding is None:
             raise CheckpointError(
-                f"{key}: step {step} was saved with a sharding over devices this cluster does not have "
+                f"{key}: step {step} was saved with a sharding over devices this job does not have "
                 f"({entry['sharding']}); pass a target (jax.ShapeDtypeStruct with a sharding) for it"
             )
         return _Leaf(key, entry, saved_shape, sharding)
@@ -114,7 +114,10 @@ def _placements(leaf: _Leaf, cluster: Any) -> list[tuple[Any, Any, list[list[int
             continue  # multi-controller: another process reads the slices of its devices
         host = cluster.host_of(device)
         if host is None:
-            raise CheckpointError(f"{leaf.key}: device {device} of the target belongs to no host")
+            raise CheckpointError(
+                f"{leaf.key}: device {device} of the target (or of the saved sharding, without a "
+                "target) belongs to no host of the cluster; pass a target sharded over its devices"
+            )
         placements.append((host, device, shard_bounds(index, stored_shape)))
     return placements
 
@@ -186,7 +189,9 @@ def restore_leaves(
     storage_timeout: float,
 ) -> tuple[dict[str, Any], RestoreStats]:
     """The values of the keys in `targets` (key -> target leaf or None) at `step`."""
-    values, leaves = _split_targets(manifest["leaves"], targets, cluster.devices, step)
+    # Saved shardings come back over the job's devices (under multi-controller JAX, every
+    # process's): each process then reads only its own devices' slices (`_placements`).
+    values, leaves = _split_targets(manifest["leaves"], targets, jax.devices(), step)
     stats = RestoreStats()
     requests, where = _plan(leaves, cluster, stats)
     root = layout.arrays_root(step, manifest)

@@ -44,5 +44,10 @@ for shard in restored["w"].addressable_shards:
     assert np.array_equal(np.asarray(shard.data), full[shard.index])
 assert restored["step"] == 3 and np.array_equal(restored["host"], np.arange(4))
 read = m.stats()["restore"]["bytes_read"]
+saved = m.restore()  # no target: the saved shardings, over both processes' devices
+assert saved["w"].sharding == state["w"].sharding and saved["b"].sharding == state["b"].sharding
+for key in ("w", "b"):
+    for shard in saved[key].addressable_shards:
+        assert np.array_equal(np.asarray(shard.data), full[shard.index])
 m.close()
 print("OK", json.dumps(read), flush=True)
