@@ -5,10 +5,9 @@ few SGD steps of a linear model, saves a checkpoint halfway, restores it and rep
 half from it, which must give the same state and batches. The last line holds checksums of the
 final state and of the batches seen: equal in every topology (the same batches, the same sums).
 
-    # one controller and 2 sidecars it starts (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=8)
-    python examples/train.py --local 2 --ckpt /tmp/ckpt
+    python examples/train.py --local 2 --ckpt /tmp/ckpt     # one controller, 2 sidecars it starts
     COLOCAR_SIDECARS=h0:7070,h1:7070 COLOCAR_TOKEN_FILE=token python examples/train.py --ckpt gs://B/P
-    # multi-controller JAX, one process per host with its own sidecar: k8s/examples run it so
+    # multi-controller JAX, one process per host with its own sidecar, as k8s/examples run it:
     JAX_COORDINATOR_ADDRESS=h0:8476 COLOCAR_NUM_HOSTS=2 JOB_COMPLETION_INDEX=0 \
         COLOCAR_SIDECARS=127.0.0.1:7070 COLOCAR_TOKEN_FILE=token python examples/train.py --ckpt gs://B/P
 """
@@ -19,15 +18,19 @@ import argparse
 import hashlib
 import os
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+# A controller without accelerators (the single-controller variant's) splits its CPU devices over
+# the hosts: 16 of them. Only JAX's CPU platform reads this flag.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=16")
 
-import colocar
-from colocar import loaders
-from colocar.checkpoint import CheckpointManager
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import colocar  # noqa: E402
+from colocar import loaders  # noqa: E402
+from colocar.checkpoint import CheckpointManager  # noqa: E402
 
 LR = 0.125
 GRID = 1024.0  # parameters on a 1/1024 grid, binary features: every sum is exact, so the result
