@@ -96,3 +96,14 @@ def test_train_example_gives_the_same_state_in_every_topology(make_cluster, tmp_
     assert one[:2] == ("0", "1") and remote[:2] == ("0", "1")
     assert [p[:2] for p in processes] == [("0", "2"), ("1", "2")]
     assert {p[2:] for p in (one, remote, *processes)} == {one[2:]}, (one, remote, processes)
+
+
+def test_readme_shows_the_whole_program():
+    """The README's "Multi-controller JAX" section holds examples/train.py after its docstring,
+    exactly (the block after the marker comment), so the two cannot drift apart."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Multi-controller JAX") :]
+    marker = "<!-- examples/train.py after its docstring"
+    block = section[section.index(marker) :].split("```python\n", 1)[1].split("```\n", 1)[0]
+    program = PROGRAM.read_text()
+    assert block == program[program.index("from __future__") :]
