@@ -55,9 +55,9 @@ def _finals(processes: list[subprocess.Popen]) -> list[tuple[str, ...]]:
     finals = []
     for p, out in zip(processes, outputs, strict=True):
         assert p.returncode == 0, out[-3000:]
-        match = FINAL.match(out.strip().splitlines()[-1])
-        assert match, out[-3000:]
-        finals.append(match.groups())
+        matches = [m for m in map(FINAL.match, out.splitlines()) if m]  # JAX may log after it
+        assert len(matches) == 1, out[-3000:]
+        finals.append(matches[0].groups())
     return finals
 
 
