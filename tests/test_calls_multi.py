@@ -52,7 +52,8 @@ def test_two_jax_processes_call_on_global_arrays(make_cluster, tmp_path):
 def _check_agreement(results: list[dict]) -> None:
     """Process 0 (the first of the call) keeps its outputs; process 1 raises when its outputs'
     shapes differ (it returned a global array of another shape before), when process 0's part
-    failed, and when process 0 never makes the call (after 2 s here)."""
+    failed, when process 0 never makes the call (after 2 s here), and when it skipped a call
+    process 0 made (its next call of the function is compared with that one: other inputs)."""
     first, second = results
     assert first["differ"] == [16, 1] and "differ_errors" not in first, first
     errors = second["differ_errors"]
@@ -66,6 +67,15 @@ def _check_agreement(results: list[dict]) -> None:
     assert "boom in process 0's host" in failed[0]
     alone = second["alone"]
     assert "JAX process 0 did not finish the same call (its call number 0) within 2 s" in alone, alone
+    assert "out_of_step" not in first, first  # process 0 does not wait for the others
+    step = second["out_of_step"]
+    assert step.startswith(
+        "__main__.skipped_by_process_1: the calls of JAX processes 0 and 1 are out of step"
+    ), step
+    assert (
+        "call number 0 of this function took inputs (float32[16, 8]) in process 0, inputs (int32[8, 5]) "
+        in step
+    )
 
 
 def _check_errors(i: int, r: dict, theirs: list[int]) -> None:

@@ -5,13 +5,15 @@ With `out_specs_fn` every output's shape and dtype are given, the same in every 
 the default rule an unsplit dimension takes the size the hosts returned, and the dtype is
 theirs: a function whose sizes or dtypes depend on a host's data would give the processes
 global arrays of different shapes, which later computations mix without a word (one controller
-sees every host and raises instead). So the call's first process publishes the structure,
-shapes and dtypes of its outputs (or that its part failed) in jax.distributed's key-value
-store, and every other process compares its own with them before returning: a difference
-raises there, naming both processes. The first process never waits; the others wait until it
-finished the same call. Keys are numbered per set of processes and function, in the order each
-process starts its calls: every process makes the same calls in the same order (SPMD), and
-waits for their results (the first process publishes when it has its own).
+sees every host and raises instead). So the call's first process publishes the shapes and
+dtypes of its array inputs and the structure, shapes and dtypes of its outputs (or that its
+part failed) in jax.distributed's key-value store, and every other process compares its own
+with them before returning: a difference raises there, naming both processes; other inputs
+mean the processes' calls are out of step (one skipped or added a call). The first process
+never waits; the others wait until it finished the same call. Keys are numbered per set of
+processes and function, in the order each process starts its calls: every process makes the
+same calls in the same order (SPMD), and waits for their results (the first process publishes
+when it has its own).
 """
 
 from __future__ import annotations
@@ -38,8 +40,11 @@ _made_lock = threading.Lock()
 class OutputCheck:
     """One multi-controller call's comparison of outputs with its first process's."""
 
-    def __init__(self, name: str, processes: Iterable[int], call_timeout: float | None = None):
+    def __init__(
+        self, name: str, processes: Iterable[int], call_timeout: float | None = None, inputs: str = ""
+    ):
         self.name = name
+        self.inputs = inputs  # the array inputs' dtypes and shapes: equal in every process's same call
         self.timeout = SYNC_TIMEOUT + (call_timeout or 0.0)
         self.processes = sorted(processes)
         self.leader = self.processes[0]
@@ -65,21 +70,31 @@ class OutputCheck:
             return None
         devices = [d for x in plan.arrays for d in x.sharding.device_set] or list(options.devices or ())
         processes = {d.process_index for d in devices}
-        return OutputCheck(plan.name, processes, options.timeout) if len(processes) > 1 else None
+        if len(processes) < 2:
+            return None
+        inputs = ", ".join(f"{x.dtype}{list(x.shape)}" for x in plan.arrays)
+        return OutputCheck(plan.name, processes, options.timeout, f"inputs ({inputs})")
 
     def failed(self, error: BaseException) -> None:
         """This process's part failed: the first process tells the others (they raise too)."""
         if self.process == self.leader:
-            self._publish(f"failed: {type(error).__name__}: {str(error)[:500]}")
+            self._publish(f"{self.inputs}\nfailed: {type(error).__name__}: {str(error)[:500]}")
 
     def agree(self, result: Any) -> None:
         """Publishes (first process) or compares with the first process's (others) `result`'s
         structure, shapes and dtypes; raises `ProcessesDisagree` in a process that differs."""
         mine = signature(result)
         if self.process == self.leader:
-            self._publish(mine)
+            self._publish(f"{self.inputs}\n{mine}")
             return
-        theirs = self._theirs()
+        inputs, _, theirs = self._theirs().partition("\n")
+        if inputs != self.inputs:
+            raise ProcessesDisagree(
+                f"{self.name}: the calls of JAX processes {self.leader} and {self.process} are out of "
+                f"step: call number {self.n} of this function took {inputs} in process {self.leader}, "
+                f"{self.inputs} here. A process skipped or added a call; every process must make the "
+                "same array calls in the same order"
+            )
         if theirs.startswith("failed: "):
             raise ProcessesDisagree(
                 f"{self.name}: JAX process {self.leader}'s part of this call {theirs}; every process "

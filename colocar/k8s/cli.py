@@ -14,7 +14,15 @@ from pathlib import Path
 
 from colocar.cli_help import HelpFormatter
 
-from .options import DEFAULT_GSA, VARIANTS, RenderError, RenderOptions, build_options
+from .options import (
+    CONTROLLER_COMMAND,
+    DEFAULT_GSA,
+    TRAINER_COMMAND,
+    VARIANTS,
+    RenderError,
+    RenderOptions,
+    build_options,
+)
 from .render import render, setup_commands, to_yaml
 from .topologies import TOPOLOGIES
 
@@ -37,8 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--name", default="train", help="JobSet name, prefix of every object (default: train)")
     r.add_argument("--variant", default=VARIANTS[0], help=f"{' or '.join(VARIANTS)} (default: {VARIANTS[0]})")
     r.add_argument("--trainer-image", help="the trainer's image (default: --image)")
-    r.add_argument("--trainer-command", default="python train.py", help="the per-host process")
-    r.add_argument("--controller-command", default="python controller.py", help="single-controller only")
+    r.add_argument("--trainer-command", default=TRAINER_COMMAND, help="the per-host process")
+    r.add_argument("--controller-command", default=CONTROLLER_COMMAND, help="single-controller only")
     r.add_argument("--gcp-service-account", default=DEFAULT_GSA, help="Google service account for GCS")
     r.add_argument("--namespace", default="default", help="used in the printed setup commands only")
     r.add_argument("--port", type=int, default=7070, help="sidecar port (default: 7070)")

@@ -19,6 +19,10 @@ MiB = 1 << 20
 GiB = 1 << 30
 VARIANTS = ("multi-controller", "single-controller")
 DEFAULT_GSA = "colocar@PROJECT_ID.iam.gserviceaccount.com"
+# The image's example program (k8s/Dockerfile copies examples/train.py there); Kubernetes expands
+# $(COLOCAR_BUCKET) from the container's environment. Its own directory for the controller.
+TRAINER_COMMAND = "python /opt/colocar/examples/train.py"
+CONTROLLER_COMMAND = "python /opt/colocar/examples/train.py --ckpt $(COLOCAR_BUCKET)/controller"
 _NAME_RE = re.compile(r"^[a-z]([a-z0-9-]{0,38}[a-z0-9])?$")
 _POOL_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*[a-z0-9]$")
@@ -150,8 +154,8 @@ class RenderOptions:
     name: str = "train"
     variant: str = "multi-controller"
     trainer_image: str = ""
-    trainer_command: tuple[str, ...] = ("python", "train.py")
-    controller_command: tuple[str, ...] = ("python", "controller.py")
+    trainer_command: tuple[str, ...] = tuple(TRAINER_COMMAND.split())
+    controller_command: tuple[str, ...] = tuple(CONTROLLER_COMMAND.split())
     gcp_service_account: str = DEFAULT_GSA
     namespace: str = "default"
     port: int = 7070
@@ -237,8 +241,8 @@ def build_options(
     name: str = "train",
     variant: str = "multi-controller",
     trainer_image: str | None = None,
-    trainer_command: str = "python train.py",
-    controller_command: str = "python controller.py",
+    trainer_command: str = TRAINER_COMMAND,
+    controller_command: str = CONTROLLER_COMMAND,
     gcp_service_account: str = DEFAULT_GSA,
     namespace: str = "default",
     port: int = 7070,

@@ -67,6 +67,11 @@ def only_in_process_1(x):
 
 
 @colocar.colocated
+def skipped_by_process_1(x):
+    return x
+
+
+@colocar.colocated
 def count_up():
     return np.arange(4, dtype=np.int32)
 
@@ -181,6 +186,13 @@ if process == 1:  # process 0 never makes this call
     here = NamedSharding(Mesh(np.array(jax.local_devices()), ("d",)), P("d"))
     got = affine(global_array(full, here))
     assert got.is_fully_addressable and np.array_equal(np.asarray(got), full * 2 + 1)
+# process 1 skips a call process 0 makes: its next call of the function is out of step
+if process == 0:
+    check(skipped_by_process_1(x), full, layouts["rows"], "a call process 1 skips")
+try:
+    skipped_by_process_1(global_array(odd, layouts["rows"]))
+except ColocarError as e:
+    result["out_of_step"] = str(e)
 processes_module.SYNC_TIMEOUT = 300
 check(affine(x), full * 2 + 1, layouts["rows"], "after another function's call only process 1 made")
 

@@ -27,7 +27,7 @@ def make(sharding: NamedSharding) -> jax.Array:
 
 
 mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("d", "m"))
-state = {
+state: dict = {
     "w": make(NamedSharding(mesh, P("d", "m"))),
     "b": make(NamedSharding(mesh, P())),
     "step": 3,
