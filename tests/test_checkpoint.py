@@ -257,10 +257,11 @@ def test_arena_smaller_than_the_checkpoint_applies_backpressure(make_cluster, tm
 def test_save_without_shared_memory_uploads_the_shards(grpc_cluster, tmp_path, cluster):
     """A host the controller cannot share memory with gets its shards through the write calls."""
     state = make_state(4, rows=256)
+    state["params"]["scale"] = jax.device_put(np.float32(0.25), state["params"]["b"].sharding)  # rank 0
     m = CheckpointManager(str(tmp_path / "grpc"), grpc_cluster)
     m.save(4, state)
     m.wait()
-    assert m.stats()["save"]["bytes"] == state["params"]["w"].nbytes + state["params"]["b"].nbytes
+    assert m.stats()["save"]["bytes"] == sum(state["params"][k].nbytes for k in ("w", "b", "scale"))
     m.close()
     reader = CheckpointManager(str(tmp_path / "grpc"), cluster.make_current())
     assert_same(reader.restore(4, target=abstract(state)), state)

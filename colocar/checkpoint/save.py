@@ -241,7 +241,7 @@ def _items(
     blocks) contiguous host copies that the call uploads."""
     sources = [np.asarray(piece.source)[piece.local] for piece in group]
     if blocks is None:
-        data = [np.ascontiguousarray(source) for source in sources]
+        data = [np.asarray(source, order="C") for source in sources]  # (ascontiguousarray makes 0-d 1-d)
     else:
         copy_into(list(zip(blocks, sources, strict=True)), copiers)
         data = blocks
