@@ -110,9 +110,9 @@ class CheckpointManager:
         self._last = SaveStats()
         self._restore_stats = RestoreStats()
         self._lock = threading.RLock()
-        self._lease = WriterLease(self.storage, self._id, lease_seconds)
-        if self.topology.leader and (conflict := self._lease.conflict()):
-            warnings.warn(f"this manager cannot save yet: {conflict}", RuntimeWarning, stacklevel=2)
+        self._lease = WriterLease(self.storage, self._id, lease_seconds, self.cluster.hosts)
+        if self.topology.leader:
+            self._warn_of_holder()
         self._fenced = 0  # saves of earlier lease holders that taking the lease stopped
         self._preempted = False
         self._previous_handler: Any = None
@@ -347,6 +347,18 @@ class CheckpointManager:
     def reached_preemption(self, step: int | None = None) -> bool:
         """True once SIGTERM arrived (with `save_on_preemption`): save now, `wait()`, and exit."""
         return self._preempted
+
+    def _warn_of_holder(self) -> None:
+        """Says at creation, not at the first save, that another manager holds the lease."""
+        conflict, wait = self._lease.conflict()
+        if conflict and wait:
+            message = (
+                f"the first save waits up to {wait:.0f} s for the session of the manager holding "
+                f"the lease to lapse on its sidecar (a restart right after a crash), else: {conflict}"
+            )
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+        elif conflict:
+            warnings.warn(f"this manager cannot save yet: {conflict}", RuntimeWarning, stacklevel=3)
 
     def close(self) -> None:
         """Waits for saves in flight, then releases the lease and deletes the writers."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -19,11 +20,23 @@ LOG_QUEUE_LINES = 10_000
 LAPSED, CLOSED, STOPPED = "lapsed", "closed", "stopped"  # how a session ended (`Session.ended`)
 
 _serving = threading.local()  # .session: the session of the request this thread serves last
+_TABLES: weakref.WeakSet[SessionTable] = weakref.WeakSet()  # this sidecar's tables (one, in practice)
 
 
 def current() -> Session | None:
     """The session whose request this thread is serving (None outside a request's thread)."""
     return getattr(_serving, "session", None)
+
+
+def seconds_left(session_id: str) -> float | None:
+    """Seconds until the session `session_id` lapses unless its controller shows life, or None
+    when this sidecar holds no such session (it ended, or never was here). Does not renew it:
+    shipped code asks this about another controller (a checkpoint lease's dead holder)."""
+    for table in list(_TABLES):
+        session = table._sessions.get(session_id)
+        if session is not None and not session.closed:
+            return max(0.0, session.expires_at - time.monotonic())
+    return None
 
 
 @dataclass
@@ -109,6 +122,7 @@ class SessionTable:
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, name="colocar-reaper", daemon=True)
         self._reaper.start()
+        _TABLES.add(self)
 
     def open(self, session_id: str, controller: str, lease_seconds: float) -> Session:
         lease = lease_seconds if lease_seconds > 0 else self.default_lease
