@@ -16,7 +16,7 @@ import pytest
 from checkpoint_helpers import MiB
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_checkpoint_multi import _stop, _two_processes
+from multi_helpers import run_two
 
 import colocar
 from colocar.errors import ArrayLayoutError
@@ -24,14 +24,7 @@ from colocar.errors import ArrayLayoutError
 
 def _run(make_cluster, directory) -> list[dict]:
     """Runs tests/programs/calls_multi.py as processes 0 and 1; their results."""
-    sidecars = make_cluster(hosts=2, arena_size=16 * MiB, persist=True)
-    trainers = _two_processes("calls_multi", sidecars, str(directory))
-    try:
-        outputs = [t.communicate(timeout=240)[0] for t in trainers]
-        for t, out in zip(trainers, outputs, strict=True):
-            assert t.returncode == 0 and "OK" in out, out[-3000:]
-    finally:
-        _stop(trainers)
+    run_two(make_cluster(hosts=2, arena_size=16 * MiB, persist=True), "calls_multi", str(directory))
     return [json.load(open(os.path.join(directory, f"process{i}.json"))) for i in range(2)]
 
 

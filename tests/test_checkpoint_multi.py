@@ -8,16 +8,15 @@ import json
 import os
 import signal
 import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from checkpoint_helpers import MiB, attempt_path, make_state
-from helpers import program
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from multi_helpers import stop, two_processes
 
 from colocar.checkpoint import CheckpointManager, layout
 
@@ -27,7 +26,7 @@ def test_multi_controller_save_and_restore(make_cluster, tmp_path, cluster):
     shards it holds, process 0's sidecar commits, each restores only its devices' slices."""
     sidecars = make_cluster(hosts=2, arena_size=16 * MiB, persist=True)
     directory = str(tmp_path / "multi")
-    trainers = _two_processes("ckpt_multi_controller", sidecars, directory)
+    trainers = two_processes("ckpt_multi_controller", sidecars, directory)
     try:
         outputs = [t.communicate(timeout=240)[0] for t in trainers]
         for t, out in zip(trainers, outputs, strict=True):
@@ -45,7 +44,7 @@ def test_multi_controller_save_and_restore(make_cluster, tmp_path, cluster):
         )
         assert np.array_equal(np.asarray(whole["w"]), np.arange(64 * 16, dtype=np.float32).reshape(64, 16))
     finally:
-        _stop(trainers)
+        stop(trainers)
         cluster.make_current()
 
 
@@ -55,7 +54,7 @@ def test_multi_controller_save_with_process_0s_sidecar_lost_fails_everywhere(mak
     own part is durable) instead of waiting forever for a commit that cannot come."""
     sidecars = make_cluster(hosts=2, arena_size=16 * MiB, persist=True)
     directory = str(tmp_path / "multi-lost")
-    trainers = _two_processes("ckpt_multi_saves", sidecars, directory, "3,4", "all")
+    trainers = two_processes("ckpt_multi_saves", sidecars, directory, "3,4", "all")
     try:
         outputs = _run_after_ready(trainers, sidecars.processes[0].kill)
         for out in outputs:
@@ -66,7 +65,7 @@ def test_multi_controller_save_with_process_0s_sidecar_lost_fails_everywhere(mak
         for step in (3, 4):
             assert not os.path.exists(os.path.join(directory, layout.step_dir(step), layout.COMMITTED))
     finally:
-        _stop(trainers)
+        stop(trainers)
         cluster.make_current()
 
 
@@ -78,7 +77,7 @@ def test_multi_controller_save_refused_to_process_0_fails_every_process(make_clu
     other_job = CheckpointManager(directory, cluster)
     other_job.save(1, make_state(1))
     other_job.wait()
-    trainers = _two_processes("ckpt_multi_saves", sidecars, directory, "3", "all")
+    trainers = two_processes("ckpt_multi_saves", sidecars, directory, "3", "all")
     try:
         outputs = _run_after_ready(trainers)
         assert "cannot save yet" in outputs[0].split("failed:")[0]  # told when the manager was made
@@ -88,7 +87,7 @@ def test_multi_controller_save_refused_to_process_0_fails_every_process(make_clu
         assert "process 0 could not start the save of step 3" in outputs[1], outputs[1][-3000:]
         assert "another CheckpointManager" in outputs[1]
     finally:
-        _stop(trainers)
+        stop(trainers)
         other_job.close()
         cluster.make_current()
 
@@ -98,14 +97,14 @@ def test_multi_controller_process_0_never_saving_times_out_in_the_others(make_cl
     attempt id at most `commit_timeout`, then raise saying so, instead of hanging."""
     sidecars = make_cluster(hosts=2, arena_size=16 * MiB, persist=True)
     directory = str(tmp_path / "multi-skipped")
-    trainers = _two_processes("ckpt_multi_saves", sidecars, directory, "3", "1")  # only process 1 saves
+    trainers = two_processes("ckpt_multi_saves", sidecars, directory, "3", "1")  # only process 1 saves
     try:
         outputs = _run_after_ready(trainers)
         assert "failed: 3 CheckpointError" in outputs[1], outputs[1][-3000:]
         assert "process 0 did not start its save of step 3 within commit_timeout (5 s)" in outputs[1]
         assert not os.path.exists(os.path.join(directory, layout.step_dir(3)))  # nothing was written
     finally:
-        _stop(trainers)
+        stop(trainers)
         cluster.make_current()
 
 
@@ -115,7 +114,7 @@ def test_multi_controller_commit_never_coming_times_out_in_the_others(make_clust
     waiting forever for a commit marker that nobody writes."""
     sidecars = make_cluster(hosts=2, arena_size=16 * MiB, persist=True)
     directory = str(tmp_path / "multi-wedged")
-    trainers = _two_processes("ckpt_multi_wedged", sidecars, directory)
+    trainers = two_processes("ckpt_multi_wedged", sidecars, directory)
     wedged = sidecars.processes[0]
     try:
         saved = trainers[0].stdout.readline().strip()
@@ -137,37 +136,8 @@ def test_multi_controller_commit_never_coming_times_out_in_the_others(make_clust
         assert trainers[0].wait(timeout=120) == 0
     finally:
         wedged.send_signal(signal.SIGCONT)
-        _stop(trainers)
+        stop(trainers)
         cluster.make_current()
-
-
-def _two_processes(name: str, sidecars, directory: str, *extra: str) -> list[subprocess.Popen]:
-    """Starts tests/programs/<name>.py (see ckpt_processes.py) as processes 0 and 1, each on its
-    own sidecar; `extra` arguments follow the common ones."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    return [
-        subprocess.Popen(
-            [
-                sys.executable,
-                program(name),
-                str(i),
-                port,
-                sidecars.hosts[i].address,
-                sidecars.token_file,
-                directory,
-                *extra,
-            ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(2)
-    ]
 
 
 def _run_after_ready(trainers: list[subprocess.Popen], meanwhile=None) -> list[str]:
@@ -187,10 +157,3 @@ def _run_after_ready(trainers: list[subprocess.Popen], meanwhile=None) -> list[s
         t.stdin.write("go\n")
         t.stdin.flush()
     return [b + t.communicate(timeout=120)[0] for b, t in zip(before, trainers, strict=True)]
-
-
-def _stop(processes: list[subprocess.Popen]) -> None:
-    for p in processes:
-        if p.poll() is None:
-            p.kill()
-            p.wait()

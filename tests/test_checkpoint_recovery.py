@@ -16,7 +16,7 @@ import time
 import pytest
 from checkpoint_helpers import MiB, abstract, assert_same, attempt_path, make_state
 from helpers import wait_for
-from test_checkpoint_multi import _stop, _two_processes
+from multi_helpers import stop, two_processes
 
 from colocar.checkpoint import CheckpointError, CheckpointManager, layout
 from colocar.checkpoint.cli import main as ckpt_main
@@ -137,7 +137,7 @@ def _kill_mid_save(make_cluster, directory: str, killed: int) -> tuple[list, lis
     """Two processes save step 3 (2 s session leases, commit_timeout 600 s); process `killed`
     is SIGKILLed once its save began on its writer, before it handed over its part."""
     sidecars = make_cluster(hosts=2, arena_size=16 * MiB, persist=True, lease_seconds=2)
-    trainers = _two_processes("ckpt_multi_killed", sidecars, directory, str(killed))
+    trainers = two_processes("ckpt_multi_killed", sidecars, directory, str(killed))
     outputs = [_lines(t) for t in trainers]
     deadline = time.monotonic() + 120
     for lines in outputs:
@@ -165,7 +165,7 @@ def test_trainer_killed_mid_save_fails_the_save_in_the_other_process(make_cluste
         assert os.path.exists(os.path.join(attempt_path(directory, 3), layout.failed_marker(1)))
         assert not os.path.exists(os.path.join(step, layout.COMMITTED))
     finally:
-        _stop(trainers)
+        stop(trainers)
         cluster.make_current()
 
 
@@ -182,5 +182,5 @@ def test_committing_trainer_killed_mid_save_fails_its_hosts_part(make_cluster, t
         assert "session lapsed" in json.load(open(glob.glob(marker)[0]))["error"]
         assert not os.path.exists(os.path.join(directory, layout.step_dir(3), layout.COMMITTED))
     finally:
-        _stop(trainers)
+        stop(trainers)
         cluster.make_current()

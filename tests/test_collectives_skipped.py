@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 from checkpoint_helpers import MiB
-from test_checkpoint_multi import _stop, _two_processes
+from multi_helpers import run_two
 
 from colocar.checkpoint import layout
 
@@ -21,13 +21,9 @@ def test_a_save_one_process_skips_commits_nothing_and_names_it(make_cluster, tmp
     numbered in each process: process 1's step 2 took process 0's step 3's attempt before)."""
     sidecars = make_cluster(hosts=2, arena_size=16 * MiB, persist=True)
     directory = str(tmp_path / "skipped")
-    trainers = _two_processes("ckpt_multi_skips", sidecars, directory, "3", "2,3")
     try:
-        outputs = [t.communicate(timeout=240)[0] for t in trainers]
-        for t, out in zip(trainers, outputs, strict=True):
-            assert t.returncode == 0 and "OK" in out, out[-3000:]
+        outputs = run_two(sidecars, "ckpt_multi_skips", directory, "3", "2,3")
     finally:
-        _stop(trainers)
         cluster.make_current()
     first, second = outputs
     assert "failed: 3 CheckpointError" in first, first[-3000:]

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from checkpoint_helpers import MiB
 from loaders_helpers import B, config
-from test_checkpoint_multi import _stop, _two_processes
+from multi_helpers import run_two
 
 import colocar
 from colocar import loaders
@@ -49,14 +49,7 @@ def _same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
 
 def _run(make_cluster, directory) -> list[dict]:
     """Runs tests/programs/loaders_multi.py as processes 0 and 1; their results."""
-    sidecars = make_cluster(hosts=2, arena_size=16 * MiB, persist=True)
-    trainers = _two_processes("loaders_multi", sidecars, str(directory))
-    try:
-        outputs = [t.communicate(timeout=240)[0] for t in trainers]
-        for t, out in zip(trainers, outputs, strict=True):
-            assert t.returncode == 0 and "OK" in out, out[-3000:]
-    finally:
-        _stop(trainers)
+    run_two(make_cluster(hosts=2, arena_size=16 * MiB, persist=True), "loaders_multi", str(directory))
     return [pickle.load(open(os.path.join(directory, f"process{i}.pkl"), "rb")) for i in range(2)]
 
 
