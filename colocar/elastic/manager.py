@@ -22,11 +22,12 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from colocar import errors
 from colocar.controller_bridge.cluster import Cluster
 from colocar.errors import HostLostError
 
 from . import data
-from .events import Events
+from .events import Events, log
 from .faults import Fault, Schedule
 from .tiers import SnapshotTier, StorageTier, snapshots_available
 from .topology import ClusterView, ElasticError, alive_hosts, lost_hosts, wait_for_loss
@@ -107,7 +108,8 @@ class Manager:
             except ElasticError:
                 raise
             except BaseException as error:
-                lost = wait_for_loss(self.root, self._lost, error, self.loss_timeout)
+                # only hosts of this attempt count: all of them were alive when it began
+                lost = wait_for_loss(self.cluster, self._lost, error, self.loss_timeout)
                 if not lost:
                     raise
                 self._after_loss([h.name for h in lost], error)
@@ -123,7 +125,7 @@ class Manager:
         if len(alive) < min_hosts:
             raise ElasticError(
                 f"only {len(alive)} of {len(self.root.hosts)} hosts are left "
-                f"({[h.name for h in alive]}; lost: {sorted(self._lost)}), fewer than "
+                f"({[h.name for h in alive]}; lost: {[h.name for h in lost_hosts(self.root)]}), fewer than "
                 f"min_hosts={min_hosts}: bring hosts back, or lower min_hosts"
             )
         if len(alive) == len(self.root.hosts):
@@ -148,7 +150,7 @@ class Manager:
             try:
                 iterator.close()
             except Exception as e:  # its lost host's part cannot answer
-                self.events.add("loss", self._last_step, hosts=lost, detail=f"closing a loader: {e}"[:300])
+                log.info("closing a loader of the failed attempt: %s: %s", type(e).__name__, e)
         self._iterators = []
         if self.snap is not None:
             self._snap_current = False  # restore reads the old snapshots, then they move
@@ -191,8 +193,8 @@ class Manager:
             try:
                 tree, _ = self.snap.restore(snap_step, self._wrap(target, meta), None)
                 return self._unwrap(target, tree, meta), snap_step, "snapshot", meta
-            except Exception as e:  # SnapshotError: not recoverable after all; storage next
-                if not type(e).__name__ == "SnapshotError":
+            except errors.ColocarError as e:  # SnapshotError: not recoverable after all
+                if not isinstance(e, getattr(errors, "SnapshotError", ())):
                     raise
                 self.events.add("restore", snap_step, 0.0, [], f"snapshot unusable: {e}"[:300])
         if disk_step is None:
@@ -321,7 +323,7 @@ class Manager:
         out.update(
             attempt=self.attempt,
             hosts=[h.name for h in self.cluster.hosts],
-            lost=sorted(self._lost),
+            lost=[h.name for h in lost_hosts(self.root)],  # now; the events keep the history
             restored_step=self.restored_step,
             restored_from=self.restored_from,
         )
