@@ -95,13 +95,13 @@ def local_batch(k: int, mesh: Mesh, batch_size: int = B) -> dict:
     return {name: jax.device_put(np.stack([r[name] for r in rows]), sharding) for name in rows[0]}
 
 
-def plain_run(devices, state, start: int, stop: int):
+def plain_run(devices, state, start: int, stop: int, batch_size: int = B):
     """Steps start..stop-1 on `devices` without the elastic manager nor the loader: (states
     after each step, ids, losses)."""
     mesh = mesh_of(devices)
     states, ids, losses = {start: to_numpy(state)}, [], []
     for step in range(start, stop):
-        batch = local_batch(step, mesh)
+        batch = local_batch(step, mesh, batch_size)
         ids.append(np.asarray(batch["index"]).tolist())
         state, loss = train_step(state, batch)
         losses.append(float(loss))
@@ -123,6 +123,13 @@ class Log:
         self.restored: list[tuple[int, int, dict]] = []  # (attempt, step, state as numpy)
         self.steps: list[tuple[int, int, list[int], float]] = []  # (attempt, step, ids, loss)
         self.processes: list = []  # what the sidecars ran while the first loader was open
+        self.states: dict[tuple[int, int], dict] = {}  # (attempt, steps done) -> state as numpy
+
+    def saved_state(self, attempt: int, step: int, reference: dict) -> dict:
+        """The state after `step` steps that attempt `attempt` restored: the one of the attempt
+        that last ran that step before it (the first attempt is the uninterrupted run)."""
+        earlier = [a for a, s in self.states if a < attempt and s == step]
+        return self.states[(max(earlier), step)] if earlier and max(earlier) > 1 else reference[step]
 
     def trained_on(self) -> list[list[int]]:
         """The batches (ids) the final state was trained on: each attempt's steps from the step
@@ -157,6 +164,7 @@ def make_train(el, log: Log, steps: int | None, cfg=None):
                 state, loss = train_step(state, batch)
                 del batch
                 log.steps.append((el.attempt, step, ids, float(loss)))
+                log.states[(el.attempt, step + 1)] = to_numpy(state)
                 el.step(step, {"state": state, "data": it})
         return state
 
