@@ -109,11 +109,15 @@ def plain_run(devices, state, start: int, stop: int, batch_size: int = B):
     return states, ids, losses
 
 
-def sidecar_descendants(cluster) -> list:
-    """The processes the sidecars of a local cluster started (call and pipeline workers)."""
+def sidecar_descendants(cluster, depth: int = 1) -> list:
+    """The processes the sidecars of a local cluster started, `depth` or more levels down
+    (1: all; 2: the pipeline workers, which their process server forks)."""
     import psutil
 
-    return [q for p in cluster.processes for q in psutil.Process(p.pid).children(recursive=True)]
+    level = [psutil.Process(p.pid) for p in cluster.processes]
+    for _ in range(1, depth):
+        level = [c for p in level for c in p.children()]
+    return [q for p in level for q in p.children(recursive=True)]
 
 
 class Log:
@@ -123,6 +127,7 @@ class Log:
         self.restored: list[tuple[int, int, dict]] = []  # (attempt, step, state as numpy)
         self.steps: list[tuple[int, int, list[int], float]] = []  # (attempt, step, ids, loss)
         self.processes: list = []  # what the sidecars ran while the first loader was open
+        self.workers: list = []  # of which the pipeline workers
         self.states: dict[tuple[int, int], dict] = {}  # (attempt, steps done) -> state as numpy
 
     def saved_state(self, attempt: int, step: int, reference: dict) -> dict:
@@ -152,20 +157,23 @@ def make_train(el, log: Log, steps: int | None, cfg=None):
         mesh = mesh_of(devices)
         state, start = el.restore(abstract(mesh), init=lambda: init(mesh))
         log.restored.append((el.attempt, start, to_numpy(state)))
-        with el.load(cfg(devices) if cfg else config(), mesh) as it:
-            for step in range(start, steps) if steps is not None else itertools.count(start):
-                try:
-                    batch = next(it)
-                except StopIteration:
-                    break
-                ids = np.asarray(batch["index"]).tolist()
-                if not log.processes:
-                    log.processes = sidecar_descendants(el.root)
-                state, loss = train_step(state, batch)
-                del batch
-                log.steps.append((el.attempt, step, ids, float(loss)))
-                log.states[(el.attempt, step + 1)] = to_numpy(state)
-                el.step(step, {"state": state, "data": it})
+        # no `with`: after a loss the manager closes the loader (the tests check its workers end)
+        it = el.load(cfg(devices) if cfg else config(), mesh)
+        for step in range(start, steps) if steps is not None else itertools.count(start):
+            try:
+                batch = next(it)
+            except StopIteration:
+                break
+            ids = np.asarray(batch["index"]).tolist()
+            if not log.processes:
+                log.processes = sidecar_descendants(el.root)
+                log.workers = sidecar_descendants(el.root, depth=2)
+            state, loss = train_step(state, batch)
+            del batch
+            log.steps.append((el.attempt, step, ids, float(loss)))
+            log.states[(el.attempt, step + 1)] = to_numpy(state)
+            el.step(step, {"state": state, "data": it})
+        it.close()
         return state
 
     return train

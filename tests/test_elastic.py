@@ -85,6 +85,8 @@ def test_killed_host_resumes_exactly_on_the_survivors(seed, shm_dir, tmp_path):
         log = Log()
         final = el.run(min_hosts=2)(make_train(el, log, STEPS))()
         started += log.processes  # the pipeline workers, those of the killed host's too
+        # the first attempt's loaders were closed at the loss: their workers end on every host
+        assert log.workers and not psutil.wait_procs(log.workers, timeout=30)[1]
         try:
             stats = el.stats()
             assert stats["counts"]["fault"] == stats["counts"]["loss"] == stats["counts"]["recovery"] == 1
