@@ -19,6 +19,7 @@ import pytest
 from elastic_helpers import (
     B,
     Log,
+    abstract,
     assert_bitwise,
     config,
     init,
@@ -160,6 +161,26 @@ def test_stopped_host_and_the_per_device_batch_rule_lose_and_repeat_no_record(sh
             assert stream == IndexSampler(96, B, seed=3).epoch_order(0).tolist()
         finally:
             el.close()
+
+
+def test_a_checkpoint_without_the_data_position_is_not_resumed_from_record_zero(cluster, tmp_path):
+    """A step saved without its iterator cannot say where the data stood: opening the loader
+    there raises instead of starting the records over."""
+    with Manager(cluster, CheckpointManager(str(tmp_path / "ckpt"), cluster), save_every=1) as el:
+
+        @el.run()
+        def once(hosts, devices):
+            mesh = mesh_of(devices)
+            state, step = el.restore(abstract(mesh), init=lambda: init(mesh))
+            assert el.data_start(config()) == 0 and el.data_state is None
+            el.step(step, {"state": state})  # no iterator: no data position
+            el.checkpoints.wait()
+            state, step = el.restore(abstract(mesh))
+            assert (step, el.restored_from) == (1, "storage")
+            with pytest.raises(ElasticError, match="holds no position for data 'data'"):
+                el.data_start(config())
+
+        once()
 
 
 def test_user_errors_propagate_and_too_few_hosts_is_an_error(shm_dir):
