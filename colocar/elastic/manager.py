@@ -75,7 +75,6 @@ class Manager:
         self.restored_from: str | None = None
         self._keys: list[str] = []  # the names of the state's parts, as `step` got them
         self._iterators: list[Any] = []  # loaders of this attempt, closed after a loss
-        self._lost: set[str] = set()
         self._lost_at: float | None = None
         self._last_step: int | None = None
         self._snap_current = self.snap is not None and self.snap.snapshots is not None
@@ -109,7 +108,7 @@ class Manager:
                 raise
             except BaseException as error:
                 # only hosts of this attempt count: all of them were alive when it began
-                lost = wait_for_loss(self.cluster, self._lost, error, self.loss_timeout)
+                lost = wait_for_loss(self.cluster, error, self.loss_timeout)
                 if not lost:
                     raise
                 self._after_loss([h.name for h in lost], error)
@@ -143,7 +142,6 @@ class Manager:
         """Records the loss and closes the failed attempt's loaders (the lost host's part is
         freed by its session's end; the survivors' workers and slots go now)."""
         self._lost_at = time.monotonic()
-        self._lost.update(lost)
         detail = f"{type(error).__name__}: {error}"
         self.events.add("loss", self._last_step, hosts=lost, detail=detail[:500])
         for iterator in self._iterators:
@@ -191,7 +189,7 @@ class Manager:
             assert self.snap is not None
             meta = self.snap.meta[snap_step]
             try:
-                tree, _ = self.snap.restore(snap_step, self._wrap(target, meta), None)
+                tree = self.snap.restore(snap_step, self._wrap(target, meta), None)
                 return self._unwrap(target, tree, meta), snap_step, "snapshot", meta
             except errors.ColocarError as e:  # SnapshotError: not recoverable after all
                 if not isinstance(e, getattr(errors, "SnapshotError", ())):
@@ -200,8 +198,8 @@ class Manager:
         if disk_step is None:
             return None
         assert self.storage is not None
-        meta = self.storage.manager.metadata(disk_step).get("elastic", {})
-        tree, _ = self.storage.restore(disk_step, self._wrap(target, meta))
+        meta = self.storage.meta(disk_step)
+        tree = self.storage.restore(disk_step, self._wrap(target, meta))
         return self._unwrap(target, tree, meta), disk_step, "storage", meta
 
     @staticmethod

@@ -89,11 +89,13 @@ class StorageTier:
         """Starts the save of `tree` as `step` (written in the background)."""
         return bool(self.manager.save(step, tree, metadata={META_KEY: meta}, force=True))
 
-    def restore(self, step: int, target: Any) -> tuple[Any, dict[str, Any]]:
-        """`step`'s tree onto `target` (resharded) and its elastic bookkeeping ({} if none)."""
-        tree = self.manager.restore(step, target=target)
-        meta = self.manager.metadata(step).get(META_KEY, {})
-        return tree, meta
+    def meta(self, step: int) -> dict[str, Any]:
+        """The elastic bookkeeping saved with `step` ({} for a step saved otherwise)."""
+        return dict(self.manager.metadata(step).get(META_KEY, {}))
+
+    def restore(self, step: int, target: Any) -> Any:
+        """`step`'s tree onto `target` (resharded)."""
+        return self.manager.restore(step, target=target)
 
     def close(self) -> None:
         if self.manager is not None:
@@ -116,6 +118,7 @@ class SnapshotTier:
         self._given = snapshots  # an instance, a factory cluster -> Snapshots, or True (build one)
         self.replicas = replicas
         self.snapshots: Any = None if snapshots is True or callable(snapshots) else snapshots
+        self.cluster: Cluster | None = getattr(self.snapshots, "cluster", None)  # what it spans
         self.meta: dict[int, dict[str, Any]] = {}
 
     def _build(self, cluster: Cluster) -> Any:
@@ -127,11 +130,11 @@ class SnapshotTier:
     def open(self, cluster: Cluster) -> None:
         """A `Snapshots` over `cluster` (after `restore` read what it needed from the old one)."""
         old = self.snapshots
-        if old is not None and getattr(old, "cluster", cluster) is cluster:
+        if old is not None and self.cluster is cluster:
             return
         if old is not None:
             _close_quietly(old, "snapshots")
-        self.snapshots = self._build(cluster)
+        self.snapshots, self.cluster = self._build(cluster), cluster
 
     def take(self, step: int, tree: Any, meta: dict[str, Any]) -> bool:
         taken = bool(self.snapshots.take(step, tree))
@@ -147,8 +150,8 @@ class SnapshotTier:
         step = self.snapshots.latest(hosts)
         return step if step in self.meta else None
 
-    def restore(self, step: int, target: Any, hosts: list[Any] | None) -> tuple[Any, dict[str, Any]]:
-        return self.snapshots.restore(step, target, hosts), self.meta[step]
+    def restore(self, step: int, target: Any, hosts: list[Any] | None) -> Any:
+        return self.snapshots.restore(step, target, hosts)
 
     def wait(self) -> None:
         if self.snapshots is not None:

@@ -82,10 +82,8 @@ def loss_grace(cluster: Cluster) -> float:
     return max(2.0, 3 * heartbeat) + heartbeat + 3.0
 
 
-def wait_for_loss(
-    cluster: Cluster, known: set[str], error: BaseException, timeout: float | None
-) -> list[Host]:
-    """The hosts lost beyond `known` (names), once `error` looks like a loss; [] otherwise.
+def wait_for_loss(cluster: Cluster, error: BaseException, timeout: float | None) -> list[Host]:
+    """The hosts of `cluster` lost, once `error` looks like a loss; [] otherwise.
 
     An error can reach the caller (a closed link, a failed write) a little before the host's
     keepalive marks it lost: waits up to `timeout` seconds (default `loss_grace`) for the
@@ -94,7 +92,7 @@ def wait_for_loss(
         return []
     deadline = time.monotonic() + (loss_grace(cluster) if timeout is None else timeout)
     while True:
-        lost = [h for h in lost_hosts(cluster) if h.name not in known]
+        lost = lost_hosts(cluster)
         if lost or time.monotonic() > deadline:
             return lost
         time.sleep(0.05)
