@@ -226,6 +226,12 @@ def test_a_resume_that_would_repeat_or_skip_records_is_refused():
         start_batch(saved, load_config(config(seed=4)), "data")
 
 
+def test_keeping_the_global_batch_takes_the_devices_that_divide_it():
+    assert colocar.elastic.devices_for_batch(list(range(6)), 12) == list(range(6))
+    assert colocar.elastic.devices_for_batch(list(range(6)), 16) == list(range(4))
+    assert colocar.elastic.devices_for_batch(list(range(5)), 7) == [0]
+
+
 def test_random_faults_are_repeatable():
     assert faults.random_kill(4, range(10), seed=5) == faults.random_kill(4, range(10), seed=5)
     drawn = {faults.random_kill(4, range(10), seed=s).host for s in range(20)}

@@ -13,10 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from . import faults
+    from .data import devices_for_batch
     from .manager import Manager
     from .topology import ClusterView, ElasticError
 
-__all__ = ["ClusterView", "ElasticError", "Manager", "faults"]
+__all__ = ["ClusterView", "ElasticError", "Manager", "devices_for_batch", "faults"]
 
 
 def __getattr__(name: str) -> Any:
@@ -26,6 +27,8 @@ def __getattr__(name: str) -> Any:
         return importlib.import_module(".manager", __name__).Manager
     if name in ("ClusterView", "ElasticError"):
         return getattr(importlib.import_module(".topology", __name__), name)
+    if name == "devices_for_batch":
+        return importlib.import_module(".data", __name__).devices_for_batch
     if name == "faults":
         return importlib.import_module(".faults", __name__)
     raise AttributeError(f"module 'colocar.elastic' has no attribute {name!r}")

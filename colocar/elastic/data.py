@@ -11,6 +11,7 @@ resume is refused: it would repeat or skip records.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from .topology import ElasticError
@@ -64,3 +65,13 @@ def start_batch(saved: dict[str, Any] | None, config: Any, name: str) -> int:
             "would be repeated or skipped; keep the global batch size"
         )
     return records // B
+
+
+def devices_for_batch(devices: Sequence[Any], global_batch_size: int) -> list[Any]:
+    """The longest prefix of `devices` (host-major, as the run function gets them) whose
+    number divides `global_batch_size`: the mesh that keeps the global batch after a loss
+    when it no longer divides every surviving device (the others sit idle)."""
+    for n in range(len(devices), 0, -1):
+        if global_batch_size % n == 0:
+            return list(devices[:n])
+    raise ElasticError("no devices to build a mesh on")
