@@ -154,7 +154,9 @@ def test_stopped_host_and_the_per_device_batch_rule_lose_and_repeat_no_record(sh
         try:
             el.run(min_hosts=2)(train)()
             started += log.processes
-            assert el.stats()["lost"] == ["host2"] and el.restored_step in (2, 4)
+            # prefetched batches of host2 and saves it takes no part in (the state is replicated)
+            # may carry training past the stop until its loss surfaces; then batch 6 is missing
+            assert el.stats()["lost"] == ["host2"] and el.restored_step in (2, 4, 6)
             sizes = {len(ids) for a, _, ids, _ in log.steps if a == 2}
             assert sizes == {8}
             stream = [i for ids in log.trained_on() for i in ids]
