@@ -30,7 +30,7 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from . import checkpoint, loaders, shm
+    from . import checkpoint, elastic, loaders, shm
     from .controller_bridge import (
         Cluster,
         ColocatedClass,
@@ -75,6 +75,7 @@ __all__ = [
     "colocated_class",
     "connect",
     "checkpoint",
+    "elastic",
     "loaders",
     "local_cluster",
     "shm",
@@ -86,7 +87,7 @@ def __getattr__(name: str) -> Any:
         from . import controller_bridge
 
         return getattr(controller_bridge, name)
-    if name in ("shm", "loaders", "checkpoint"):
+    if name in ("shm", "loaders", "checkpoint", "elastic"):
         import importlib
 
         return importlib.import_module(f".{name}", __name__)

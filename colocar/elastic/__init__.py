@@ -1,0 +1,34 @@
+"""Elastic training: keep training when hosts are lost, from the newest state that survived.
+
+`Manager(cluster, checkpoints=mngr)` runs a training function again on the surviving hosts
+after a loss (`@manager.run(min_hosts=...)`), restores the newest snapshot or checkpoint onto
+the smaller mesh (`manager.restore`) with the data position in records, and snapshots or saves
+when due (`manager.step`). `faults` kills or stops a host's sidecar at a step, for tests and
+drills. Runs in the controller; see docs/elastic.md.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from . import faults
+    from .data import devices_for_batch
+    from .manager import Manager
+    from .topology import ClusterView, ElasticError
+
+__all__ = ["ClusterView", "ElasticError", "Manager", "devices_for_batch", "faults"]
+
+
+def __getattr__(name: str) -> Any:
+    import importlib
+
+    if name == "Manager":
+        return importlib.import_module(".manager", __name__).Manager
+    if name in ("ClusterView", "ElasticError"):
+        return getattr(importlib.import_module(".topology", __name__), name)
+    if name == "devices_for_batch":
+        return importlib.import_module(".data", __name__).devices_for_batch
+    if name == "faults":
+        return importlib.import_module(".faults", __name__)
+    raise AttributeError(f"module 'colocar.elastic' has no attribute {name!r}")

@@ -1,0 +1,132 @@
+"""Fault injection: kill or stop a host's sidecar, now or once training finished a step.
+
+Runs in the controller. For tests, the demo and drills: `kill(host, at_step=s)` and
+`stop(host, at_step=s)` describe a fault that the elastic manager fires from `step(s, ...)`,
+after that step's snapshot or save was started; `inject(cluster, fault)` fires one now. A
+killed sidecar (SIGKILL) is gone: its host is lost at the next keepalive. A stopped one
+(SIGSTOP) hangs: it is lost once a keepalive goes unanswered (about three heartbeats), and
+`resume` (SIGCONT) lets it answer again. `random_kill(hosts, steps, seed)` picks the host and
+the step from a seed, so a drill is repeatable.
+
+The sidecar's process is found through `local_cluster` (its `processes`), else through the pid
+the sidecar reported, when it runs on this machine; a remote sidecar cannot be reached (stop
+its pod or VM instead).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+from colocar.controller_bridge.cluster import Cluster
+
+from .topology import ElasticError, host_named
+
+ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "resume": signal.SIGCONT}
+
+
+@dataclass(frozen=True)
+class Fault:
+    """`action` ("kill" or "stop") on `host` (its index in the first cluster, or its name)
+    once training finished step `at_step` (None: only when `inject` is called)."""
+
+    action: str
+    host: int | str
+    at_step: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.action not in ("kill", "stop"):
+            raise ValueError(f"a fault is 'kill' or 'stop', got {self.action!r}")
+
+    @property
+    def host_name(self) -> str:
+        return self.host if isinstance(self.host, str) else f"host{self.host}"
+
+
+def kill(host: int | str, at_step: int | None = None) -> Fault:
+    """SIGKILL the sidecar of `host` once training finished step `at_step`."""
+    return Fault("kill", host, at_step)
+
+
+def stop(host: int | str, at_step: int | None = None) -> Fault:
+    """SIGSTOP the sidecar of `host` (it hangs, as a wedged machine) after step `at_step`."""
+    return Fault("stop", host, at_step)
+
+
+def random_kill(hosts: int, steps: range, seed: int, *, spare: tuple[int, ...] = (0,)) -> Fault:
+    """A kill of one of `hosts` hosts (never those in `spare`) at a step of `steps`, both drawn
+    from `seed`: the same seed always gives the same fault."""
+    rng = random.Random(seed)
+    candidates = [h for h in range(hosts) if h not in spare]
+    if not candidates:
+        raise ValueError(f"every one of the {hosts} hosts is spared")
+    return kill(rng.choice(candidates), rng.choice(list(steps)))
+
+
+def _root(cluster: Cluster) -> Cluster:
+    while hasattr(cluster, "parent"):
+        cluster = cluster.parent
+    return cluster
+
+
+def _pid(cluster: Cluster, host: int | str) -> int:
+    """The process id of the sidecar of `host` (by name or by its index in the first cluster)."""
+    root = _root(cluster)
+    name = host if isinstance(host, str) else f"host{host}"
+    target = host_named(root, name)
+    processes: list[Any] | None = getattr(root, "processes", None)
+    if processes is not None:
+        return int(processes[root.hosts.index(target)].pid)
+    info = target.connection.session.info
+    if info.pid and info.hostname == socket.gethostname():
+        return int(info.pid)
+    raise ElasticError(
+        f"cannot reach the process of sidecar {target.name} at {target.address} (it runs on "
+        f"{info.hostname or 'another machine'}): stop its pod or machine to drill a loss there"
+    )
+
+
+def signal_host(cluster: Cluster, host: int | str, action: str) -> None:
+    """Sends `action`'s signal ("kill", "stop" or "resume") to the sidecar of `host`."""
+    if action not in ACTIONS:
+        raise ValueError(f"action is one of {sorted(ACTIONS)}, got {action!r}")
+    try:
+        os.kill(_pid(cluster, host), ACTIONS[action])
+    except ProcessLookupError:
+        pass  # already gone
+
+
+def inject(cluster: Cluster, fault: Fault) -> None:
+    """Fires `fault` now, whatever its step."""
+    signal_host(cluster, fault.host_name, fault.action)
+
+
+def resume(cluster: Cluster, host: int | str) -> None:
+    """Lets a stopped sidecar run again (SIGCONT)."""
+    signal_host(cluster, host, "resume")
+
+
+class Schedule:
+    """Faults waiting for their step; each fires once."""
+
+    def __init__(self, faults: list[Fault] | tuple[Fault, ...] = ()):
+        self.pending = list(faults)
+        self.fired: list[tuple[int, Fault]] = []
+
+    def add(self, fault: Fault) -> None:
+        if fault.at_step is None:
+            raise ValueError("a scheduled fault needs at_step; call inject(cluster, fault) to fire it now")
+        self.pending.append(fault)
+
+    def fire_due(self, cluster: Cluster, step: int) -> list[Fault]:
+        """Fires (and forgets) the faults due at `step`; returns them."""
+        due = [f for f in self.pending if f.at_step == step]
+        for fault in due:
+            self.pending.remove(fault)
+            inject(cluster, fault)
+            self.fired.append((step, fault))
+        return due

@@ -1,0 +1,165 @@
+"""The two places a state can come back from: snapshots in host memory, checkpoints in storage.
+
+Runs in the controller. Both tiers are reopened over the surviving hosts after a loss (the old
+object is closed, quietly: it still talks to the lost host). `StorageTier` wraps a
+`CheckpointManager` (or a factory of one per cluster); the elastic bookkeeping (the step to
+resume at, the data position in records) rides in the checkpoint's metadata. `SnapshotTier`
+wraps `colocar.elastic.snapshots.Snapshots` when that module exists and keeps the bookkeeping
+in this process (snapshots live as long as this controller anyway).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from colocar.controller_bridge.cluster import Cluster
+
+log = logging.getLogger("colocar.elastic")
+
+META_KEY = "elastic"
+
+
+def _close_quietly(thing: Any, what: str) -> None:
+    """Closes an object built over hosts of which one is lost; what it raises is only logged."""
+    try:
+        thing.close()
+    except Exception as e:
+        log.info("closing the %s over the old hosts: %s: %s", what, type(e).__name__, e)
+
+
+def _reopen_checkpoints(old: Any, cluster: Cluster) -> Any:
+    """A `CheckpointManager` like `old` (same directory and options) over `cluster`."""
+    from colocar.checkpoint import CheckpointManager
+
+    o = old.options
+    return CheckpointManager(
+        old.directory,
+        cluster,
+        max_to_keep=o.max_to_keep,
+        keep_period=o.keep_period,
+        save_interval_steps=old.save_interval_steps,
+        queue=old.queue,
+        pool=old.pool,
+        concurrent_writes=o.concurrent_writes,
+        writer_nice=o.nice,
+        heartbeat_seconds=o.heartbeat_seconds,
+        stale_seconds=o.stale_seconds,
+        commit_timeout=o.commit_timeout,
+        storage_timeout=old.storage_timeout,
+        lease_seconds=old._lease.seconds,
+    )
+
+
+class StorageTier:
+    """Committed checkpoints in storage, through a `CheckpointManager` over the live hosts."""
+
+    def __init__(self, checkpoints: Any):
+        from colocar.checkpoint import CheckpointManager
+
+        if isinstance(checkpoints, CheckpointManager):
+            self.manager: Any = checkpoints
+            self._factory: Callable[[Cluster], Any] | None = None
+        elif callable(checkpoints):
+            self.manager, self._factory = None, checkpoints
+        else:
+            raise TypeError(
+                "checkpoints= takes a CheckpointManager or a function cluster -> CheckpointManager, "
+                f"got {type(checkpoints).__name__}"
+            )
+
+    def open(self, cluster: Cluster) -> None:
+        """Makes sure the manager drives exactly `cluster`'s hosts."""
+        old = self.manager
+        if old is not None and old.cluster is cluster:
+            return
+        if old is not None:
+            _close_quietly(old, "checkpoint manager")
+        if self._factory is not None:
+            self.manager = self._factory(cluster)
+        else:
+            self.manager = _reopen_checkpoints(old, cluster)
+
+    def latest(self) -> int | None:
+        return self.manager.latest_step() if self.manager is not None else None
+
+    def save(self, step: int, tree: Any, meta: dict[str, Any]) -> bool:
+        """Starts the save of `tree` as `step` (written in the background)."""
+        return bool(self.manager.save(step, tree, metadata={META_KEY: meta}, force=True))
+
+    def meta(self, step: int) -> dict[str, Any]:
+        """The elastic bookkeeping saved with `step` ({} for a step saved otherwise)."""
+        return dict(self.manager.metadata(step).get(META_KEY, {}))
+
+    def restore(self, step: int, target: Any) -> Any:
+        """`step`'s tree onto `target` (resharded)."""
+        return self.manager.restore(step, target=target)
+
+    def close(self) -> None:
+        if self.manager is not None:
+            self.manager.close()
+
+
+def snapshots_available() -> bool:
+    """Whether `colocar.elastic.snapshots` is installed (it arrives separately)."""
+    try:
+        importlib.import_module("colocar.elastic.snapshots")
+    except ImportError:
+        return False
+    return True
+
+
+class SnapshotTier:
+    """Host-memory snapshots (`colocar.elastic.snapshots.Snapshots`) over the live hosts."""
+
+    def __init__(self, snapshots: Any, replicas: int):
+        self._given = snapshots  # an instance, a factory cluster -> Snapshots, or True (build one)
+        self.replicas = replicas
+        self.snapshots: Any = None if snapshots is True or callable(snapshots) else snapshots
+        self.cluster: Cluster | None = getattr(self.snapshots, "cluster", None)  # what it spans
+        self.meta: dict[int, dict[str, Any]] = {}
+
+    def _build(self, cluster: Cluster) -> Any:
+        if callable(self._given) and self._given is not True:
+            return self._given(cluster)
+        module = importlib.import_module("colocar.elastic.snapshots")
+        return module.Snapshots(cluster, replicas=self.replicas)
+
+    def open(self, cluster: Cluster) -> None:
+        """A `Snapshots` over `cluster` (after `restore` read what it needed from the old one)."""
+        old = self.snapshots
+        if old is not None and self.cluster is cluster:
+            return
+        if old is not None:
+            _close_quietly(old, "snapshots")
+        self.snapshots, self.cluster = self._build(cluster), cluster
+
+    def take(self, step: int, tree: Any, meta: dict[str, Any]) -> bool:
+        taken = bool(self.snapshots.take(step, tree))
+        if taken:
+            self.meta[step] = meta
+            for old in [s for s in self.meta if s < step - 8]:
+                del self.meta[old]
+        return taken
+
+    def latest(self, hosts: list[Any] | None) -> int | None:
+        if self.snapshots is None:
+            return None
+        step = self.snapshots.latest(hosts)
+        return step if step in self.meta else None
+
+    def restore(self, step: int, target: Any, hosts: list[Any] | None) -> Any:
+        return self.snapshots.restore(step, target, hosts)
+
+    def wait(self) -> None:
+        if self.snapshots is not None:
+            self.snapshots.wait()
+
+    def stats(self) -> dict[str, Any]:
+        return self.snapshots.stats() if self.snapshots is not None else {}
+
+    def close(self) -> None:
+        if self.snapshots is not None:
+            _close_quietly(self.snapshots, "snapshots")

@@ -1,0 +1,179 @@
+"""What the elastic tests share: a range pipeline whose records carry their ids, a tiny linear
+model trained with momentum SGD (deterministic on CPU), and an uninterrupted reference run.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+DIM = 4
+N = 240
+B = 12
+W_TRUE = np.array([0.5, -1.0, 2.0, 0.25], np.float32)
+
+
+def features(record):
+    """Record i: its id, features and a target that depend on i alone."""
+    i = int(record["index"])
+    x = np.sin(np.arange(DIM, dtype=np.float32) * 0.37 + np.float32(i) * 0.11).astype(np.float32)
+    y = np.float32(x @ W_TRUE + 0.01 * np.cos(i))
+    return {"index": np.int32(i), "x": x, "y": y}
+
+
+def config(**overrides):
+    base = {
+        "source": {"kind": "range", "n": N},
+        "global_batch_size": B,
+        "transforms": [{"kind": "map", "fn": features}],
+        "seed": 3,
+        "num_epochs": 1,
+        "prefetch": 2,
+        "workers_per_host": 1,
+    }
+    base.update(overrides)
+    return base
+
+
+def mesh_of(devices) -> Mesh:
+    return Mesh(np.array(devices), ("data",))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def init(mesh: Mesh):
+    zeros = {"params": {"w": np.zeros(DIM, np.float32), "b": np.zeros((), np.float32)}}
+    zeros["mom"] = {"w": np.zeros(DIM, np.float32), "b": np.zeros((), np.float32)}
+    return jax.device_put(zeros, replicated(mesh))
+
+
+def abstract(mesh: Mesh):
+    def spec(shape):
+        return jax.ShapeDtypeStruct(shape, jnp.float32, sharding=replicated(mesh))
+
+    return {"params": {"w": spec((DIM,)), "b": spec(())}, "mom": {"w": spec((DIM,)), "b": spec(())}}
+
+
+@jax.jit
+def train_step(state, batch):
+    def loss_fn(p):
+        pred = batch["x"] @ p["w"] + p["b"]
+        return jnp.mean((pred - batch["y"]) ** 2)
+
+    loss, grads = jax.value_and_grad(loss_fn)(state["params"])
+    mom = jax.tree_util.tree_map(lambda m, g: 0.9 * m + g, state["mom"], grads)
+    params = jax.tree_util.tree_map(lambda p, m: p - 0.05 * m, state["params"], mom)
+    return {"params": params, "mom": mom}, loss
+
+
+def to_numpy(state):
+    return jax.tree_util.tree_map(lambda a: np.array(a), state)
+
+
+def assert_bitwise(a, b) -> None:
+    leaves_a, tree_a = jax.tree_util.tree_flatten(to_numpy(a))
+    leaves_b, tree_b = jax.tree_util.tree_flatten(to_numpy(b))
+    assert tree_a == tree_b
+    for x, y in zip(leaves_a, leaves_b, strict=True):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        assert x.tobytes() == y.tobytes(), (x, y)
+
+
+def local_batch(k: int, mesh: Mesh, batch_size: int = B) -> dict:
+    """Global batch k built here from the sampler and `features`, without the loader: the
+    reference the loader's batches must equal."""
+    from colocar.loaders.sampler import IndexSampler
+
+    ids = IndexSampler(N, batch_size, seed=3).batch_indices(k)
+    rows = [features({"index": i}) for i in ids]
+    sharding = NamedSharding(mesh, P("data"))
+    return {name: jax.device_put(np.stack([r[name] for r in rows]), sharding) for name in rows[0]}
+
+
+def plain_run(devices, state, start: int, stop: int, batch_size: int = B):
+    """Steps start..stop-1 on `devices` without the elastic manager nor the loader: (states
+    after each step, ids, losses)."""
+    mesh = mesh_of(devices)
+    states, ids, losses = {start: to_numpy(state)}, [], []
+    for step in range(start, stop):
+        batch = local_batch(step, mesh, batch_size)
+        ids.append(np.asarray(batch["index"]).tolist())
+        state, loss = train_step(state, batch)
+        losses.append(float(loss))
+        states[step + 1] = to_numpy(state)
+    return states, ids, losses
+
+
+def sidecar_descendants(cluster, depth: int = 1) -> list:
+    """The processes the sidecars of a local cluster started, `depth` or more levels down
+    (1: all; 2: the pipeline workers, which their process server forks)."""
+    import psutil
+
+    level = [psutil.Process(p.pid) for p in cluster.processes]
+    for _ in range(1, depth):
+        level = [c for p in level for c in p.children()]
+    return [q for p in level for q in p.children(recursive=True)]
+
+
+class Log:
+    """What an elastic run did: per attempt, the step it restored, and each step's ids and loss."""
+
+    def __init__(self):
+        self.restored: list[tuple[int, int, dict]] = []  # (attempt, step, state as numpy)
+        self.steps: list[tuple[int, int, list[int], float]] = []  # (attempt, step, ids, loss)
+        self.processes: list = []  # what the sidecars ran while the first loader was open
+        self.workers: list = []  # of which the pipeline workers
+        self.states: dict[tuple[int, int], dict] = {}  # (attempt, steps done) -> state as numpy
+
+    def saved_state(self, attempt: int, step: int, reference: dict) -> dict:
+        """The state after `step` steps that attempt `attempt` restored: the one of the attempt
+        that last ran that step before it (the first attempt is the uninterrupted run)."""
+        earlier = [a for a, s in self.states if a < attempt and s == step]
+        return self.states[(max(earlier), step)] if earlier and max(earlier) > 1 else reference[step]
+
+    def trained_on(self) -> list[list[int]]:
+        """The batches (ids) the final state was trained on: each attempt's steps from the step
+        it restored up to the step the next attempt restored."""
+        out: list[list[int]] = []
+        bounds = [step for _, step, _ in self.restored] + [None]
+        for (attempt, start, _), stop in zip(self.restored, bounds[1:], strict=True):
+            out = out[:start]
+            assert len(out) == start, f"attempt {attempt} restored step {start} after {len(out)} steps"
+            out += [ids for a, s, ids, _ in self.steps if a == attempt and (stop is None or s < stop)]
+        return out
+
+
+def make_train(el, log: Log, steps: int | None, cfg=None):
+    """The elastic training function of the tests: `steps` steps (None: until the data ends),
+    with the pipeline `cfg(devices)` (default: the fixed global batch)."""
+    import itertools
+
+    def train(hosts, devices):
+        mesh = mesh_of(devices)
+        state, start = el.restore(abstract(mesh), init=lambda: init(mesh))
+        log.restored.append((el.attempt, start, to_numpy(state)))
+        # no `with`: after a loss the manager closes the loader (the tests check its workers end)
+        it = el.load(cfg(devices) if cfg else config(), mesh)
+        for step in range(start, steps) if steps is not None else itertools.count(start):
+            try:
+                batch = next(it)
+            except StopIteration:
+                break
+            ids = np.asarray(batch["index"]).tolist()
+            if not log.processes:
+                log.processes = sidecar_descendants(el.root)
+                log.workers = sidecar_descendants(el.root, depth=2)
+            state, loss = train_step(state, batch)
+            del batch
+            log.steps.append((el.attempt, step, ids, float(loss)))
+            log.states[(el.attempt, step + 1)] = to_numpy(state)
+            el.step(step, {"state": state, "data": it})
+        it.close()
+        return state
+
+    return train
