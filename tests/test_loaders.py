@@ -11,6 +11,7 @@ import os
 import signal
 import threading
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -74,6 +75,24 @@ def test_same_batches_on_one_two_and_four_hosts(two_hosts):
     reference = first_batches(2)
     assert first_batches(1) == reference
     assert first_batches(4) == reference
+
+
+def test_a_cluster_over_some_hosts_feeds_each_device_from_its_own_host(two_hosts):
+    """A `Cluster` over a subset (the survivors of a lost host keep their indices): the second
+    host alone feeds its own devices the same rows as in the whole cluster."""
+    from colocar.controller_bridge.cluster import Cluster
+
+    c = two_hosts.make_current()
+    with loaders.load(config(), c) as it:
+        reference = take(it, 2, row_values)
+    second = Cluster([c.hosts[1]])  # its one host has index 1
+    try:
+        mesh = jax.sharding.Mesh(np.array(c.hosts[1].devices), ("data",))
+        with loaders.load(config(), second, mesh) as it:
+            assert take(it, 2, row_values) == reference  # was: IndexError (hosts[1] of a 1-host list)
+    finally:
+        del second
+        c.make_current()
 
 
 def test_exact_resume_mid_epoch_also_on_another_host_count(two_hosts):

@@ -36,14 +36,14 @@ def local_groups(cluster: Cluster, mesh: jax.sharding.Mesh) -> list[tuple[Host, 
             f"the mesh has none of the devices of {where}: each process loads only its own "
             "devices' rows, so build the mesh over every process's devices (jax.devices())"
         )
-    by_host: dict[int, list[Any]] = {}
+    by_host: dict[int, list[Any]] = {}  # position in cluster.hosts -> devices (a cluster may be a subset)
     uncovered = []
     for device in local:
         host = cluster.host_of(device)
         if host is None:
             uncovered.append(device)
         else:
-            by_host.setdefault(host.index, []).append(device)
+            by_host.setdefault(next(i for i, h in enumerate(cluster.hosts) if h is host), []).append(device)
     if uncovered:
         covered = {h.name: [d.id for d in h.devices] for h in cluster.hosts}
         raise ColocarError(
