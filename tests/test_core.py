@@ -308,3 +308,35 @@ def test_generator_flow_control_bounds_items_in_flight(cluster):
     assert produced.on(host)() <= 3  # one taken + two credits
     assert [next(it) for _ in range(5)] == [1, 2, 3, 4, 5]
     it.close()
+
+
+def test_a_lazy_object_seen_through_a_cluster_over_some_hosts_keeps_each_hosts_instance(cluster):
+    """A cluster over some hosts numbers them anew (the elastic manager's survivors): host 1,
+    now index 0 there, must still get its own instance, not host 0's."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from colocar.elastic.topology import ClusterView
+
+    @colocar.colocated_class
+    class Remembers:
+        def __init__(self):
+            self.first = None
+
+        def see(self, x):
+            if self.first is None:
+                self.first = float(x.min())
+            return x * 0 + self.first
+
+    obj = Remembers()
+    c = cluster.make_current()
+    x = jax.device_put(np.arange(16, dtype=np.float32), NamedSharding(c.mesh(("d",)), P("d")))
+    whole = np.asarray(obj.see(x))  # each host's instance remembers its own first block
+    view = ClusterView(c, [c.hosts[1]])
+    try:
+        mesh = jax.sharding.Mesh(np.array(c.hosts[1].devices), ("d",))
+        y = jax.device_put(np.arange(8, dtype=np.float32) + 100, NamedSharding(mesh, P("d")))
+        assert set(np.asarray(obj.see(y)).tolist()) == {whole[8]}  # host 1's instance; was host 0's
+    finally:
+        view.close()
+        c.make_current()

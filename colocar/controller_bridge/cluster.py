@@ -122,14 +122,19 @@ class Cluster:
                 _active.append(weakref.ref(self))
         return self
 
-    def close(self) -> None:
-        """Ends the sessions (freeing remote objects and blocks) and stops owned sidecars."""
-        if self._closed:
-            return
+    def detach(self) -> None:
+        """Stops routing calls through this cluster; its hosts' connections stay open (a view
+        over some of another cluster's hosts closes this way)."""
         self._closed = True
         with _active_lock:
             if weakref.ref(self) in _active:
                 _active.remove(weakref.ref(self))
+
+    def close(self) -> None:
+        """Ends the sessions (freeing remote objects and blocks) and stops owned sidecars."""
+        if self._closed:
+            return
+        self.detach()
         for host in self.hosts:
             host.connection.close()
         if self._on_close is not None:

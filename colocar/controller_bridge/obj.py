@@ -77,16 +77,17 @@ class LazyRemoteObject:
         self._cls = cls
         self._args = args
         self._kwargs = kwargs
-        self._objects: dict[int, tuple[RemoteObject, ObjectAddress]] = {}
+        # by sidecar address: a cluster over some hosts numbers them anew (`elastic`)
+        self._objects: dict[str, tuple[RemoteObject, ObjectAddress]] = {}
         self._lock = threading.Lock()
 
     def _on(self, host: Host) -> ObjectAddress:
         """The instance on `host`, created now if it has none (or lost it)."""
         with self._lock:
-            held = self._objects.get(host.index)
+            held = self._objects.get(host.address)
             if held is None or not held[1].alive:
                 address = self._cls.create(host, self._args, self._kwargs)
-                held = self._objects[host.index] = (RemoteObject(address), address)
+                held = self._objects[host.address] = (RemoteObject(address), address)
             return held[1]
 
     def __getattr__(self, method: str) -> ColocatedMethod:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from colocar.controller_bridge import cluster as cluster_module
 from colocar.controller_bridge.cluster import Cluster, Host
 from colocar.errors import ColocarError
 
@@ -34,12 +33,7 @@ class ClusterView(Cluster):
 
     def close(self) -> None:
         """Stops routing calls through this view; the parent keeps the connections."""
-        if self._closed:
-            return
-        self._closed = True
-        with cluster_module._active_lock:
-            if self in cluster_module._active:
-                cluster_module._active.remove(self)
+        self.detach()
 
     def __repr__(self) -> str:
         return f"ClusterView({[h.name for h in self.hosts]} of {len(self.parent.hosts)} hosts)"
