@@ -55,3 +55,8 @@ class ArrayLayoutError(ColocarError, ValueError):
 
 class CheckpointError(ColocarError):
     """A save or restore failed; the message names the step, the key, the host and the cause."""
+
+
+class SnapshotError(ColocarError):
+    """A host-memory snapshot cannot be restored (or taken); the message names the step, the
+    leaf and the hosts whose loss made it unrecoverable."""

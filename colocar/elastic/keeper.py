@@ -1,0 +1,288 @@
+"""The snapshot keeper: a detached object per host holding snapshot blocks (runs in the sidecar).
+
+The controller copies each of the host's shards into an arena block and hands the views to
+`write` (the same call shape as the checkpoint writer's, so `save.send`-like senders fit). Once
+all arrived, a background thread at lower priority copies them to the peer hosts' keepers over
+the network (`peers.py`); `status` long-polls that. Blocks stay here, keyed by (step, leaf,
+shard bounds), until `begin` of a later snapshot or `drop` lets them go (dropping the views
+frees the blocks). `commit` stores the snapshot's small record (pickled by the controller); a
+restarted controller finds committed snapshots with `holdings`, and `read` cuts the slices a
+restore needs out of the blocks here. No JAX import: only the peer link pulls it in.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .peers import PeerLinks, PeerOptions, Target, lower_priority
+
+Bounds = tuple[tuple[int, int], ...]  # ((start, stop), ...) in the global array
+Key = tuple[int, Bounds]  # (leaf index, bounds)
+ENDED = ("replicated", "failed")
+
+
+def key_of(leaf: int, bounds: Any) -> Key:
+    return int(leaf), tuple((int(a), int(b)) for a, b in bounds)
+
+
+@dataclass
+class _Snap:
+    step: int
+    peers: list[Target]
+    own: dict[Key, np.ndarray] = field(default_factory=dict)
+    replicas: dict[int, dict[Key, np.ndarray]] = field(default_factory=dict)  # source host -> blocks
+    expected: int | None = None  # pieces the controller sends (known at the last write)
+    state: str = "copying"  # copying -> replicating -> replicated | failed
+    error: str = ""
+    record: bytes | None = None  # set by commit
+    replicated_bytes: int = 0
+    replication_seconds: float = 0.0
+    started: float = field(default_factory=time.monotonic)
+
+    def nbytes(self) -> int:
+        blocks = list(self.own.values()) + [b for r in self.replicas.values() for b in r.values()]
+        return sum(b.nbytes for b in blocks)
+
+
+class SnapshotKeeper:
+    """One per `Snapshots` and host, created detached (it outlives a lost controller)."""
+
+    def __init__(self, host: int, pool: str, peer_options: PeerOptions):
+        self.host = host
+        self.pool = pool or "default"
+        self._snaps: dict[int, _Snap] = {}
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._peers = PeerLinks(host, peer_options)
+        self._closed = False
+
+    # --- taking a snapshot ------------------------------------------------------------------
+    def begin(self, step: int, keep: list[int], peers: list[Target]) -> None:
+        """A new snapshot `step` whose blocks go to `peers` too; every snapshot here other than
+        `keep` (the newest complete ones the controller keeps) is dropped first."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"the snapshot keeper of host {self.host} is closed")
+            for old in [s for s in self._snaps if s not in keep]:
+                self._forget(old)
+            self._snaps[step] = _Snap(step, [Target(*p) for p in peers])
+            self._changed.notify_all()
+        _flush()
+
+    def write(
+        self,
+        step: int,
+        pieces: list[tuple[int, Any, np.ndarray]],
+        total: int | None = None,
+        copy: bool = False,
+    ) -> None:
+        """Keeps pieces (leaf, bounds, arena view) of this host's shards; with `total`, the
+        last ones: replication to the peers starts. `copy`: they were uploaded (into the
+        default pool), not placed in the snapshot pool by the controller."""
+        kept = {key_of(leaf, bounds): self._in_pool(data) if copy else data for leaf, bounds, data in pieces}
+        with self._lock:
+            self._snap(step).own.update(kept)
+        if total is not None:
+            self.finish(step, total)
+
+    def finish(self, step: int, pieces: int) -> None:
+        """Every piece was sent (`pieces` in all): replicates in the background."""
+        with self._lock:
+            snap = self._snap(step)
+            if len(snap.own) != pieces:
+                self._fail(snap, f"host {self.host} got {len(snap.own)} of {pieces} pieces of step {step}")
+                return
+            snap.expected = pieces
+            snap.state = "replicating" if snap.peers else "replicated"
+            self._changed.notify_all()
+            if not snap.peers:
+                return
+        threading.Thread(
+            target=self._replicate, args=(snap,), name=f"colocar-snap-replicate-{step}", daemon=True
+        ).start()
+
+    def _replicate(self, snap: _Snap) -> None:
+        lower_priority(self._peers.options.nice)
+        started = time.monotonic()
+        items = [(leaf, [list(b) for b in bounds], data) for (leaf, bounds), data in snap.own.items()]
+        try:
+            for target in snap.peers:
+                snap.replicated_bytes += self._peers.send(target, snap.step, items, self._alive(snap))
+        except Exception as e:
+            with self._lock:
+                self._fail(snap, f"host {self.host}: replicating step {snap.step} failed: {e}")
+            return
+        finally:
+            items = []
+        with self._lock:
+            snap.replication_seconds = time.monotonic() - started
+            if snap.state == "replicating":
+                snap.state = "replicated"
+                self._changed.notify_all()
+
+    def _alive(self, snap: _Snap) -> Any:
+        """A check that raises once the snapshot was dropped or failed (replication stops)."""
+
+        def check() -> None:
+            if self._closed or self._snaps.get(snap.step) is not snap or snap.state == "failed":
+                raise RuntimeError(f"step {snap.step} was dropped or failed on host {self.host}")
+
+        return check
+
+    def store(self, step: int, source: int, pieces: list[tuple[int, Any, np.ndarray]]) -> int:
+        """A peer's replica pieces (called by the peer's keeper); returns their bytes."""
+        kept = {key_of(leaf, bounds): self._in_pool(data) for leaf, bounds, data in pieces}
+        with self._lock:
+            snap = self._snap(step)
+            snap.replicas.setdefault(source, {}).update(kept)
+        return sum(a.nbytes for a in kept.values())
+
+    def _in_pool(self, data: np.ndarray) -> np.ndarray:
+        """Blocks of another pool than the default arrive in the default one (calls upload
+        there): copied into the snapshot pool once."""
+        if self.pool == "default" or not isinstance(data, np.ndarray):
+            return data
+        from colocar.shm import empty
+
+        kept = empty(data.shape, data.dtype, pool=self.pool)
+        np.copyto(kept, data)
+        return kept
+
+    def status(self, step: int, timeout: float = 0.0) -> dict[str, Any]:
+        """The step's state here once replication ended (or after `timeout` s)."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            snap = self._snaps.get(step)
+            while snap is not None and snap.state not in ENDED and (left := deadline - time.monotonic()) > 0:
+                self._changed.wait(left)
+                snap = self._snaps.get(step)
+            if snap is None:
+                return {
+                    "state": "unknown",
+                    "error": f"host {self.host} holds no step {step}",
+                    "host": self.host,
+                }
+            return {
+                "state": snap.state,
+                "error": snap.error,
+                "host": self.host,
+                "bytes": snap.nbytes(),
+                "replicated_bytes": snap.replicated_bytes,
+                "replication_seconds": snap.replication_seconds,
+            }
+
+    def commit(self, step: int, record: bytes) -> None:
+        """Every shard of `step` and its replicas are in place: its record is kept here."""
+        with self._lock:
+            self._snap(step).record = record
+
+    def drop(self, step: int) -> None:
+        with self._lock:
+            self._forget(step)
+        _flush()
+
+    # --- finding and reading ----------------------------------------------------------------
+    def holdings(self) -> dict[int, dict[str, Any]]:
+        """step -> its record (None until committed) and the keys of the blocks held here."""
+        with self._lock:
+            return {
+                s.step: {
+                    "record": s.record,
+                    "state": s.state,
+                    "keys": sorted(set(s.own) | {k for r in s.replicas.values() for k in r}),
+                }
+                for s in self._snaps.values()
+            }
+
+    def read(self, step: int, requests: list[tuple[int, str, Any]]) -> list[np.ndarray]:
+        """[(leaf, dtype, bounds)] -> arena arrays cut from the blocks held here (each request
+        must be covered by them)."""
+        import ml_dtypes  # noqa: F401 - registers bfloat16 & co. with numpy
+
+        from colocar.shm import empty
+
+        with self._lock:
+            snap = self._snap(step)
+            blocks = dict(snap.own)
+            for held in snap.replicas.values():
+                blocks.update(held)
+        out = []
+        for leaf, dtype, bounds in requests:
+            want = key_of(leaf, bounds)
+            result = empty(tuple(b - a for a, b in want[1]), np.dtype(dtype))
+            covered = 0
+            for (held_leaf, held_bounds), data in blocks.items():
+                if held_leaf == leaf:
+                    covered += _copy_overlap(result, want[1], data, held_bounds)
+            if covered != result.size:
+                raise KeyError(
+                    f"host {self.host} holds {covered} of {result.size} elements of leaf {leaf} {bounds}"
+                )
+            out.append(result)
+        return out
+
+    def stats(self) -> dict[int, Any]:
+        with self._lock:
+            return {
+                s: {"state": v.state, "bytes": v.nbytes(), "record": v.record is not None}
+                for s, v in self._snaps.items()
+            }
+
+    def close(self) -> None:
+        """Drops every block and closes the peer links."""
+        with self._lock:
+            self._closed = True
+            for step in list(self._snaps):
+                self._forget(step)
+        self._peers.close()
+        _flush()
+
+    # --- helpers (lock held) ----------------------------------------------------------------
+    def _snap(self, step: int) -> _Snap:
+        snap = self._snaps.get(step)
+        if snap is None:
+            raise KeyError(
+                f"host {self.host} holds no snapshot of step {step} (dropped, or begin was not called)"
+            )
+        return snap
+
+    def _fail(self, snap: _Snap, error: str) -> None:
+        if snap.state not in ENDED:
+            snap.state, snap.error = "failed", error
+            self._changed.notify_all()
+
+    def _forget(self, step: int) -> None:
+        snap = self._snaps.pop(step, None)
+        if snap is not None:
+            self._fail(snap, f"step {step} was dropped on host {self.host}")
+            snap.own.clear()  # the views go: their blocks are freed
+            snap.replicas.clear()
+            self._changed.notify_all()
+
+
+def _flush() -> None:
+    """Waits until the blocks of dropped views are free (the arena's counts then say so)."""
+    from colocar.shm.context import sidecar_runtime
+
+    try:
+        sidecar_runtime().flush()
+    except RuntimeError:  # not in a sidecar (a unit test of the class): nothing to wait for
+        pass
+
+
+def _copy_overlap(out: np.ndarray, want: Bounds, data: np.ndarray, held: Bounds) -> int:
+    """Copies the part of block `data` (at `held` bounds) inside `want` into `out`; returns the
+    elements copied."""
+    lo = [max(a, c) for (a, _), (c, _) in zip(want, held, strict=True)]
+    hi = [min(b, d) for (_, b), (_, d) in zip(want, held, strict=True)]
+    if any(h <= low for low, h in zip(lo, hi, strict=True)) and out.ndim:
+        return 0
+    dst = tuple(slice(a - w[0], b - w[0]) for a, b, w in zip(lo, hi, want, strict=True))
+    src = tuple(slice(a - h[0], b - h[0]) for a, b, h in zip(lo, hi, held, strict=True))
+    np.copyto(out[dst], data[src])
+    return int(np.prod([b - a for a, b in zip(lo, hi, strict=True)], dtype=np.int64))

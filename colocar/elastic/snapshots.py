@@ -1,0 +1,267 @@
+"""`Snapshots`: host-memory snapshots in the sidecars' arenas, with peer replicas (controller).
+
+`take` copies every distinct shard device -> its host's arena (as a checkpoint save does) and
+hands the blocks to the host's keeper (`keeper.py`, a detached object); it returns once the
+copies are done. Each keeper then copies its blocks to `replicas` peer hosts' keepers, sidecar
+to sidecar (`peers.py`), in the background; a snapshot counts once every shard and its
+replicas are in place and its record is committed in the keepers (`snap_commit.py`), so losing
+any `replicas` hosts loses no shard. `keep` snapshots hold blocks at most: a new one starts
+after dropping all but the newest `keep - 1` complete ones. `latest` and `restore` ask the
+surviving keepers (`snap_restore.py`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from colocar.controller_bridge.obj import colocated_class
+from colocar.errors import SnapshotError
+from colocar.shm import ArenaFullError
+
+from . import snap_restore, snap_take
+from .keeper import SnapshotKeeper
+from .peers import PeerOptions, Target
+from .snap_commit import Committer
+
+_Keeper = colocated_class(SnapshotKeeper)
+
+
+def _token(cluster: Any) -> str:
+    """The token the controller reached the sidecars with (the peers accept the same)."""
+    return str(getattr(cluster.hosts[0].connection, "_token", "") or "")
+
+
+class Snapshots:
+    """Host-memory snapshots of a pytree of jax.Arrays in the sidecars' arenas, with peer replicas.
+
+    `replicas`: peer hosts holding a copy of each host's shards (default placement: the next
+    hosts in ring order; `placement(hosts, replicas) -> {host: [peers]}` to choose). `pool`:
+    the arena pool holding the blocks. `name`: the keepers' name; a new `Snapshots` with the
+    name of an earlier one (a restarted controller) finds its committed snapshots. `bandwidth`
+    caps each host's replication rate (bytes/s). `token` and `tls_*` (PEM paths on the hosts)
+    authenticate the sidecars to each other (default: the controller's token).
+    """
+
+    def __init__(
+        self,
+        cluster: Any,
+        *,
+        replicas: int = 1,
+        keep: int = 2,
+        pool: str | None = None,
+        placement: snap_take.Placement | None = None,
+        name: str | None = None,
+        token: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        bandwidth: float = 0.0,
+        replication_timeout: float = 600.0,
+        ttl: float = 24 * 3600.0,
+        copy_threads: int = 4,
+    ):
+        hosts = [h.index for h in cluster.hosts]
+        if not 0 <= replicas < len(hosts):
+            raise ValueError(
+                f"replicas must be between 0 and {len(hosts) - 1} for {len(hosts)} hosts, got {replicas}"
+            )
+        if keep < 1:
+            raise ValueError(f"keep must be at least 1, got {keep}")
+        self.cluster = cluster
+        self.replicas = replicas
+        self.keep = keep
+        self.pool = pool or "default"
+        self.placement = placement or snap_take.ring
+        self.name = name or uuid.uuid4().hex
+        heartbeat = cluster.hosts[0].connection.session.heartbeat_seconds
+        self._peer_options = PeerOptions(
+            token=token if token is not None else _token(cluster),
+            tls_ca=tls_ca,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+            heartbeat_seconds=heartbeat,
+            bandwidth=bandwidth,
+        )
+        self._ttl = ttl
+        self._lock = threading.RLock()
+        self._senders = ThreadPoolExecutor(len(hosts), thread_name_prefix="colocar-snap-send")
+        self._copiers = ThreadPoolExecutor(copy_threads, thread_name_prefix="colocar-snap-copy")
+        self._keepers: dict[int, Any] = {}
+        self._committer = Committer(self._keeper, self._committed_now, replication_timeout)
+        self._committed: list[int] = []
+        self._stats: dict[str, Any] = {"taken": 0, "skipped": 0, "last_take": {}}
+        self._closed = False
+        for f in [self._senders.submit(self._open_keeper, h) for h in cluster.hosts]:
+            f.result()
+        self._committed = snap_restore.recoverable(snap_restore.survey(self._keepers, hosts))
+
+    def _keeper_name(self, h: int) -> str:
+        return f"colocar.snapshots/{self.name}/{h}"
+
+    def _open_keeper(self, host: Any) -> None:
+        """The host's keeper: the one an earlier `Snapshots` of this name left, or a new one."""
+        name = self._keeper_name(host.index)
+        try:
+            self._keepers[host.index] = host.object(name)
+            return
+        except Exception:  # noqa: BLE001 - none there yet
+            pass
+        self._keepers[host.index] = _Keeper.on(host, name=name, ttl=self._ttl)(
+            host.index, self.pool, self._peer_options
+        )
+
+    def _keeper(self, h: int) -> Any:
+        return self._keepers[h]
+
+    def _committed_now(self, step: int) -> None:
+        with self._lock:
+            self._committed = sorted({*self._committed, step})[-self.keep :]
+
+    # --- taking -------------------------------------------------------------------------------
+    def take(self, step: int, tree: Any) -> bool:
+        """Copies every distinct shard device -> its host's arena and hands it to the host's
+        keeper; returns once the copies are done (replication continues in the background).
+        False, with a `SnapshotSkipped` warning naming the sizes, when it does not fit."""
+        if self._closed:
+            raise SnapshotError("this Snapshots is closed")
+        started = time.monotonic()
+        with self._lock:
+            self._committer.wait(None)  # one snapshot replicates at a time
+            hosts = [h.index for h in self.cluster.hosts]
+            try:
+                planned = snap_take.plan(step, tree, self.cluster, hosts, self.replicas, self.placement)
+            except (TypeError, AttributeError) as e:  # an unpicklable plain leaf
+                raise SnapshotError(f"snapshot of step {step}: a non-array leaf cannot be stored: {e}") from e
+            keep = [s for s in self._committed if s != step][-(self.keep - 1) :] if self.keep > 1 else []
+            try:
+                self._begin(planned, keep)
+                reason = snap_take.misfit(planned, self._pools(hosts), self.pool)
+                if reason is None:
+                    reason = self._send(planned)
+            except BaseException:  # a host lost (or an interrupt): no part of this step stays
+                self._drop(step, hosts)
+                raise
+            if reason is not None:
+                self._drop(step, hosts)
+                self._stats["skipped"] += 1
+                return snap_take.skip(reason)
+            self._committer.track(step, hosts, planned.record)
+            self._stats["taken"] += 1
+            self._stats["last_take"] = {
+                "step": step,
+                "bytes": sum(planned.own.values()),
+                "blocked_seconds": time.monotonic() - started,
+            }
+            return True
+
+    def _begin(self, planned: snap_take.Planned, keep: list[int]) -> None:
+        """Every keeper learns the new step and its peers, and drops what is not kept."""
+        futures = []
+        for h, peers in planned.targets.items():
+            targets = [Target(t, self.cluster.hosts[t].address, self._keeper_name(t)) for t in peers]
+            futures.append(self._keepers[h].begin.submit(planned.step, keep, [tuple(t) for t in targets]))
+        for future in futures:
+            future.result()
+
+    def _pools(self, hosts: list[int]) -> dict[int, dict[str, int]]:
+        futures = {h: self._senders.submit(self.cluster.hosts[h].stats) for h in hosts}
+        pools = {}
+        for h, future in futures.items():
+            found = future.result()["pools"]
+            if self.pool not in found:
+                raise SnapshotError(f"host {h} has no arena pool {self.pool!r} (it has {sorted(found)})")
+            pools[h] = found[self.pool]
+        return pools
+
+    def _send(self, planned: snap_take.Planned) -> str | None:
+        """Every host's pieces into its arena and keeper, one thread per host; the reason
+        when one host's pool turned out full (then nothing of it is kept)."""
+        step = planned.step
+
+        def send(h: int) -> int:
+            host = self.cluster.hosts[h]
+            return snap_take.send(host, self._keepers[h], step, planned.pieces[h], self.pool, self._copiers)
+
+        futures = {h: self._senders.submit(send, h) for h in planned.pieces}
+        reason, error = None, None
+        for h, future in futures.items():  # all of them end before this returns or raises
+            try:
+                future.result()
+            except ArenaFullError as e:
+                reason = reason or (
+                    f"snapshot of step {step} skipped: host {h} found arena pool {self.pool!r} full "
+                    f"placing {planned.own[h]} bytes ({e}); training goes on"
+                )
+            except BaseException as e:
+                error = error or e
+        if error is not None:
+            raise error
+        return reason
+
+    def _drop(self, step: int, hosts: list[int]) -> None:
+        for h in hosts:
+            try:
+                self._keepers[h].drop(step)
+            except Exception:  # noqa: BLE001 - a lost host holds nothing
+                pass
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Until the replication (and commit) of the last take ended; TimeoutError after `timeout`."""
+        self._committer.wait(timeout)
+
+    # --- finding and restoring ----------------------------------------------------------------
+    def _live(self, hosts: Any) -> list[int]:
+        if hosts is None:
+            return [h.index for h in self.cluster.hosts if h.connection.session.lost is None]
+        return [getattr(h, "index", h) for h in hosts]
+
+    def latest(self, hosts: Any = None) -> int | None:
+        """Newest committed snapshot recoverable from `hosts` (default: the hosts not lost)."""
+        steps = snap_restore.recoverable(snap_restore.survey(self._keepers, self._live(hosts)))
+        return steps[-1] if steps else None
+
+    def restore(self, step: int, target: Any, hosts: Any = None) -> Any:
+        """The snapshot's tree onto `target` (ShapeDtypeStructs with shardings, e.g. on a smaller
+        mesh), each shard read from a surviving host holding it. SnapshotError if not recoverable."""
+        found = snap_restore.survey(self._keepers, self._live(hosts))
+        return snap_restore.restore(step, target, self.cluster, found, self._keepers)
+
+    def stats(self) -> dict[str, Any]:
+        last = self._committer.last
+        replication = None
+        if last is not None:
+            replication = {
+                "step": last.step,
+                "state": last.state,
+                "error": last.error,
+                "seconds": last.seconds,
+                "bytes": sum(s.get("replicated_bytes", 0) for s in last.statuses.values()),
+            }
+        return {**self._stats, "committed": list(self._committed), "replication": replication}
+
+    def close(self) -> None:
+        """Waits for the last replication, then deletes the keepers (freeing every block)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._committer.wait(None)
+        finally:
+            for handle in self._keepers.values():
+                try:
+                    handle.close()
+                    handle.delete()
+                except Exception:  # noqa: BLE001 - a lost host took its keeper with it
+                    pass
+            self._senders.shutdown(wait=False)
+            self._copiers.shutdown(wait=False)
+
+    def __enter__(self) -> Snapshots:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

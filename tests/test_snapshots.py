@@ -1,0 +1,184 @@
+"""Host-memory snapshots with peer replicas (`colocar.elastic.Snapshots`), on real sidecars.
+
+Four local sidecars stand for four hosts (2 devices each); a host is lost by SIGKILL. Replicas
+travel sidecar to sidecar over gRPC. Restores go onto a mesh of the survivors' devices and
+must be bit-exact; the arena pool's used bytes show which snapshots hold blocks.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from checkpoint_helpers import assert_same
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from colocar.elastic.snap_take import SnapshotSkipped
+from colocar.elastic.snapshots import Snapshots
+from colocar.errors import ColocarError, SnapshotError
+
+MiB = 1 << 20
+POOL = "snap"
+
+
+def _cluster(make_cluster, pool_bytes: int = 4 * MiB):
+    return make_cluster(hosts=4, arena_size=16 * MiB, pools={POOL: pool_bytes}, processes=0)
+
+
+def _state(cluster, seed: int, rows: int = 64) -> dict:
+    """Arrays over the 4 hosts x 2 devices (sharded, replicated, a PRNG key, a numpy leaf)
+    and plain values."""
+    mesh = Mesh(np.array(cluster.devices).reshape(4, 2), ("data", "model"))
+    rng = np.random.default_rng(seed)
+    return {
+        "params": {
+            "w": jax.device_put(
+                rng.standard_normal((rows, 32), np.float32), NamedSharding(mesh, P("data", "model"))
+            ),
+            "b": jax.device_put(rng.standard_normal(32).astype(ml_dtypes.bfloat16), NamedSharding(mesh, P())),
+        },
+        "key": jax.device_put(jax.random.key(seed), NamedSharding(mesh, P())),
+        "table": rng.integers(0, 100, (8, 3)),
+        "step": seed,
+        "data": {"epoch": 1, "positions": [seed, 5]},
+    }
+
+
+def _target(state: dict, cluster, lost: set[int]) -> dict:
+    """The state's shapes on a mesh of the survivors' devices (resharded)."""
+    devices = [d for h in cluster.hosts if h.index not in lost for d in h.devices]
+    mesh = Mesh(np.array(devices).reshape(len(devices) // 2, 2), ("data", "model"))
+
+    def leaf(x):
+        if isinstance(x, jax.Array):
+            spec = P(None, "model") if x.ndim == 2 else P()
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+        return x
+
+    return jax.tree_util.tree_map(leaf, state)
+
+
+def _kill(cluster, *hosts: int) -> None:
+    for h in hosts:
+        cluster.processes[h].kill()
+    for h in hosts:
+        cluster.processes[h].wait(timeout=30)
+
+
+def _used(cluster, hosts) -> list[int]:
+    return [cluster.hosts[h].stats()["pools"][POOL]["used"] for h in hosts]
+
+
+def _wait_used(cluster, hosts, expected: list[int]) -> list[int]:
+    """The pool's used bytes once they reach `expected` (released blocks go back in the
+    background), or what they are after a generous deadline."""
+    deadline = time.monotonic() + 30
+    while (used := _used(cluster, hosts)) != expected and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return used
+
+
+def test_one_replica_survives_a_killed_host(make_cluster):
+    cluster = _cluster(make_cluster)
+    with Snapshots(cluster, replicas=1, pool=POOL) as snaps:
+        state = _state(cluster, 1)
+        assert snaps.take(1, state)
+        snaps.wait(60)
+        assert snaps.stats()["replication"]["state"] == "committed"
+        _kill(cluster, 2)
+        assert snaps.latest() == 1
+        restored = snaps.restore(1, _target(state, cluster, {2}))
+        assert_same(restored, state)
+        assert all(
+            d.id not in {x.id for x in cluster.hosts[2].devices} for d in restored["params"]["w"].devices()
+        )
+
+
+def test_two_replicas_survive_two_hosts_lost_at_once(make_cluster):
+    cluster = _cluster(make_cluster)
+    with Snapshots(cluster, replicas=2, pool=POOL) as snaps:
+        state = _state(cluster, 2)
+        assert snaps.take(7, state)
+        snaps.wait(60)
+        _kill(cluster, 1, 2)
+        assert snaps.latest() == 7
+        assert_same(snaps.restore(7, _target(state, cluster, {1, 2})), state)
+
+
+def test_a_shard_and_its_only_replica_lost_is_not_recoverable(make_cluster):
+    cluster = _cluster(make_cluster)
+    with Snapshots(cluster, replicas=1, pool=POOL) as snaps:
+        state = _state(cluster, 3)
+        assert snaps.take(1, state)
+        snaps.wait(60)
+        _kill(cluster, 1, 2)  # host 1's shards had their only replica on host 2
+        assert snaps.latest() is None
+        with pytest.raises(SnapshotError, match=r"step 1 is not recoverable: .* of host 1 .*\[2\]"):
+            snaps.restore(1, _target(state, cluster, {1, 2}))
+
+
+def test_a_host_lost_during_replication_keeps_the_previous_snapshot(make_cluster):
+    cluster = _cluster(make_cluster)
+    # 64 KiB/s: each host's 256 KiB take ~4 s to reach its peer, time enough to kill one
+    with Snapshots(cluster, replicas=1, pool=POOL, bandwidth=64 << 10) as snaps:
+        first = _state(cluster, 4, rows=8)
+        assert snaps.take(1, first)
+        snaps.wait(60)
+        assert snaps.take(2, _state(cluster, 5, rows=8192))
+        _kill(cluster, 3)
+        snaps.wait(60)
+        replication = snaps.stats()["replication"]
+        assert (replication["step"], replication["state"]) == (2, "failed")
+        assert snaps.latest() == 1
+        assert_same(snaps.restore(1, _target(first, cluster, {3})), first)
+
+
+def test_a_host_lost_before_a_snapshot_keeps_the_previous_one(make_cluster):
+    cluster = _cluster(make_cluster)
+    with Snapshots(cluster, replicas=1, pool=POOL) as snaps:
+        first = _state(cluster, 6)
+        assert snaps.take(1, first)
+        snaps.wait(60)
+        _kill(cluster, 0)
+        with pytest.raises(ColocarError, match="host0"):
+            snaps.take(2, _state(cluster, 7))
+        assert snaps.latest() == 1
+        assert_same(snaps.restore(1, _target(first, cluster, {0})), first)
+
+
+def test_a_snapshot_larger_than_its_pool_is_skipped_and_training_goes_on(make_cluster):
+    cluster = _cluster(make_cluster, pool_bytes=1 * MiB)
+    with Snapshots(cluster, replicas=1, pool=POOL) as snaps:
+        big = _state(cluster, 8, rows=32768)  # 1 MiB of w per host, twice with the replica
+        with pytest.warns(
+            SnapshotSkipped, match=r"step 3 skipped: host 0 needs \d+ bytes in arena pool 'snap'"
+        ):
+            assert snaps.take(3, big) is False
+        assert snaps.latest() is None
+        assert _wait_used(cluster, range(4), [0] * 4) == [0] * 4
+        small = _state(cluster, 9)
+        assert snaps.take(4, small)
+        snaps.wait(60)
+        assert snaps.latest() == 4
+        assert snaps.stats()["skipped"] == 1
+
+
+def test_only_the_two_newest_complete_snapshots_hold_blocks(make_cluster):
+    cluster = _cluster(make_cluster)
+    hosts = range(4)
+    with Snapshots(cluster, replicas=1, pool=POOL) as snaps:
+        assert snaps.take(1, _state(cluster, 1))
+        snaps.wait(60)
+        one = _used(cluster, hosts)  # one snapshot: a host's shards and the replica it holds
+        assert all(n > 0 for n in one)
+        for step in (2, 3, 4):
+            assert snaps.take(step, _state(cluster, step))
+            snaps.wait(60)
+        assert snaps.latest() == 4
+        assert _wait_used(cluster, hosts, [2 * n for n in one]) == [2 * n for n in one]
+        assert snaps.stats()["committed"] == [3, 4]
+    assert _wait_used(cluster, hosts, [0] * 4) == [0] * 4
