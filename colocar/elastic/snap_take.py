@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from colocar.checkpoint import save, tree
+from colocar.errors import HostLostError
 from colocar.shm.allocator import footprint
 
 WHOLE_SHARD = 1 << 62  # plan's chunk limit: one piece per shard
@@ -69,6 +70,12 @@ def plan(step: int, state: Any, cluster: Any, hosts: list[int], replicas: int, p
     arrays = [(k, v) for k, v in named if tree.is_array(v)]
     values = {k: v for k, v in named if not tree.is_array(v)}
     planned = save.plan(arrays, cluster, WHOLE_SHARD)
+    for h in planned.pieces:
+        if h not in hosts and planned.pieces[h]:
+            raise HostLostError(
+                f"snapshot of step {step}: host {h} holds shards of the state but is lost; "
+                "restore onto the surviving hosts first"
+            )
     pieces = {h: planned.pieces.get(h, []) for h in hosts}
     targets = placement_of(place, hosts, replicas) if replicas else {h: [] for h in hosts}
     record = {

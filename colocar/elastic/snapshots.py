@@ -12,6 +12,7 @@ surviving keepers (`snap_restore.py`).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -28,6 +29,7 @@ from .peers import PeerOptions, Target
 from .snap_commit import Committer
 
 _Keeper = colocated_class(SnapshotKeeper)
+log = logging.getLogger("colocar.elastic")
 
 
 def _token(cluster: Any) -> str:
@@ -88,6 +90,7 @@ class Snapshots:
         )
         self._ttl = ttl
         self._lock = threading.RLock()
+        self._committed_lock = threading.Lock()
         self._senders = ThreadPoolExecutor(len(hosts), thread_name_prefix="colocar-snap-send")
         self._copiers = ThreadPoolExecutor(copy_threads, thread_name_prefix="colocar-snap-copy")
         self._keepers: dict[int, Any] = {}
@@ -118,7 +121,7 @@ class Snapshots:
         return self._keepers[h]
 
     def _committed_now(self, step: int) -> None:
-        with self._lock:
+        with self._committed_lock:  # not self._lock: take() holds that while it waits for a commit
             self._committed = sorted({*self._committed, step})[-self.keep :]
 
     # --- taking -------------------------------------------------------------------------------
@@ -131,12 +134,14 @@ class Snapshots:
         started = time.monotonic()
         with self._lock:
             self._committer.wait(None)  # one snapshot replicates at a time
-            hosts = [h.index for h in self.cluster.hosts]
+            hosts, replicas = self._hosts_now()
             try:
-                planned = snap_take.plan(step, tree, self.cluster, hosts, self.replicas, self.placement)
+                planned = snap_take.plan(step, tree, self.cluster, hosts, replicas, self.placement)
             except (TypeError, AttributeError) as e:  # an unpicklable plain leaf
                 raise SnapshotError(f"snapshot of step {step}: a non-array leaf cannot be stored: {e}") from e
-            keep = [s for s in self._committed if s != step][-(self.keep - 1) :] if self.keep > 1 else []
+            with self._committed_lock:
+                committed = [s for s in self._committed if s != step]
+            keep = committed[-(self.keep - 1) :] if self.keep > 1 else []
             try:
                 self._begin(planned, keep)
                 reason = snap_take.misfit(planned, self._pools(hosts), self.pool)
@@ -157,6 +162,19 @@ class Snapshots:
                 "blocked_seconds": time.monotonic() - started,
             }
             return True
+
+    def _hosts_now(self) -> tuple[list[int], int]:
+        """The hosts not lost, and the replicas a snapshot can have among them."""
+        hosts = self._live(None)
+        replicas = min(self.replicas, len(hosts) - 1)
+        if replicas < self.replicas:
+            log.warning(
+                "snapshots keep %d replicas instead of %d: only hosts %s are left",
+                replicas,
+                self.replicas,
+                hosts,
+            )
+        return hosts, replicas
 
     def _begin(self, planned: snap_take.Planned, keep: list[int]) -> None:
         """Every keeper learns the new step and its peers, and drops what is not kept."""
