@@ -167,11 +167,28 @@ def test_a_host_lost_before_a_snapshot_keeps_the_previous_one(make_cluster):
         with pytest.raises(ColocarError, match="host ?0"):
             snaps.take(2, _state(cluster, 7))
         assert snaps.latest() == 1
-        assert_same(snaps.restore(1, _target(first, cluster, {0})), first)
+        restored = snaps.restore(1, _target(first, cluster, {0}))
+        assert_same(restored, first)
+        # training goes on on the survivors: the next snapshots go to them (ring 1 -> 2 -> 3 -> 1)
+        _wait_lost(cluster, 0)
+        assert snaps.take(2, restored)
+        snaps.wait(60)
+        assert snaps.latest() == 2
+        _kill(cluster, 2)
+        assert_same(snaps.restore(2, _target(first, cluster, {0, 2})), first)
+
+
+def _wait_lost(cluster, h: int) -> None:
+    deadline = time.monotonic() + 30
+    while cluster.hosts[h].connection.session.lost is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert cluster.hosts[h].connection.session.lost is not None
 
 
 def test_a_snapshot_larger_than_its_pool_is_skipped_and_training_goes_on(four_hosts):
     cluster = four_hosts.make_current()
+    with pytest.raises(SnapshotError, match="host 0 has no arena pool 'nope'"):
+        Snapshots(cluster, pool="nope")
     with Snapshots(cluster, replicas=1, pool=POOL) as snaps:
         big = _state(cluster, 8, rows=32768)  # 1 MiB of w per host, twice with the replica
         with pytest.warns(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +61,8 @@ class SnapshotKeeper:
         self._changed = threading.Condition(self._lock)
         self._peers = PeerLinks(host, peer_options)
         self._closed = False
+        # A keeper whose lifetime ended (the sidecar dropped it) closes its peer sessions too.
+        weakref.finalize(self, self._peers.close)
 
     # --- taking a snapshot ------------------------------------------------------------------
     def begin(self, step: int, keep: list[int], peers: list[Target]) -> None:
@@ -206,19 +209,19 @@ class SnapshotKeeper:
 
         from colocar.shm import empty
 
+        by_leaf: dict[int, list[tuple[Bounds, np.ndarray]]] = {}
         with self._lock:
             snap = self._snap(step)
-            blocks = dict(snap.own)
-            for held in snap.replicas.values():
-                blocks.update(held)
+            for held in [snap.own, *snap.replicas.values()]:
+                for (leaf, bounds), data in held.items():
+                    by_leaf.setdefault(leaf, []).append((bounds, data))
         out = []
         for leaf, dtype, bounds in requests:
             want = key_of(leaf, bounds)
             result = empty(tuple(b - a for a, b in want[1]), np.dtype(dtype))
             covered = 0
-            for (held_leaf, held_bounds), data in blocks.items():
-                if held_leaf == leaf:
-                    covered += _copy_overlap(result, want[1], data, held_bounds)
+            for held_bounds, data in by_leaf.get(want[0], []):
+                covered += _copy_overlap(result, want[1], data, held_bounds)
             if covered != result.size:
                 raise KeyError(
                     f"host {self.host} holds {covered} of {result.size} elements of leaf {leaf} {bounds}"

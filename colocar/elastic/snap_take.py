@@ -51,6 +51,15 @@ def placement_of(place: Placement, hosts: list[int], replicas: int) -> dict[int,
     return {h: list(targets[h]) for h in hosts}
 
 
+class _Among:
+    """The cluster as `save.plan` sees it: only `hosts` (the live ones), so that host-side
+    leaves (numpy arrays) go to the first of them."""
+
+    def __init__(self, cluster: Any, hosts: list[int]):
+        self.hosts = [h for h in cluster.hosts if h.index in hosts]
+        self.host_of = cluster.host_of
+
+
 @dataclass
 class Planned:
     """A snapshot's plan: pieces per host, peers per host, the record once it commits."""
@@ -69,7 +78,7 @@ def plan(step: int, state: Any, cluster: Any, hosts: list[int], replicas: int, p
     named, skeleton = tree.flatten(state)
     arrays = [(k, v) for k, v in named if tree.is_array(v)]
     values = {k: v for k, v in named if not tree.is_array(v)}
-    planned = save.plan(arrays, cluster, WHOLE_SHARD)
+    planned = save.plan(arrays, _Among(cluster, hosts), WHOLE_SHARD)
     for h in planned.pieces:
         if h not in hosts and planned.pieces[h]:
             raise HostLostError(

@@ -98,8 +98,14 @@ class Snapshots:
         self._committed: list[int] = []
         self._stats: dict[str, Any] = {"taken": 0, "skipped": 0, "last_take": {}}
         self._closed = False
-        for f in [self._senders.submit(self._open_keeper, h) for h in cluster.hosts]:
-            f.result()
+        self._generations: dict[int, int] = {}  # of each host's sidecar when its keeper was opened
+        try:
+            self._pools(hosts)  # the pool exists everywhere
+            for f in [self._senders.submit(self._open_keeper, h) for h in cluster.hosts]:
+                f.result()
+        except BaseException:
+            self.close()
+            raise
         self._committed = snap_restore.recoverable(snap_restore.survey(self._keepers, hosts))
 
     def _keeper_name(self, h: int) -> str:
@@ -108,6 +114,7 @@ class Snapshots:
     def _open_keeper(self, host: Any) -> None:
         """The host's keeper: the one an earlier `Snapshots` of this name left, or a new one."""
         name = self._keeper_name(host.index)
+        self._generations[host.index] = host.connection.session.generation
         try:
             self._keepers[host.index] = host.object(name)
             return
@@ -119,6 +126,13 @@ class Snapshots:
 
     def _keeper(self, h: int) -> Any:
         return self._keepers[h]
+
+    def _reopen_restarted(self, hosts: list[int]) -> None:
+        """A host whose sidecar restarted since (it lost its keeper and blocks) gets a new keeper."""
+        for h in hosts:
+            host = self.cluster.hosts[h]
+            if host.connection.session.generation != self._generations.get(h):
+                self._open_keeper(host)
 
     def _committed_now(self, step: int) -> None:
         with self._committed_lock:  # not self._lock: take() holds that while it waits for a commit
@@ -135,6 +149,7 @@ class Snapshots:
         with self._lock:
             self._committer.wait(None)  # one snapshot replicates at a time
             hosts, replicas = self._hosts_now()
+            self._reopen_restarted(hosts)
             try:
                 planned = snap_take.plan(step, tree, self.cluster, hosts, replicas, self.placement)
             except (TypeError, AttributeError) as e:  # an unpicklable plain leaf
@@ -273,8 +288,9 @@ class Snapshots:
                 try:
                     handle.close()
                     handle.delete()
-                except Exception:  # noqa: BLE001 - a lost host took its keeper with it
+                except Exception:  # noqa: BLE001 - a lost (or restarted) host took its keeper with it
                     pass
+            self._keepers = {}
             self._senders.shutdown(wait=False)
             self._copiers.shutdown(wait=False)
 
