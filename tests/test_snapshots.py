@@ -218,6 +218,10 @@ def test_only_the_two_newest_complete_snapshots_hold_blocks(four_hosts):
         assert snaps.latest() == 4
         assert _wait_used(cluster, hosts, [2 * n for n in one]) == [2 * n for n in one]
         assert snaps.stats()["committed"] == [3, 4]
+        # a late replica of an earlier attempt at a step is refused, never mixed in
+        keeper = cluster.hosts[1].object(f"colocar.snapshots/{snaps.name}/1")
+        with pytest.raises(KeyError, match="holds no snapshot of step 4"):
+            keeper.store(4, "an earlier attempt", 0, [])
     assert _wait_used(cluster, hosts, [0] * 4) == [0] * 4
 
 

@@ -34,6 +34,7 @@ def key_of(leaf: int, bounds: Any) -> Key:
 @dataclass
 class _Snap:
     step: int
+    attempt: str  # a late call for an earlier attempt of the same step is refused
     peers: list[Target]
     own: dict[Key, np.ndarray] = field(default_factory=dict)
     replicas: dict[int, dict[Key, np.ndarray]] = field(default_factory=dict)  # source host -> blocks
@@ -65,15 +66,16 @@ class SnapshotKeeper:
         weakref.finalize(self, self._peers.close)
 
     # --- taking a snapshot ------------------------------------------------------------------
-    def begin(self, step: int, keep: list[int], peers: list[Target]) -> None:
-        """A new snapshot `step` whose blocks go to `peers` too; every snapshot here other than
-        `keep` (the newest complete ones the controller keeps) is dropped first."""
+    def begin(self, step: int, attempt: str, keep: list[int], peers: list[Target]) -> None:
+        """A new snapshot `step` (this `attempt` of it) whose blocks go to `peers` too; every
+        snapshot here other than `keep` (the newest complete ones the controller keeps) is
+        dropped first."""
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"the snapshot keeper of host {self.host} is closed")
             for old in [s for s in self._snaps if s not in keep]:
                 self._forget(old)
-            self._snaps[step] = _Snap(step, [Target(*p) for p in peers])
+            self._snaps[step] = _Snap(step, attempt, [Target(*p) for p in peers])
             self._changed.notify_all()
         _flush()
 
@@ -115,7 +117,8 @@ class SnapshotKeeper:
         items = [(leaf, [list(b) for b in bounds], data) for (leaf, bounds), data in snap.own.items()]
         try:
             for target in snap.peers:
-                snap.replicated_bytes += self._peers.send(target, snap.step, items, self._alive(snap))
+                sent = self._peers.send(target, snap.step, snap.attempt, items, self._alive(snap))
+                snap.replicated_bytes += sent
         except Exception as e:
             with self._lock:
                 self._fail(snap, f"host {self.host}: replicating step {snap.step} failed: {e}")
@@ -137,11 +140,11 @@ class SnapshotKeeper:
 
         return check
 
-    def store(self, step: int, source: int, pieces: list[tuple[int, Any, np.ndarray]]) -> int:
+    def store(self, step: int, attempt: str, source: int, pieces: list[tuple[int, Any, np.ndarray]]) -> int:
         """A peer's replica pieces (called by the peer's keeper); returns their bytes."""
         kept = {key_of(leaf, bounds): self._in_pool(data) for leaf, bounds, data in pieces}
         with self._lock:
-            snap = self._snap(step)
+            snap = self._snap(step, attempt)
             snap.replicas.setdefault(source, {}).update(kept)
         return sum(a.nbytes for a in kept.values())
 
@@ -156,7 +159,7 @@ class SnapshotKeeper:
         np.copyto(kept, data)
         return kept
 
-    def status(self, step: int, timeout: float = 0.0) -> dict[str, Any]:
+    def status(self, step: int, attempt: str, timeout: float = 0.0) -> dict[str, Any]:
         """The step's state here once replication ended (or after `timeout` s)."""
         deadline = time.monotonic() + timeout
         with self._lock:
@@ -164,7 +167,7 @@ class SnapshotKeeper:
             while snap is not None and snap.state not in ENDED and (left := deadline - time.monotonic()) > 0:
                 self._changed.wait(left)
                 snap = self._snaps.get(step)
-            if snap is None:
+            if snap is None or snap.attempt != attempt:
                 return {
                     "state": "unknown",
                     "error": f"host {self.host} holds no step {step}",
@@ -179,10 +182,10 @@ class SnapshotKeeper:
                 "replication_seconds": snap.replication_seconds,
             }
 
-    def commit(self, step: int, record: bytes) -> None:
+    def commit(self, step: int, attempt: str, record: bytes) -> None:
         """Every shard of `step` and its replicas are in place: its record is kept here."""
         with self._lock:
-            self._snap(step).record = record
+            self._snap(step, attempt).record = record
 
     def drop(self, step: int) -> None:
         with self._lock:
@@ -246,9 +249,9 @@ class SnapshotKeeper:
         _flush()
 
     # --- helpers (lock held) ----------------------------------------------------------------
-    def _snap(self, step: int) -> _Snap:
+    def _snap(self, step: int, attempt: str | None = None) -> _Snap:
         snap = self._snaps.get(step)
-        if snap is None:
+        if snap is None or (attempt is not None and snap.attempt != attempt):
             raise KeyError(
                 f"host {self.host} holds no snapshot of step {step} (dropped, or begin was not called)"
             )

@@ -92,7 +92,12 @@ class PeerLinks:
         self._lock = threading.Lock()
 
     def send(
-        self, target: Target, step: int, items: list[tuple[int, Any, Any]], check: Callable[[], None]
+        self,
+        target: Target,
+        step: int,
+        attempt: str,
+        items: list[tuple[int, Any, Any]],
+        check: Callable[[], None],
     ) -> int:
         """Stores `items` (leaf, bounds, array) of `step` in `target`'s keeper; returns the
         bytes sent. `check()` raises to stop between groups (the snapshot was dropped)."""
@@ -104,7 +109,7 @@ class PeerLinks:
             limit = max(MIN_GROUP_BYTES, min(limit, int(self.options.bandwidth / 4)))
         for group in groups(items, limit):
             check()
-            sent += peer.store(step, self.host, group)
+            sent += peer.store(step, attempt, self.host, group)
             self._pace(sent, started, check)
         return sent
 

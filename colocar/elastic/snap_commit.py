@@ -77,7 +77,7 @@ class Committer:
         for h in tracked.hosts:
             while True:
                 try:
-                    status = self._keeper(h).status(tracked.step, POLL_SECONDS)
+                    status = self._keeper(h).status(tracked.step, tracked.record["attempt"], POLL_SECONDS)
                 except Exception as e:
                     return f"host {h}: {type(e).__name__}: {e}"
                 tracked.statuses[h] = status
@@ -94,7 +94,7 @@ class Committer:
         stored = 0
         for h in tracked.hosts:
             try:
-                self._keeper(h).commit(tracked.step, record)
+                self._keeper(h).commit(tracked.step, tracked.record["attempt"], record)
                 stored += 1
             except Exception as e:  # a host lost now: the others hold the record
                 log.warning(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pickle
 import time
+import uuid
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -89,6 +90,7 @@ def plan(step: int, state: Any, cluster: Any, hosts: list[int], replicas: int, p
     targets = placement_of(place, hosts, replicas) if replicas else {h: [] for h in hosts}
     record = {
         "step": step,
+        "attempt": uuid.uuid4().hex,
         "time": time.time(),
         "keys": [k for k, _ in named],
         "tree": skeleton,

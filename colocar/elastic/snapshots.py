@@ -196,7 +196,10 @@ class Snapshots:
         futures = []
         for h, peers in planned.targets.items():
             targets = [Target(t, self.cluster.hosts[t].address, self._keeper_name(t)) for t in peers]
-            futures.append(self._keepers[h].begin.submit(planned.step, keep, [tuple(t) for t in targets]))
+            attempt = planned.record["attempt"]
+            futures.append(
+                self._keepers[h].begin.submit(planned.step, attempt, keep, [tuple(t) for t in targets])
+            )
         for future in futures:
             future.result()
 
