@@ -42,7 +42,8 @@ def four_hosts():
 
 
 def _cluster(make_cluster, pool_bytes: int = 4 * MiB, shm: bool = True):
-    return make_cluster(hosts=4, arena_size=16 * MiB, pools={POOL: pool_bytes}, processes=0, shm=shm)
+    arena = 12 * MiB + pool_bytes
+    return make_cluster(hosts=4, arena_size=arena, pools={POOL: pool_bytes}, processes=0, shm=shm)
 
 
 def _state(cluster, seed: int, rows: int = 64) -> dict:
@@ -99,9 +100,9 @@ def _wait_used(cluster, hosts, expected: list[int]) -> list[int]:
 
 
 def test_one_replica_survives_a_killed_host(make_cluster):
-    cluster = _cluster(make_cluster)
+    cluster = _cluster(make_cluster, pool_bytes=8 * MiB)
     with Snapshots(cluster, replicas=1, pool=POOL) as snaps:
-        state = _state(cluster, 1)
+        state = _state(cluster, 1, rows=65536)  # 1 MiB shards: a replica goes in several chunks
         assert snaps.take(1, state)
         snaps.wait(60)
         assert snaps.stats()["replication"]["state"] == "committed"
@@ -221,7 +222,7 @@ def test_only_the_two_newest_complete_snapshots_hold_blocks(four_hosts):
         # a late replica of an earlier attempt at a step is refused, never mixed in
         keeper = cluster.hosts[1].object(f"colocar.snapshots/{snaps.name}/1")
         with pytest.raises(KeyError, match="holds no snapshot of step 4"):
-            keeper.store(4, "an earlier attempt", 0, [])
+            keeper.receive(4, "an earlier attempt", 0, 0, [[0, 8]], np.dtype("f4"), (8,), 0, bytes(32))
     assert _wait_used(cluster, hosts, [0] * 4) == [0] * 4
 
 

@@ -38,6 +38,7 @@ class _Snap:
     peers: list[Target]
     own: dict[Key, np.ndarray] = field(default_factory=dict)
     replicas: dict[int, dict[Key, np.ndarray]] = field(default_factory=dict)  # source host -> blocks
+    incoming: dict[tuple[int, Key], list[Any]] = field(default_factory=dict)  # -> [block, bytes so far]
     expected: int | None = None  # pieces the controller sends (known at the last write)
     state: str = "copying"  # copying -> replicating -> replicated | failed
     error: str = ""
@@ -79,17 +80,10 @@ class SnapshotKeeper:
             self._changed.notify_all()
         _flush()
 
-    def write(
-        self,
-        step: int,
-        pieces: list[tuple[int, Any, np.ndarray]],
-        total: int | None = None,
-        copy: bool = False,
-    ) -> None:
-        """Keeps pieces (leaf, bounds, arena view) of this host's shards; with `total`, the
-        last ones: replication to the peers starts. `copy`: they were uploaded (into the
-        default pool), not placed in the snapshot pool by the controller."""
-        kept = {key_of(leaf, bounds): self._in_pool(data) if copy else data for leaf, bounds, data in pieces}
+    def write(self, step: int, pieces: list[tuple[int, Any, np.ndarray]], total: int | None = None) -> None:
+        """Keeps pieces (leaf, bounds, arena view in the snapshot pool) of this host's shards;
+        with `total`, the last ones: replication to the peers starts."""
+        kept = {key_of(leaf, bounds): data for leaf, bounds, data in pieces}
         with self._lock:
             self._snap(step).own.update(kept)
         if total is not None:
@@ -140,24 +134,36 @@ class SnapshotKeeper:
 
         return check
 
-    def store(self, step: int, attempt: str, source: int, pieces: list[tuple[int, Any, np.ndarray]]) -> int:
-        """A peer's replica pieces (called by the peer's keeper); returns their bytes."""
-        kept = {key_of(leaf, bounds): self._in_pool(data) for leaf, bounds, data in pieces}
+    def receive(
+        self,
+        step: int,
+        attempt: str,
+        source: int,
+        leaf: int,
+        bounds: Any,
+        dtype: Any,
+        shape: Any,
+        offset: int,
+        data: bytes,
+    ) -> int:
+        """One chunk of a block sent by `source` (a peer's keeper: a replica; this host: its
+        own shard, from a controller that does not map the arena). The block is allocated in
+        the snapshot pool when its first chunk arrives (chunks may come in any order) and
+        counts once all its bytes did. Returns the bytes taken."""
+        key = key_of(leaf, bounds)
         with self._lock:
             snap = self._snap(step, attempt)
-            snap.replicas.setdefault(source, {}).update(kept)
-        return sum(a.nbytes for a in kept.values())
-
-    def _in_pool(self, data: np.ndarray) -> np.ndarray:
-        """Blocks of another pool than the default arrive in the default one (calls upload
-        there): copied into the snapshot pool once."""
-        if self.pool == "default" or not isinstance(data, np.ndarray):
-            return data
-        from colocar.shm import empty
-
-        kept = empty(data.shape, data.dtype, pool=self.pool)
-        np.copyto(kept, data)
-        return kept
+            slot = snap.incoming.get((source, key))
+            if slot is None:
+                slot = snap.incoming[(source, key)] = [_allocate(tuple(shape), np.dtype(dtype), self.pool), 0]
+        block = slot[0]
+        block.reshape(-1).view(np.uint8)[offset : offset + len(data)] = np.frombuffer(data, np.uint8)
+        with self._lock:
+            slot[1] += len(data)
+            if slot[1] == block.nbytes and snap.incoming.pop((source, key), None) is slot:
+                held = snap.own if source == self.host else snap.replicas.setdefault(source, {})
+                held[key] = block
+        return len(data)
 
     def status(self, step: int, attempt: str, timeout: float = 0.0) -> dict[str, Any]:
         """The step's state here once replication ended (or after `timeout` s)."""
@@ -268,7 +274,21 @@ class SnapshotKeeper:
             self._fail(snap, f"step {step} was dropped on host {self.host}")
             snap.own.clear()  # the views go: their blocks are freed
             snap.replicas.clear()
+            snap.incoming.clear()
             self._changed.notify_all()
+
+
+def _allocate(shape: tuple[int, ...], dtype: np.dtype, pool: str) -> np.ndarray:
+    """A block of the snapshot pool, at once or ArenaFullError (a snapshot never waits)."""
+    import ml_dtypes  # noqa: F401 - registers bfloat16 & co. with numpy
+
+    from colocar.shm.context import sidecar_runtime
+
+    try:
+        arena = sidecar_runtime()
+    except RuntimeError:  # not in a sidecar (a unit test of the class)
+        return np.empty(shape, dtype)
+    return arena.empty(shape, dtype, pool, timeout=0.0)
 
 
 def _flush() -> None:

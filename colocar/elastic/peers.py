@@ -3,10 +3,11 @@
 A keeper sends its blocks to a peer host's keeper directly, never through the controller: it
 opens a session with the peer's sidecar like a controller would (the cluster's token, or
 mutual TLS), always over gRPC (`shm=False`, even when both sidecars share a machine, so the
-path is the one that runs across hosts), and calls the peer keeper's `store` with groups of at
-most `group_bytes`; each array of a group travels as 1 MiB chunks of an `Upload` stream (gRPC
-flow control), one group at a time. The sending thread runs at a lower priority than
-training, and `bandwidth` (bytes/s, 0: unlimited) caps its rate.
+path is the one that runs across hosts). Each block travels as chunks of just under 1 MiB
+(`send_chunks`), each a call of the peer keeper's `receive`, which writes it straight into a
+block of the snapshot pool; at most `WINDOW` chunks are in flight (flow control). The sending
+thread runs at a lower priority than training, and `bandwidth` (bytes/s) caps its rate. A
+controller that does not map a host's arena sends that host's own shards the same way.
 """
 
 from __future__ import annotations
@@ -14,12 +15,15 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-GROUP_BYTES = 16 << 20
-MIN_GROUP_BYTES = 64 << 10
+import numpy as np
+
+CHUNK_BYTES = (1 << 20) - (16 << 10)  # a chunk and its call's arguments stay under the 1 MiB inline limit
+WINDOW = 4  # chunks in flight to one peer
 
 
 class Target(NamedTuple):
@@ -41,7 +45,6 @@ class PeerOptions:
     heartbeat_seconds: float = 1.0
     lease_seconds: float = 30.0
     connect_timeout: float = 30.0
-    group_bytes: int = GROUP_BYTES
     bandwidth: float = 0.0  # bytes per second a keeper sends at most (0: no cap)
     nice: int = 5  # scheduling priority of the replicating thread (0: as the sidecar)
 
@@ -68,18 +71,43 @@ def _credentials(options: PeerOptions) -> Any:
     return grpc.ssl_channel_credentials(read(options.tls_ca), read(options.tls_key), read(options.tls_cert))
 
 
-def groups(items: list[tuple[int, Any, Any]], limit: int) -> list[list[tuple[int, Any, Any]]]:
-    """Consecutive items of at most `limit` bytes (or one larger item)."""
-    out: list[list[tuple[int, Any, Any]]] = []
-    size = 0
-    for item in items:
-        nbytes = int(item[2].nbytes)
-        if not out or (size + nbytes > limit and out[-1]):
-            out.append([])
-            size = 0
-        out[-1].append(item)
-        size += nbytes
-    return out
+def send_chunks(
+    keeper: Any,
+    step: int,
+    attempt: str,
+    source: int,
+    items: list[tuple[int, Any, np.ndarray]],
+    check: Callable[[], None] = lambda: None,
+    bandwidth: float = 0.0,
+) -> int:
+    """Sends `items` (leaf, bounds, array) of `step` to `keeper` as chunks, `WINDOW` in flight;
+    returns the bytes sent. `check()` raises to stop; `bandwidth` (bytes/s) caps the rate.
+    On failure every chunk in flight has ended before the error is raised."""
+    in_flight: deque[Any] = deque()
+    sent = 0
+    started = time.monotonic()
+    try:
+        for leaf, bounds, array in items:
+            flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+            for offset in range(0, max(flat.size, 1), CHUNK_BYTES):
+                check()
+                chunk = flat[offset : offset + CHUNK_BYTES].tobytes()
+                call = keeper.receive.submit(
+                    step, attempt, source, leaf, bounds, array.dtype, array.shape, offset, chunk
+                )
+                in_flight.append(call)
+                while len(in_flight) >= WINDOW:
+                    sent += in_flight.popleft().result()
+                while bandwidth > 0 and (ahead := sent / bandwidth - (time.monotonic() - started)) > 0:
+                    time.sleep(min(ahead, 0.2))
+                    check()
+        while in_flight:
+            sent += in_flight.popleft().result()
+        return sent
+    except BaseException:
+        for call in in_flight:
+            call.exception()
+        raise
 
 
 class PeerLinks:
@@ -100,26 +128,9 @@ class PeerLinks:
         check: Callable[[], None],
     ) -> int:
         """Stores `items` (leaf, bounds, array) of `step` in `target`'s keeper; returns the
-        bytes sent. `check()` raises to stop between groups (the snapshot was dropped)."""
+        bytes sent. `check()` raises to stop (the snapshot was dropped)."""
         peer = self._keeper(target)
-        sent = 0
-        started = time.monotonic()
-        limit = self.options.group_bytes
-        if self.options.bandwidth > 0:  # groups of at most ~1/4 s at the cap: an even rate
-            limit = max(MIN_GROUP_BYTES, min(limit, int(self.options.bandwidth / 4)))
-        for group in groups(items, limit):
-            check()
-            sent += peer.store(step, attempt, self.host, group)
-            self._pace(sent, started, check)
-        return sent
-
-    def _pace(self, sent: int, started: float, check: Callable[[], None]) -> None:
-        """Sleeps while the bytes sent so far are ahead of the bandwidth cap."""
-        if self.options.bandwidth <= 0:
-            return
-        while (ahead := sent / self.options.bandwidth - (time.monotonic() - started)) > 0:
-            time.sleep(min(ahead, 0.2))
-            check()
+        return send_chunks(peer, step, attempt, self.host, items, check, self.options.bandwidth)
 
     def _keeper(self, target: Target) -> Any:
         """A handle on the peer's keeper, over a live gRPC session with its sidecar."""

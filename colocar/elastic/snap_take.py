@@ -25,6 +25,8 @@ from colocar.checkpoint import save, tree
 from colocar.errors import HostLostError
 from colocar.shm.allocator import footprint
 
+from .peers import send_chunks
+
 WHOLE_SHARD = 1 << 62  # plan's chunk limit: one piece per shard
 Placement = Callable[[list[int], int], dict[int, list[int]]]
 
@@ -131,11 +133,17 @@ def skip(reason: str) -> bool:
 
 
 def send(
-    host: Any, keeper: Any, step: int, pieces: list[save.Piece], pool: str, copiers: Executor | None
+    host: Any,
+    keeper: Any,
+    step: int,
+    attempt: str,
+    pieces: list[save.Piece],
+    pool: str,
+    copiers: Executor | None,
 ) -> int:
     """Copies `pieces` into `host`'s arena (one allocation, no waiting: a full pool raises
-    ArenaFullError) and hands them to its keeper; without a mapped arena they are uploaded,
-    a group per call. Returns the bytes."""
+    ArenaFullError) and hands them to its keeper; without a mapped arena they go to the
+    keeper in chunks (`peers.send_chunks`). Returns the bytes."""
     sources = []
     for piece in pieces:
         if isinstance(piece.source, jax.Array):
@@ -143,15 +151,11 @@ def send(
     for piece in pieces:
         sources.append(np.asarray(piece.source)[piece.local])
     conn = host.connection
-    if not conn.blocks.mapped:
-        batch: list[Any] = []
-        for piece, source in zip(pieces, sources, strict=True):
-            batch.append((piece.leaf, piece.bounds, np.ascontiguousarray(source)))
-            if sum(b[2].nbytes for b in batch) >= save.BATCH_BYTES:
-                keeper.write(step, batch, None, True)
-                batch = []
-        keeper.write(step, batch, len(pieces), True)
-        return sum(p.nbytes for p in pieces)
+    if not conn.blocks.mapped:  # chunks straight into blocks of the snapshot pool
+        items = [(p.leaf, p.bounds, s) for p, s in zip(pieces, sources, strict=True)]
+        sent = send_chunks(keeper, step, attempt, host.index, items)
+        keeper.finish(step, len(pieces))
+        return sent
     blocks = conn.blocks.empty([(p.shape, p.dtype) for p in pieces], pool=pool, timeout=0.0) if pieces else []
     save.copy_into(list(zip(blocks, sources, strict=True)), copiers)
     keeper.write(step, [(p.leaf, p.bounds, b) for p, b in zip(pieces, blocks, strict=True)], len(pieces))

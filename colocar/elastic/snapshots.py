@@ -220,7 +220,8 @@ class Snapshots:
 
         def send(h: int) -> int:
             host = self.cluster.hosts[h]
-            return snap_take.send(host, self._keepers[h], step, planned.pieces[h], self.pool, self._copiers)
+            keeper, attempt = self._keepers[h], planned.record["attempt"]
+            return snap_take.send(host, keeper, step, attempt, planned.pieces[h], self.pool, self._copiers)
 
         futures = {h: self._senders.submit(send, h) for h in planned.pieces}
         reason, error = None, None
