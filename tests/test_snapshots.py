@@ -7,6 +7,8 @@ must be bit-exact; the arena pool's used bytes show which snapshots hold blocks.
 
 from __future__ import annotations
 
+import random
+import threading
 import time
 
 import jax
@@ -236,3 +238,30 @@ def test_a_new_controller_finds_the_snapshots_by_name(four_hosts):
         assert again.latest() == 5
         assert_same(again.restore(5, _target(state, cluster, set())), state)
     first.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(10))
+def test_a_host_killed_at_a_random_moment_never_gives_a_wrong_snapshot(make_cluster, seed):
+    """Whenever a host dies (during the copy, the replication or after the commit), `latest()`
+    names a complete snapshot and restores it bit-exactly."""
+    rng = random.Random(seed)
+    cluster = _cluster(make_cluster)
+    # 256 KiB/s: each host's 512 KiB take ~2 s to reach its peer
+    with Snapshots(cluster, replicas=1, pool=POOL, bandwidth=rng.choice([0, 256 << 10])) as snaps:
+        states = {1: _state(cluster, 1), 2: _state(cluster, 2, rows=16384)}
+        assert snaps.take(1, states[1])
+        snaps.wait(60)
+        victim = rng.randrange(4)
+        killer = threading.Timer(rng.choice([0.0, 0.01, 0.5, 1.5, 3.0]), cluster.processes[victim].kill)
+        killer.start()
+        try:
+            snaps.take(2, states[2])
+        except ColocarError:
+            pass  # the victim died during the copy
+        killer.join()
+        cluster.processes[victim].wait(timeout=30)
+        snaps.wait(60)
+        step = snaps.latest()
+        assert step in (1, 2)
+        assert_same(snaps.restore(step, _target(states[step], cluster, {victim})), states[step])

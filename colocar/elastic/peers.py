@@ -84,23 +84,24 @@ def send_chunks(
     returns the bytes sent. `check()` raises to stop; `bandwidth` (bytes/s) caps the rate.
     On failure every chunk in flight has ended before the error is raised."""
     in_flight: deque[Any] = deque()
-    sent = 0
+    sent = queued = 0
     started = time.monotonic()
     try:
         for leaf, bounds, array in items:
             flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
             for offset in range(0, max(flat.size, 1), CHUNK_BYTES):
+                while bandwidth > 0 and (ahead := queued / bandwidth - (time.monotonic() - started)) > 0:
+                    time.sleep(min(ahead, 0.2))  # the bytes sent so far are ahead of the cap
+                    check()
                 check()
                 chunk = flat[offset : offset + CHUNK_BYTES].tobytes()
                 call = keeper.receive.submit(
                     step, attempt, source, leaf, bounds, array.dtype, array.shape, offset, chunk
                 )
                 in_flight.append(call)
+                queued += len(chunk)
                 while len(in_flight) >= WINDOW:
                     sent += in_flight.popleft().result()
-                while bandwidth > 0 and (ahead := sent / bandwidth - (time.monotonic() - started)) > 0:
-                    time.sleep(min(ahead, 0.2))
-                    check()
         while in_flight:
             sent += in_flight.popleft().result()
         return sent
