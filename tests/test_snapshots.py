@@ -18,7 +18,10 @@ import pytest
 from checkpoint_helpers import assert_same
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from security_helpers import kill_sidecar, running_sidecar
+from test_security_tls import pki  # noqa: F401 - the certificates, as a fixture
 
+import colocar
 from colocar.elastic.snap_take import SnapshotSkipped
 from colocar.elastic.snapshots import Snapshots
 from colocar.errors import ColocarError, SnapshotError
@@ -265,3 +268,26 @@ def test_a_host_killed_at_a_random_moment_never_gives_a_wrong_snapshot(make_clus
         step = snaps.latest()
         assert step in (1, 2)
         assert_same(snaps.restore(step, _target(states[step], cluster, {victim})), states[step])
+
+
+def test_replicas_travel_between_sidecars_with_mutual_tls(pki, tmp_path):  # noqa: F811 - the fixture
+    """Sidecars that take no token: each keeper reaches its peer with the client certificate."""
+    tls = [
+        "--tls-cert",
+        str(pki.server_cert),
+        "--tls-key",
+        str(pki.server_key),
+        "--tls-client-ca",
+        str(pki.ca),
+    ]
+    client = {"tls_ca": str(pki.ca), "tls_cert": str(pki.client_cert), "tls_key": str(pki.client_key)}
+    with running_sidecar(tmp_path, *tls) as a, running_sidecar(tmp_path, *tls) as b:
+        with colocar.connect([a.address, b.address], heartbeat_seconds=0.5, **client) as cluster:
+            with Snapshots(cluster, replicas=1, **client) as snaps:
+                state = _state(cluster, 11)
+                assert snaps.take(1, state)
+                snaps.wait(60)
+                assert snaps.stats()["replication"]["state"] == "committed"
+                kill_sidecar(b.process, b.arena)
+                assert snaps.latest() == 1
+                assert_same(snaps.restore(1, _target(state, cluster, {1})), state)
