@@ -111,6 +111,18 @@ def send_chunks(
         raise
 
 
+@dataclass
+class _PeerHost:
+    """What a remote-object handle needs of its host (`cluster.Host` would import JAX here)."""
+
+    index: int
+    connection: Any
+
+    @property
+    def name(self) -> str:
+        return str(self.connection.session.name)
+
+
 class PeerLinks:
     """One keeper's connections to its peers' sidecars, opened on first use."""
 
@@ -135,8 +147,8 @@ class PeerLinks:
 
     def _keeper(self, target: Target) -> Any:
         """A handle on the peer's keeper, over a live gRPC session with its sidecar."""
-        from colocar.controller_bridge.cluster import Host
         from colocar.controller_bridge.connection import HostConnection
+        from colocar.controller_bridge.remote import find_detached
 
         with self._lock:
             conn = self._links.get(target.address)
@@ -156,7 +168,7 @@ class PeerLinks:
                     credentials=_credentials(o),
                 )
                 self._links[target.address] = conn
-        return Host(target.host, conn, []).object(target.name)
+        return find_detached(_PeerHost(target.host, conn), target.name)  # type: ignore[arg-type]
 
     def close(self) -> None:
         with self._lock:
