@@ -64,6 +64,7 @@ def _state(cluster, seed: int, rows: int = 64) -> dict:
             "b": jax.device_put(rng.standard_normal(32).astype(ml_dtypes.bfloat16), NamedSharding(mesh, P())),
         },
         "key": jax.device_put(jax.random.key(seed), NamedSharding(mesh, P())),
+        "scale": jax.device_put(np.float32(seed + 0.5), NamedSharding(mesh, P())),
         "table": rng.integers(0, 100, (8, 3)),
         "step": seed,
         "data": {"epoch": 1, "positions": [seed, 5]},

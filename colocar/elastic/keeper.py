@@ -39,13 +39,11 @@ class _Snap:
     own: dict[Key, np.ndarray] = field(default_factory=dict)
     replicas: dict[int, dict[Key, np.ndarray]] = field(default_factory=dict)  # source host -> blocks
     incoming: dict[tuple[int, Key], list[Any]] = field(default_factory=dict)  # -> [block, bytes so far]
-    expected: int | None = None  # pieces the controller sends (known at the last write)
     state: str = "copying"  # copying -> replicating -> replicated | failed
     error: str = ""
     record: bytes | None = None  # set by commit
     replicated_bytes: int = 0
     replication_seconds: float = 0.0
-    started: float = field(default_factory=time.monotonic)
 
     def nbytes(self) -> int:
         blocks = list(self.own.values()) + [b for r in self.replicas.values() for b in r.values()]
@@ -96,7 +94,6 @@ class SnapshotKeeper:
             if len(snap.own) != pieces:
                 self._fail(snap, f"host {self.host} got {len(snap.own)} of {pieces} pieces of step {step}")
                 return
-            snap.expected = pieces
             snap.state = "replicating" if snap.peers else "replicated"
             self._changed.notify_all()
             if not snap.peers:
@@ -306,9 +303,9 @@ def _copy_overlap(out: np.ndarray, want: Bounds, data: np.ndarray, held: Bounds)
     elements copied."""
     lo = [max(a, c) for (a, _), (c, _) in zip(want, held, strict=True)]
     hi = [min(b, d) for (_, b), (_, d) in zip(want, held, strict=True)]
-    if any(h <= low for low, h in zip(lo, hi, strict=True)) and out.ndim:
+    if any(h <= low for low, h in zip(lo, hi, strict=True)):
         return 0
     dst = tuple(slice(a - w[0], b - w[0]) for a, b, w in zip(lo, hi, want, strict=True))
     src = tuple(slice(a - h[0], b - h[0]) for a, b, h in zip(lo, hi, held, strict=True))
-    np.copyto(out[dst], data[src])
+    out[dst] = data[src]  # an assignment: a 0-d array's out[()] is no view to copy into
     return int(np.prod([b - a for a, b in zip(lo, hi, strict=True)], dtype=np.int64))
