@@ -22,6 +22,7 @@ from security_helpers import kill_sidecar, running_sidecar
 from test_security_tls import pki  # noqa: F401 - the certificates, as a fixture
 
 import colocar
+from colocar.checkpoint import tree
 from colocar.elastic.snap_take import SnapshotSkipped
 from colocar.elastic.snapshots import Snapshots
 from colocar.errors import ColocarError, SnapshotError
@@ -292,3 +293,25 @@ def test_replicas_travel_between_sidecars_with_mutual_tls(pki, tmp_path):  # noq
                 kill_sidecar(b.process, b.arena)
                 assert snaps.latest() == 1
                 assert_same(snaps.restore(1, _target(state, cluster, {1})), state)
+
+
+def test_blocks_of_another_attempt_at_the_step_are_never_read(four_hosts):
+    """A host that began another attempt at a committed step (a retake cut short) holds other
+    bytes under the same shard keys: the restore reads those shards from their replicas."""
+    cluster = four_hosts.make_current()
+    with Snapshots(cluster, replicas=1, pool=POOL) as snaps:
+        state = _state(cluster, 12)
+        assert snaps.take(3, state)
+        snaps.wait(60)
+        keeper = cluster.hosts[2].object(f"colocar.snapshots/{snaps.name}/2")
+        keys = keeper.holdings()[3]["keys"]
+        arrays = [v for _, v in tree.flatten(state)[0] if tree.is_array(v)]
+        keeper.begin(3, "another attempt", [], [])
+        for leaf, bounds in keys:
+            data = arrays[leaf]
+            dtype = np.dtype((jax.random.key_data(data) if tree.is_prng_key(data) else data).dtype)
+            shape = tuple(b - a for a, b in bounds)
+            garbage = np.full(shape, 7, np.uint8).view(np.uint8).tobytes() * dtype.itemsize
+            keeper.receive(3, "another attempt", 2, leaf, bounds, dtype, shape, 0, garbage)
+        assert snaps.latest() == 3
+        assert_same(snaps.restore(3, _target(state, cluster, set())), state)

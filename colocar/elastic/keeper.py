@@ -202,22 +202,23 @@ class SnapshotKeeper:
             return {
                 s.step: {
                     "record": s.record,
+                    "attempt": s.attempt,
                     "state": s.state,
                     "keys": sorted(set(s.own) | {k for r in s.replicas.values() for k in r}),
                 }
                 for s in self._snaps.values()
             }
 
-    def read(self, step: int, requests: list[tuple[int, str, Any]]) -> list[np.ndarray]:
-        """[(leaf, dtype, bounds)] -> arena arrays cut from the blocks held here (each request
-        must be covered by them)."""
+    def read(self, step: int, attempt: str, requests: list[tuple[int, str, Any]]) -> list[np.ndarray]:
+        """[(leaf, dtype, bounds)] -> arena arrays cut from the blocks of `step` (made by
+        `attempt`) held here; each request must be covered by them."""
         import ml_dtypes  # noqa: F401 - registers bfloat16 & co. with numpy
 
         from colocar.shm import empty
 
         by_leaf: dict[int, list[tuple[Bounds, np.ndarray]]] = {}
         with self._lock:
-            snap = self._snap(step)
+            snap = self._snap(step, attempt)
             for held in [snap.own, *snap.replicas.values()]:
                 for (leaf, bounds), data in held.items():
                     by_leaf.setdefault(leaf, []).append((bounds, data))

@@ -22,7 +22,7 @@ from colocar.errors import CheckpointError, SnapshotError
 
 from .keeper import Bounds, Key, key_of
 
-Survey = dict[int, dict[int, dict[str, Any]]]  # host -> step -> {"record", "state", "keys"}
+Survey = dict[int, dict[int, dict[str, Any]]]  # host -> step -> {"record", "attempt", "state", "keys"}
 
 
 def survey(keepers: dict[int, Any], hosts: list[int]) -> Survey:
@@ -42,22 +42,25 @@ def survey(keepers: dict[int, Any], hosts: list[int]) -> Survey:
     return found
 
 
-def records(found: Survey) -> dict[int, dict[str, Any]]:
-    """step -> its record, for the steps some live keeper has committed."""
-    out: dict[int, dict[str, Any]] = {}
+def records(found: Survey) -> dict[int, list[dict[str, Any]]]:
+    """step -> its committed records (one per attempt at the step), newest first."""
+    out: dict[int, dict[str, dict[str, Any]]] = defaultdict(dict)
     for held in found.values():
         for step, info in held.items():
-            if info["record"] is not None and step not in out:
-                out[step] = pickle.loads(info["record"])
-    return out
+            if info["record"] is not None and info["attempt"] not in out[step]:
+                out[step][info["attempt"]] = pickle.loads(info["record"])
+    return {s: sorted(r.values(), key=lambda r: -r["time"]) for s, r in out.items()}
 
 
-def holders(found: Survey, step: int) -> dict[Key, list[int]]:
-    """Shard key -> the live hosts holding it."""
+def holders(found: Survey, step: int, attempt: str) -> dict[Key, list[int]]:
+    """Shard key -> the live hosts holding it in their snapshot of `step` made by `attempt`
+    (a host that began another attempt at the step holds other data under the same keys)."""
     where: dict[Key, list[int]] = defaultdict(list)
     for h, held in found.items():
-        for key in held.get(step, {}).get("keys", []):
-            where[key_of(*key)].append(h)
+        info = held.get(step)
+        if info is not None and info["attempt"] == attempt:
+            for key in info["keys"]:
+                where[key_of(*key)].append(h)
     return where
 
 
@@ -71,9 +74,17 @@ def missing(record: dict[str, Any], where: dict[Key, list[int]]) -> list[tuple[i
     ]
 
 
+def usable(found: Survey, step: int) -> dict[str, Any] | None:
+    """The newest committed record of `step` whose every shard a live host holds, or None."""
+    for record in records(found).get(step, []):
+        if not missing(record, holders(found, step, record["attempt"])):
+            return record
+    return None
+
+
 def recoverable(found: Survey) -> list[int]:
     """Committed steps whose every shard a live host holds, ascending."""
-    return sorted(s for s, r in records(found).items() if not missing(r, holders(found, s)))
+    return sorted(s for s in records(found) if usable(found, s) is not None)
 
 
 def _overlap(a: Bounds, b: Bounds) -> Bounds | None:
@@ -83,23 +94,11 @@ def _overlap(a: Bounds, b: Bounds) -> Bounds | None:
 
 def restore(step: int, target: Any, cluster: Any, found: Survey, keepers: dict[int, Any]) -> Any:
     """The snapshot's tree on `target` (a pytree of ShapeDtypeStructs with shardings)."""
-    all_records = records(found)
-    if step not in all_records:
-        raise SnapshotError(
-            f"snapshot step {step} is not committed on any live host (live: {sorted(found)}; "
-            f"committed there: {sorted(all_records)})"
-        )
-    record = all_records[step]
-    where = holders(found, step)
-    lost = missing(record, where)
-    if lost:
-        host, (leaf, bounds) = lost[0]
-        raise SnapshotError(
-            f"snapshot step {step} is not recoverable: {len(lost)} shards have no live copy, e.g. "
-            f"leaf {leaf} {list(bounds)} of host {host} (its replicas were on hosts "
-            f"{record['replicas'].get(host)}; live hosts: {sorted(found)}). Restore an older "
-            "snapshot (latest()) or from storage"
-        )
+    record = usable(found, step)
+    if record is None:
+        _unrecoverable(step, found)
+    assert record is not None
+    where = holders(found, step, record["attempt"])
     leaves, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=lambda x: x is None)
     targets = {jax.tree_util.keystr(path): leaf for path, leaf in leaves}
     values = pickle.loads(record["values"])
@@ -117,10 +116,29 @@ def restore(step: int, target: Any, cluster: Any, found: Survey, keepers: dict[i
     except CheckpointError as e:
         raise SnapshotError(f"snapshot {e}") from None
     requests, placed = ckpt_restore._plan(wanted, cluster, ckpt_restore.RestoreStats())
-    results = _read(step, requests, where, keepers)
+    results = _read(step, record["attempt"], requests, where, keepers)
     for picked in wanted:
         out[picked.key] = ckpt_restore._assemble(picked, cluster, placed, results)
     return jax.tree_util.tree_unflatten(treedef, [out[k] for k in targets])
+
+
+def _unrecoverable(step: int, found: Survey) -> None:
+    """Raises SnapshotError saying why `step` cannot be restored from the live hosts."""
+    committed = records(found)
+    if step not in committed:
+        raise SnapshotError(
+            f"snapshot step {step} is not committed on any live host (live: {sorted(found)}; "
+            f"committed there: {sorted(committed)})"
+        )
+    record = committed[step][0]
+    lost = missing(record, holders(found, step, record["attempt"]))
+    host, (leaf, bounds) = lost[0]
+    raise SnapshotError(
+        f"snapshot step {step} is not recoverable: {len(lost)} shards have no live copy, e.g. "
+        f"leaf {leaf} {list(bounds)} of host {host} (its replicas were on hosts "
+        f"{record['replicas'].get(host)}; live hosts: {sorted(found)}). Restore an older "
+        "snapshot (latest()) or from storage"
+    )
 
 
 def _sources(h: int, leaf: int, bounds: Bounds, where: dict[Key, list[int]]) -> list[tuple[int, Bounds]]:
@@ -137,7 +155,11 @@ def _sources(h: int, leaf: int, bounds: Bounds, where: dict[Key, list[int]]) -> 
 
 
 def _read(
-    step: int, requests: dict[int, list[Any]], where: dict[Key, list[int]], keepers: dict[int, Any]
+    step: int,
+    attempt: str,
+    requests: dict[int, list[Any]],
+    where: dict[Key, list[int]],
+    keepers: dict[int, Any],
 ) -> dict[int, list[np.ndarray]]:
     """Per device host, its requested slices (in request order) read from the holders."""
     plans: dict[int, list[tuple[int, list[tuple[int, Bounds, int]]]]] = {}  # h -> per request: parts
@@ -150,7 +172,7 @@ def _read(
                 parts.append((source, part, len(reads[source])))
                 reads[source].append((leaf, dtype, [list(b) for b in part]))
             plans[h].append((leaf, parts))
-    got = _fetch(step, reads, keepers)
+    got = _fetch(step, attempt, reads, keepers)
     results: dict[int, list[np.ndarray]] = {}
     for h, wanted in requests.items():
         results[h] = []
@@ -180,12 +202,14 @@ def _check_covered(step: int, leaf: int, bounds: Any, parts: list[Bounds]) -> No
         )
 
 
-def _fetch(step: int, reads: dict[int, list[Any]], keepers: dict[int, Any]) -> dict[int, list[np.ndarray]]:
+def _fetch(
+    step: int, attempt: str, reads: dict[int, list[Any]], keepers: dict[int, Any]
+) -> dict[int, list[np.ndarray]]:
     """Every source host cuts its parts at once; a failure gives up the others' reads."""
     futures = {}
     try:
         for source, wanted in reads.items():
-            futures[source] = keepers[source].read.submit(step, wanted)
+            futures[source] = keepers[source].read.submit(step, attempt, wanted)
         return {source: list(future.result()) for source, future in futures.items()}
     except Exception as e:
         for future in futures.values():
