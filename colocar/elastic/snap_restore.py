@@ -141,17 +141,27 @@ def _unrecoverable(step: int, found: Survey) -> None:
     )
 
 
-def _sources(h: int, leaf: int, bounds: Bounds, where: dict[Key, list[int]]) -> list[tuple[int, Bounds]]:
-    """(host, part) covering one slice: all from one holder when possible (the device's own
-    host first), else each intersecting shard from one of its holders."""
+def _sources(
+    h: int, leaf: int, bounds: Bounds, where: dict[Key, list[int]], load: dict[int, int]
+) -> list[tuple[int, Bounds]]:
+    """(host, part) covering one slice: all from one holder when possible, else each
+    intersecting shard from one of its holders; the device's own host first, else the holder
+    serving the fewest bytes so far (`load`, updated)."""
     parts = [
         (key, part) for key in where if key[0] == leaf and (part := _overlap(key[1], bounds)) is not None
     ]
     common = set.intersection(*[set(where[k]) for k, _ in parts]) if parts else set()
-    if common:
-        source = h if h in common else min(common)
-        return [(source, bounds)]
-    return [(h if h in where[k] else where[k][0], part) for k, part in parts]
+    chosen = [(common, bounds)] if common else [(set(where[k]), part) for k, part in parts]
+    out = []
+    for hosts, part in chosen:
+        source = h if h in hosts else min(hosts, key=lambda x: (load.get(x, 0), x))
+        load[source] = load.get(source, 0) + _volume(part)
+        out.append((source, part))
+    return out
+
+
+def _volume(bounds: Any) -> int:
+    return int(np.prod([b - a for a, b in bounds], dtype=np.int64))
 
 
 def _read(
@@ -164,11 +174,12 @@ def _read(
     """Per device host, its requested slices (in request order) read from the holders."""
     plans: dict[int, list[tuple[int, list[tuple[int, Bounds, int]]]]] = {}  # h -> per request: parts
     reads: dict[int, list[tuple[int, str, list[list[int]]]]] = defaultdict(list)
+    load: dict[int, int] = {}  # elements each source serves so far
     for h, wanted in requests.items():
         plans[h] = []
         for leaf, dtype, bounds in wanted:
             parts = []
-            for source, part in _sources(h, leaf, key_of(leaf, bounds)[1], where):
+            for source, part in _sources(h, leaf, key_of(leaf, bounds)[1], where, load):
                 parts.append((source, part, len(reads[source])))
                 reads[source].append((leaf, dtype, [list(b) for b in part]))
             plans[h].append((leaf, parts))
@@ -193,8 +204,8 @@ def _read(
 def _check_covered(step: int, leaf: int, bounds: Any, parts: list[Bounds]) -> None:
     """The parts (disjoint: distinct shards) fill the slice, or SnapshotError: never a slice
     with a hole in it."""
-    volume = int(np.prod([b - a for a, b in bounds], dtype=np.int64))
-    got = sum(int(np.prod([b - a for a, b in part], dtype=np.int64)) for part in parts)
+    volume = _volume(bounds)
+    got = sum(_volume(part) for part in parts)
     if got != volume:
         raise SnapshotError(
             f"snapshot step {step}: the held shards of leaf {leaf} cover {got} of the {volume} "
