@@ -19,6 +19,8 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import jax
+
 from colocar.controller_bridge.obj import colocated_class
 from colocar.errors import SnapshotError
 from colocar.shm import ArenaFullError
@@ -67,6 +69,11 @@ class Snapshots:
         copy_threads: int = 4,
     ):
         hosts = [h.index for h in cluster.hosts]
+        if jax.process_count() > 1:
+            raise SnapshotError(
+                "Snapshots needs a single controller; with several JAX processes use the "
+                "CheckpointManager (multi-controller snapshots are not supported yet)"
+            )
         if not 0 <= replicas < len(hosts):
             raise ValueError(
                 f"replicas must be between 0 and {len(hosts) - 1} for {len(hosts)} hosts, got {replicas}"
