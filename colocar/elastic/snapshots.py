@@ -39,6 +39,18 @@ def _token(cluster: Any) -> str:
     return str(getattr(cluster.hosts[0].connection, "_token", "") or "")
 
 
+def _check_args(hosts: int, replicas: int, keep: int) -> None:
+    if jax.process_count() > 1:
+        raise SnapshotError(
+            "Snapshots needs a single controller; with several JAX processes use the "
+            "CheckpointManager (multi-controller snapshots are not supported yet)"
+        )
+    if not 0 <= replicas < hosts:
+        raise ValueError(f"replicas must be between 0 and {hosts - 1} for {hosts} hosts, got {replicas}")
+    if keep < 1:
+        raise ValueError(f"keep must be at least 1, got {keep}")
+
+
 class Snapshots:
     """Host-memory snapshots of a pytree of jax.Arrays in the sidecars' arenas, with peer replicas.
 
@@ -69,17 +81,7 @@ class Snapshots:
         copy_threads: int = 4,
     ):
         hosts = [h.index for h in cluster.hosts]
-        if jax.process_count() > 1:
-            raise SnapshotError(
-                "Snapshots needs a single controller; with several JAX processes use the "
-                "CheckpointManager (multi-controller snapshots are not supported yet)"
-            )
-        if not 0 <= replicas < len(hosts):
-            raise ValueError(
-                f"replicas must be between 0 and {len(hosts) - 1} for {len(hosts)} hosts, got {replicas}"
-            )
-        if keep < 1:
-            raise ValueError(f"keep must be at least 1, got {keep}")
+        _check_args(len(hosts), replicas, keep)
         self.cluster = cluster
         self.replicas = replicas
         self.keep = keep
