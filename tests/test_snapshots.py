@@ -134,7 +134,10 @@ def test_two_replicas_survive_two_hosts_lost_at_once(make_cluster):
         snaps.wait(60)
         _kill(cluster, 1, 2)
         assert snaps.latest() == 7
-        assert_same(snaps.restore(7, _target(state, cluster, {1, 2})), state)
+        survivors = [cluster.hosts[0], cluster.hosts[3]]
+        assert snaps.latest(survivors) == snaps.latest([0, 3]) == 7
+        assert snaps.latest([cluster.hosts[0]]) is None  # host 1's shards are on 1, 2 and 3 only
+        assert_same(snaps.restore(7, _target(state, cluster, {1, 2}), survivors), state)
 
 
 def test_a_shard_and_its_only_replica_lost_is_not_recoverable(make_cluster):
@@ -157,6 +160,7 @@ def test_a_host_lost_during_replication_keeps_the_previous_snapshot(make_cluster
         assert snaps.take(1, first)
         snaps.wait(60)
         assert snaps.take(2, _state(cluster, 5, rows=4096))
+        assert snaps.stats()["replication"]["state"] == "replicating"  # take did not wait for it
         _kill(cluster, 3)
         snaps.wait(60)
         replication = snaps.stats()["replication"]

@@ -261,9 +261,20 @@ class Snapshots:
 
     # --- finding and restoring ----------------------------------------------------------------
     def _live(self, hosts: Any) -> list[int]:
+        """Indices in this cluster of `hosts` (indices, or `Host`s of this cluster or of a view
+        of it that renumbered them: matched by their connection); None: the hosts not lost."""
         if hosts is None:
             return [h.index for h in self.cluster.hosts if h.connection.session.lost is None]
-        return [getattr(h, "index", h) for h in hosts]
+        mine = {id(h.connection): h.index for h in self.cluster.hosts}
+        out = []
+        for h in hosts:
+            if isinstance(h, int):
+                out.append(h)
+            elif id(h.connection) in mine:
+                out.append(mine[id(h.connection)])
+            else:
+                raise SnapshotError(f"{h} is not a host of the snapshots' cluster {self.cluster}")
+        return out
 
     def latest(self, hosts: Any = None) -> int | None:
         """Newest committed snapshot recoverable from `hosts` (default: the hosts not lost)."""
