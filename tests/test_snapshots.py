@@ -319,3 +319,18 @@ def test_blocks_of_another_attempt_at_the_step_are_never_read(four_hosts):
             keeper.receive(3, "another attempt", 2, leaf, bounds, dtype, shape, 0, garbage)
         assert snaps.latest() == 3
         assert_same(snaps.restore(3, _target(state, cluster, set())), state)
+
+
+def test_snapshots_without_their_controller_are_dropped_after_idle_seconds(four_hosts):
+    """A controller that died without `close` pins no arena memory for longer than that."""
+    cluster = four_hosts.make_current()
+    hosts = range(4)
+    with Snapshots(cluster, replicas=1, pool=POOL, idle_seconds=1.0) as snaps:
+        assert snaps.take(1, _state(cluster, 13))
+        snaps.wait(60)
+        assert snaps.stats()["replication"]["state"] == "committed"  # its blocks were in place
+        assert _wait_used(cluster, hosts, [0] * 4) == [0] * 4  # no call for a second: dropped
+        assert snaps.latest() is None
+        assert snaps.take(2, _state(cluster, 14))  # the keepers serve the next snapshots
+        snaps.wait(60)
+        assert snaps.stats()["replication"]["state"] == "committed"

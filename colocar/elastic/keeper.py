@@ -12,6 +12,7 @@ restore needs out of the blocks here. No JAX import: only the peer link pulls it
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import weakref
@@ -53,22 +54,43 @@ class _Snap:
 class SnapshotKeeper:
     """One per `Snapshots` and host, created detached (it outlives a lost controller)."""
 
-    def __init__(self, host: int, pool: str, peer_options: PeerOptions):
+    def __init__(self, host: int, pool: str, peer_options: PeerOptions, idle_seconds: float = 7200.0):
         self.host = host
         self.pool = pool or "default"
+        self.idle_seconds = idle_seconds
         self._snaps: dict[int, _Snap] = {}
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._peers = PeerLinks(host, peer_options)
         self._closed = False
+        self._touched = time.monotonic()  # the last call from a controller
         # A keeper whose lifetime ended (the sidecar dropped it) closes its peer sessions too.
         weakref.finalize(self, self._peers.close)
+        threading.Thread(
+            target=_watch_idle, args=(weakref.ref(self), idle_seconds), name="colocar-snap-idle", daemon=True
+        ).start()
+
+    def _touch(self) -> None:
+        self._touched = time.monotonic()
+
+    def expire_if_idle(self) -> bool:
+        """Drops every snapshot once no controller called for `idle_seconds` (a controller that
+        died without `close` pins no arena memory for longer); True if it did."""
+        with self._lock:
+            if time.monotonic() - self._touched <= self.idle_seconds or not self._snaps:
+                return False
+            for step in list(self._snaps):
+                self._forget(step)
+        self._peers.close()
+        _flush()
+        return True
 
     # --- taking a snapshot ------------------------------------------------------------------
     def begin(self, step: int, attempt: str, keep: list[int], peers: list[Target]) -> None:
         """A new snapshot `step` (this `attempt` of it) whose blocks go to `peers` too; every
         snapshot here other than `keep` (the newest complete ones the controller keeps) is
         dropped first."""
+        self._touch()
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"the snapshot keeper of host {self.host} is closed")
@@ -81,6 +103,7 @@ class SnapshotKeeper:
     def write(self, step: int, pieces: list[tuple[int, Any, np.ndarray]], total: int | None = None) -> None:
         """Keeps pieces (leaf, bounds, arena view in the snapshot pool) of this host's shards;
         with `total`, the last ones: replication to the peers starts."""
+        self._touch()
         kept = {key_of(leaf, bounds): data for leaf, bounds, data in pieces}
         with self._lock:
             self._snap(step).own.update(kept)
@@ -164,6 +187,7 @@ class SnapshotKeeper:
 
     def status(self, step: int, attempt: str, timeout: float = 0.0) -> dict[str, Any]:
         """The step's state here once replication ended (or after `timeout` s)."""
+        self._touch()
         deadline = time.monotonic() + timeout
         with self._lock:
             snap = self._snaps.get(step)
@@ -187,10 +211,12 @@ class SnapshotKeeper:
 
     def commit(self, step: int, attempt: str, record: bytes) -> None:
         """Every shard of `step` and its replicas are in place: its record is kept here."""
+        self._touch()
         with self._lock:
             self._snap(step, attempt).record = record
 
     def drop(self, step: int) -> None:
+        self._touch()
         with self._lock:
             self._forget(step)
         _flush()
@@ -198,6 +224,7 @@ class SnapshotKeeper:
     # --- finding and reading ----------------------------------------------------------------
     def holdings(self) -> dict[int, dict[str, Any]]:
         """step -> its record (None until committed) and the keys of the blocks held here."""
+        self._touch()
         with self._lock:
             return {
                 s.step: {
@@ -212,6 +239,7 @@ class SnapshotKeeper:
     def read(self, step: int, attempt: str, requests: list[tuple[int, str, Any]]) -> list[np.ndarray]:
         """[(leaf, dtype, bounds)] -> arena arrays cut from the blocks of `step` (made by
         `attempt`) held here; each request must be covered by them."""
+        self._touch()
         import ml_dtypes  # noqa: F401 - registers bfloat16 & co. with numpy
 
         from colocar.shm import empty
@@ -274,6 +302,24 @@ class SnapshotKeeper:
             snap.replicas.clear()
             snap.incoming.clear()
             self._changed.notify_all()
+
+
+def _watch_idle(ref: weakref.ref, idle_seconds: float) -> None:
+    """Runs while the keeper lives: lets it expire its snapshots once idle."""
+    period = max(0.05, min(60.0, idle_seconds / 4))
+    while True:
+        time.sleep(period)
+        keeper = ref()
+        if keeper is None or keeper._closed:
+            return
+        if keeper.expire_if_idle():
+            print(
+                f"colocar snapshots: host {keeper.host} dropped its snapshots after "
+                f"{keeper.idle_seconds:.0f} s without a call from their controller",
+                file=sys.__stderr__,
+                flush=True,
+            )
+        del keeper
 
 
 def _allocate(shape: tuple[int, ...], dtype: np.dtype, pool: str) -> np.ndarray:

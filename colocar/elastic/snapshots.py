@@ -32,6 +32,7 @@ from .snap_commit import Committer
 
 _Keeper = colocated_class(SnapshotKeeper)
 log = logging.getLogger("colocar.elastic")
+KEEPER_TTL = 30 * 24 * 3600.0  # the object's; its blocks go after `idle_seconds` without a controller
 
 
 def _token(cluster: Any) -> str:
@@ -77,7 +78,7 @@ class Snapshots:
         tls_key: str | None = None,
         bandwidth: float = 0.0,
         replication_timeout: float = 600.0,
-        ttl: float = 24 * 3600.0,
+        idle_seconds: float = 2 * 3600.0,
         copy_threads: int = 4,
     ):
         hosts = [h.index for h in cluster.hosts]
@@ -97,7 +98,7 @@ class Snapshots:
             heartbeat_seconds=heartbeat,
             bandwidth=bandwidth,
         )
-        self._ttl = ttl
+        self._idle_seconds = idle_seconds
         self._lock = threading.RLock()
         self._committed_lock = threading.Lock()
         self._senders = ThreadPoolExecutor(len(hosts), thread_name_prefix="colocar-snap-send")
@@ -129,8 +130,8 @@ class Snapshots:
             return
         except Exception:  # noqa: BLE001 - none there yet
             pass
-        self._keepers[host.index] = _Keeper.on(host, name=name, ttl=self._ttl)(
-            host.index, self.pool, self._peer_options
+        self._keepers[host.index] = _Keeper.on(host, name=name, ttl=KEEPER_TTL)(
+            host.index, self.pool, self._peer_options, self._idle_seconds
         )
 
     def _keeper(self, h: int) -> Any:
