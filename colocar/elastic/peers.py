@@ -44,7 +44,7 @@ class PeerOptions:
     tls_key: str | None = None
     heartbeat_seconds: float = 1.0
     lease_seconds: float = 30.0
-    connect_timeout: float = 30.0
+    connect_timeout: float = 10.0
     bandwidth: float = 0.0  # bytes per second a keeper sends at most (0: no cap)
     nice: int = 5  # scheduling priority of the replicating thread (0: as the sidecar)
 

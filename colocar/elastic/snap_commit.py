@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 log = logging.getLogger("colocar.elastic")
-POLL_SECONDS = 5.0  # one status long-poll
+POLL_SECONDS = 1.0  # one status long-poll (a round of the wait)
 
 
 @dataclass
@@ -73,20 +73,29 @@ class Committer:
             tracked.done.set()
 
     def _await_replicas(self, tracked: Tracked, deadline: float) -> str | None:
-        """None once every host replicated its shards, else what went wrong."""
-        for h in tracked.hosts:
-            while True:
-                try:
-                    status = self._keeper(h).status(tracked.step, tracked.record["attempt"], POLL_SECONDS)
-                except Exception as e:
-                    return f"host {h}: {type(e).__name__}: {e}"
-                tracked.statuses[h] = status
-                if status["state"] == "replicated":
-                    break
-                if status["state"] in ("failed", "unknown"):
-                    return status["error"] or f"host {h}: step {tracked.step} {status['state']}"
-                if time.monotonic() > deadline:
-                    return f"host {h}: replication did not finish within {self.timeout} s"
+        """None once every host replicated its shards, else what went wrong. Each round asks
+        every pending host at once (a lost or failed one ends the wait within a round), then
+        long-polls the first for up to POLL_SECONDS."""
+        pending = list(tracked.hosts)
+        while pending:
+            for i, h in enumerate(pending):
+                error = self._poll(tracked, h, POLL_SECONDS if i == 0 else 0.0)
+                if error is not None:
+                    return error
+            pending = [h for h in pending if tracked.statuses[h]["state"] != "replicated"]
+            if pending and time.monotonic() > deadline:
+                return f"hosts {pending}: replication did not finish within {self.timeout} s"
+        return None
+
+    def _poll(self, tracked: Tracked, h: int, timeout: float) -> str | None:
+        """Host `h`'s status of the snapshot (recorded), or why it failed."""
+        try:
+            status = self._keeper(h).status(tracked.step, tracked.record["attempt"], timeout)
+        except Exception as e:
+            return f"host {h}: {type(e).__name__}: {e}"
+        tracked.statuses[h] = status
+        if status["state"] in ("failed", "unknown"):
+            return status["error"] or f"host {h}: step {tracked.step} {status['state']}"
         return None
 
     def _commit(self, tracked: Tracked) -> None:
