@@ -209,6 +209,8 @@ def test_a_snapshot_larger_than_its_pool_is_skipped_and_training_goes_on(four_ho
             assert snaps.take(3, big) is False
         assert snaps.latest() is None
         assert _wait_used(cluster, range(4), [0] * 4) == [0] * 4
+        with pytest.raises(SnapshotError, match=r"leaf \['lock'\] \(lock\) cannot be stored"):
+            snaps.take(3, {**_state(cluster, 8), "lock": threading.Lock()})
         small = _state(cluster, 9)
         assert snaps.take(4, small)
         snaps.wait(60)

@@ -9,7 +9,6 @@ host's pool is skipped with a warning naming the sizes, before any block is take
 
 from __future__ import annotations
 
-import pickle
 import time
 import uuid
 import warnings
@@ -18,11 +17,12 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
+import cloudpickle
 import jax
 import numpy as np
 
 from colocar.checkpoint import save, tree
-from colocar.errors import HostLostError
+from colocar.errors import HostLostError, SnapshotError
 from colocar.shm.allocator import footprint
 
 from .peers import send_chunks
@@ -97,7 +97,7 @@ def plan(step: int, state: Any, cluster: Any, hosts: list[int], replicas: int, p
         "keys": [k for k, _ in named],
         "tree": skeleton,
         "leaves": planned.leaves,
-        "values": pickle.dumps(values),
+        "values": _pickled(step, values),
         "shards": {h: [(p.leaf, p.bounds) for p in ps] for h, ps in pieces.items()},
         "replicas": targets,
         "jax_version": jax.__version__,
@@ -110,6 +110,18 @@ def plan(step: int, state: Any, cluster: Any, hosts: list[int], replicas: int, p
         for t in peers:
             result.need[t] += result.own[h]
     return result
+
+
+def _pickled(step: int, values: dict[str, Any]) -> bytes:
+    """The plain (non-array) leaves, pickled by value; an error names the leaf that cannot be."""
+    for key, value in values.items():
+        try:
+            cloudpickle.dumps(value)
+        except Exception as e:
+            raise SnapshotError(
+                f"snapshot of step {step}: leaf {key} ({type(value).__name__}) cannot be stored: {e}"
+            ) from e
+    return cloudpickle.dumps(values)
 
 
 def misfit(planned: Planned, pools: dict[int, dict[str, int]], pool: str) -> str | None:

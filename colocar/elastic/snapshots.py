@@ -160,10 +160,7 @@ class Snapshots:
             self._committer.wait(None)  # one snapshot replicates at a time
             hosts, replicas = self._hosts_now()
             self._reopen_restarted(hosts)
-            try:
-                planned = snap_take.plan(step, tree, self.cluster, hosts, replicas, self.placement)
-            except (TypeError, AttributeError) as e:  # an unpicklable plain leaf
-                raise SnapshotError(f"snapshot of step {step}: a non-array leaf cannot be stored: {e}") from e
+            planned = snap_take.plan(step, tree, self.cluster, hosts, replicas, self.placement)
             with self._committed_lock:
                 committed = [s for s in self._committed if s != step]
             keep = committed[-(self.keep - 1) :] if self.keep > 1 else []
