@@ -23,6 +23,7 @@ import jax
 
 from colocar.controller_bridge.obj import colocated_class
 from colocar.errors import SnapshotError
+from colocar.protocol.tokens import TOKEN_METADATA_KEY
 from colocar.shm import ArenaFullError
 
 from . import snap_restore, snap_take
@@ -36,8 +37,9 @@ KEEPER_TTL = 30 * 24 * 3600.0  # the object's; its blocks go after `idle_seconds
 
 
 def _token(cluster: Any) -> str:
-    """The token the controller reached the sidecars with (the peers accept the same)."""
-    return str(getattr(cluster.hosts[0].connection, "_token", "") or "")
+    """The token the controller reached the sidecars with (the peers accept the same): the
+    one its gRPC calls carry."""
+    return str(dict(cluster.hosts[0].connection.grpc.metadata).get(TOKEN_METADATA_KEY, ""))
 
 
 def _check_args(hosts: int, replicas: int, keep: int) -> None:
