@@ -26,6 +26,7 @@ from .errors import (
     ProcessesDisagree,
     RemoteError,
     SerializationError,
+    SnapshotError,
     VersionSkewError,
 )
 
@@ -70,6 +71,7 @@ __all__ = [
     "RemoteError",
     "RemoteObject",
     "SerializationError",
+    "SnapshotError",
     "VersionSkewError",
     "colocated",
     "colocated_class",

@@ -60,3 +60,8 @@ class CheckpointError(ColocarError):
 class ProcessesDisagree(ColocarError):
     """Under multi-controller JAX, the processes hold different values for what must be the same
     (an array call's outputs, a data iterator's state or config); names the process that differs."""
+
+
+class SnapshotError(ColocarError):
+    """A host-memory snapshot cannot be restored (or taken); the message names the step, the
+    leaf and the hosts whose loss made it unrecoverable."""

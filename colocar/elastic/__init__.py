@@ -15,9 +15,10 @@ if TYPE_CHECKING:
     from . import faults
     from .data import devices_for_batch
     from .manager import Manager
+    from .snapshots import Snapshots
     from .topology import ClusterView, ElasticError
 
-__all__ = ["ClusterView", "ElasticError", "Manager", "devices_for_batch", "faults"]
+__all__ = ["ClusterView", "ElasticError", "Manager", "Snapshots", "devices_for_batch", "faults"]
 
 
 def __getattr__(name: str) -> Any:
@@ -25,6 +26,8 @@ def __getattr__(name: str) -> Any:
 
     if name == "Manager":
         return importlib.import_module(".manager", __name__).Manager
+    if name == "Snapshots":
+        return importlib.import_module(".snapshots", __name__).Snapshots
     if name in ("ClusterView", "ElasticError"):
         return getattr(importlib.import_module(".topology", __name__), name)
     if name == "devices_for_batch":

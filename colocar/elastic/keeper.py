@@ -1,0 +1,358 @@
+"""The snapshot keeper: a detached object per host holding snapshot blocks (runs in the sidecar).
+
+The controller copies each of the host's shards into an arena block and hands the views to
+`write` (the same call shape as the checkpoint writer's, so `save.send`-like senders fit). Once
+all arrived, a background thread at lower priority copies them to the peer hosts' keepers over
+the network (`peers.py`); `status` long-polls that. Blocks stay here, keyed by (step, leaf,
+shard bounds), until `begin` of a later snapshot or `drop` lets them go (dropping the views
+frees the blocks). `commit` stores the snapshot's small record (pickled by the controller); a
+restarted controller finds committed snapshots with `holdings`, and `read` cuts the slices a
+restore needs out of the blocks here. No JAX import: only the peer link pulls it in.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .peers import PeerLinks, PeerOptions, Target, lower_priority
+
+Bounds = tuple[tuple[int, int], ...]  # ((start, stop), ...) in the global array
+Key = tuple[int, Bounds]  # (leaf index, bounds)
+ENDED = ("replicated", "failed")
+
+
+def key_of(leaf: int, bounds: Any) -> Key:
+    return int(leaf), tuple((int(a), int(b)) for a, b in bounds)
+
+
+@dataclass
+class _Snap:
+    step: int
+    attempt: str  # a late call for an earlier attempt of the same step is refused
+    peers: list[Target]
+    own: dict[Key, np.ndarray] = field(default_factory=dict)
+    replicas: dict[int, dict[Key, np.ndarray]] = field(default_factory=dict)  # source host -> blocks
+    incoming: dict[tuple[int, Key], list[Any]] = field(default_factory=dict)  # -> [block, bytes so far]
+    state: str = "copying"  # copying -> replicating -> replicated | failed
+    error: str = ""
+    record: bytes | None = None  # set by commit
+    replicated_bytes: int = 0
+    replication_seconds: float = 0.0
+
+    def nbytes(self) -> int:
+        blocks = list(self.own.values()) + [b for r in self.replicas.values() for b in r.values()]
+        return sum(b.nbytes for b in blocks)
+
+
+class SnapshotKeeper:
+    """One per `Snapshots` and host, created detached (it outlives a lost controller)."""
+
+    def __init__(self, host: int, pool: str, peer_options: PeerOptions, idle_seconds: float = 7200.0):
+        self.host = host
+        self.pool = pool or "default"
+        self.idle_seconds = idle_seconds
+        self._snaps: dict[int, _Snap] = {}
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._peers = PeerLinks(host, peer_options)
+        self._closed = False
+        self._touched = time.monotonic()  # the last call from a controller
+        # A keeper whose lifetime ended (the sidecar dropped it) closes its peer sessions too.
+        weakref.finalize(self, self._peers.close)
+        threading.Thread(
+            target=_watch_idle, args=(weakref.ref(self), idle_seconds), name="colocar-snap-idle", daemon=True
+        ).start()
+
+    def _touch(self) -> None:
+        self._touched = time.monotonic()
+
+    def expire_if_idle(self) -> bool:
+        """Drops every snapshot once no controller called for `idle_seconds` (a controller that
+        died without `close` pins no arena memory for longer); True if it did."""
+        with self._lock:
+            if time.monotonic() - self._touched <= self.idle_seconds or not self._snaps:
+                return False
+            for step in list(self._snaps):
+                self._forget(step)
+        self._peers.close()
+        _flush()
+        return True
+
+    # --- taking a snapshot ------------------------------------------------------------------
+    def begin(self, step: int, attempt: str, keep: list[int], peers: list[Target]) -> None:
+        """A new snapshot `step` (this `attempt` of it) whose blocks go to `peers` too; every
+        snapshot here other than `keep` (the newest complete ones the controller keeps) is
+        dropped first."""
+        self._touch()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"the snapshot keeper of host {self.host} is closed")
+            for old in [s for s in self._snaps if s not in keep]:
+                self._forget(old)
+            self._snaps[step] = _Snap(step, attempt, [Target(*p) for p in peers])
+            self._changed.notify_all()
+        _flush()
+
+    def write(self, step: int, pieces: list[tuple[int, Any, np.ndarray]], total: int | None = None) -> None:
+        """Keeps pieces (leaf, bounds, arena view in the snapshot pool) of this host's shards;
+        with `total`, the last ones: replication to the peers starts."""
+        self._touch()
+        kept = {key_of(leaf, bounds): data for leaf, bounds, data in pieces}
+        with self._lock:
+            self._snap(step).own.update(kept)
+        if total is not None:
+            self.finish(step, total)
+
+    def finish(self, step: int, pieces: int) -> None:
+        """Every piece was sent (`pieces` in all): replicates in the background."""
+        with self._lock:
+            snap = self._snap(step)
+            if len(snap.own) != pieces:
+                self._fail(snap, f"host {self.host} got {len(snap.own)} of {pieces} pieces of step {step}")
+                return
+            snap.state = "replicating" if snap.peers else "replicated"
+            self._changed.notify_all()
+            if not snap.peers:
+                return
+        threading.Thread(
+            target=self._replicate, args=(snap,), name=f"colocar-snap-replicate-{step}", daemon=True
+        ).start()
+
+    def _replicate(self, snap: _Snap) -> None:
+        lower_priority(self._peers.options.nice)
+        started = time.monotonic()
+        items = [(leaf, [list(b) for b in bounds], data) for (leaf, bounds), data in snap.own.items()]
+        try:
+            for target in snap.peers:
+                sent = self._peers.send(target, snap.step, snap.attempt, items, self._alive(snap))
+                snap.replicated_bytes += sent
+        except Exception as e:
+            with self._lock:
+                self._fail(snap, f"host {self.host}: replicating step {snap.step} failed: {e}")
+            return
+        finally:
+            items = []
+        with self._lock:
+            snap.replication_seconds = time.monotonic() - started
+            if snap.state == "replicating":
+                snap.state = "replicated"
+                self._changed.notify_all()
+
+    def _alive(self, snap: _Snap) -> Any:
+        """A check that raises once the snapshot was dropped or failed (replication stops)."""
+
+        def check() -> None:
+            if self._closed or self._snaps.get(snap.step) is not snap or snap.state == "failed":
+                raise RuntimeError(f"step {snap.step} was dropped or failed on host {self.host}")
+
+        return check
+
+    def receive(
+        self,
+        step: int,
+        attempt: str,
+        source: int,
+        leaf: int,
+        bounds: Any,
+        dtype: Any,
+        shape: Any,
+        offset: int,
+        data: bytes,
+    ) -> int:
+        """One chunk of a block sent by `source` (a peer's keeper: a replica; this host: its
+        own shard, from a controller that does not map the arena). The block is allocated in
+        the snapshot pool when its first chunk arrives (chunks may come in any order) and
+        counts once all its bytes did. Returns the bytes taken."""
+        key = key_of(leaf, bounds)
+        with self._lock:
+            snap = self._snap(step, attempt)
+            slot = snap.incoming.get((source, key))
+            if slot is None:
+                slot = snap.incoming[(source, key)] = [_allocate(tuple(shape), np.dtype(dtype), self.pool), 0]
+        block = slot[0]
+        block.reshape(-1).view(np.uint8)[offset : offset + len(data)] = np.frombuffer(data, np.uint8)
+        with self._lock:
+            slot[1] += len(data)
+            if slot[1] == block.nbytes and snap.incoming.pop((source, key), None) is slot:
+                held = snap.own if source == self.host else snap.replicas.setdefault(source, {})
+                held[key] = block
+        return len(data)
+
+    def status(self, step: int, attempt: str, timeout: float = 0.0) -> dict[str, Any]:
+        """The step's state here once replication ended (or after `timeout` s)."""
+        self._touch()
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            snap = self._snaps.get(step)
+            while snap is not None and snap.state not in ENDED and (left := deadline - time.monotonic()) > 0:
+                self._changed.wait(left)
+                snap = self._snaps.get(step)
+            if snap is None or snap.attempt != attempt:
+                return {
+                    "state": "unknown",
+                    "error": f"host {self.host} holds no step {step}",
+                    "host": self.host,
+                }
+            return {
+                "state": snap.state,
+                "error": snap.error,
+                "host": self.host,
+                "bytes": snap.nbytes(),
+                "replicated_bytes": snap.replicated_bytes,
+                "replication_seconds": snap.replication_seconds,
+            }
+
+    def commit(self, step: int, attempt: str, record: bytes) -> None:
+        """Every shard of `step` and its replicas are in place: its record is kept here."""
+        self._touch()
+        with self._lock:
+            self._snap(step, attempt).record = record
+
+    def drop(self, step: int) -> None:
+        self._touch()
+        with self._lock:
+            self._forget(step)
+        _flush()
+
+    # --- finding and reading ----------------------------------------------------------------
+    def holdings(self) -> dict[int, dict[str, Any]]:
+        """step -> its record (None until committed) and the keys of the blocks held here."""
+        self._touch()
+        with self._lock:
+            return {
+                s.step: {
+                    "record": s.record,
+                    "attempt": s.attempt,
+                    "state": s.state,
+                    "keys": sorted(set(s.own) | {k for r in s.replicas.values() for k in r}),
+                }
+                for s in self._snaps.values()
+            }
+
+    def read(self, step: int, attempt: str, requests: list[tuple[int, str, Any]]) -> list[np.ndarray]:
+        """[(leaf, dtype, bounds)] -> arena arrays cut from the blocks of `step` (made by
+        `attempt`) held here; each request must be covered by them."""
+        self._touch()
+        import ml_dtypes  # noqa: F401 - registers bfloat16 & co. with numpy
+
+        from colocar.shm import empty
+
+        by_leaf: dict[int, list[tuple[Bounds, np.ndarray]]] = {}
+        with self._lock:
+            snap = self._snap(step, attempt)
+            for held in [snap.own, *snap.replicas.values()]:
+                for (leaf, bounds), data in held.items():
+                    by_leaf.setdefault(leaf, []).append((bounds, data))
+        out = []
+        for leaf, dtype, bounds in requests:
+            want = key_of(leaf, bounds)
+            result = empty(tuple(b - a for a, b in want[1]), np.dtype(dtype))
+            covered = 0
+            for held_bounds, data in by_leaf.get(want[0], []):
+                covered += _copy_overlap(result, want[1], data, held_bounds)
+            if covered != result.size:
+                raise KeyError(
+                    f"host {self.host} holds {covered} of {result.size} elements of leaf {leaf} {bounds}"
+                )
+            out.append(result)
+        return out
+
+    def stats(self) -> dict[int, Any]:
+        with self._lock:
+            return {
+                s: {"state": v.state, "bytes": v.nbytes(), "record": v.record is not None}
+                for s, v in self._snaps.items()
+            }
+
+    def close(self) -> None:
+        """Drops every block and closes the peer links."""
+        with self._lock:
+            self._closed = True
+            for step in list(self._snaps):
+                self._forget(step)
+        self._peers.close()
+        _flush()
+
+    # --- helpers (lock held) ----------------------------------------------------------------
+    def _snap(self, step: int, attempt: str | None = None) -> _Snap:
+        snap = self._snaps.get(step)
+        if snap is None or (attempt is not None and snap.attempt != attempt):
+            raise KeyError(
+                f"host {self.host} holds no snapshot of step {step} (dropped, or begin was not called)"
+            )
+        return snap
+
+    def _fail(self, snap: _Snap, error: str) -> None:
+        if snap.state not in ENDED:
+            snap.state, snap.error = "failed", error
+            self._changed.notify_all()
+
+    def _forget(self, step: int) -> None:
+        snap = self._snaps.pop(step, None)
+        if snap is not None:
+            self._fail(snap, f"step {step} was dropped on host {self.host}")
+            snap.own.clear()  # the views go: their blocks are freed
+            snap.replicas.clear()
+            snap.incoming.clear()
+            self._changed.notify_all()
+
+
+def _watch_idle(ref: weakref.ref, idle_seconds: float) -> None:
+    """Runs while the keeper lives: lets it expire its snapshots once idle."""
+    period = max(0.05, min(60.0, idle_seconds / 4))
+    while True:
+        time.sleep(period)
+        keeper = ref()
+        if keeper is None or keeper._closed:
+            return
+        if keeper.expire_if_idle():
+            print(
+                f"colocar snapshots: host {keeper.host} dropped its snapshots after "
+                f"{keeper.idle_seconds:.0f} s without a call from their controller",
+                file=sys.__stderr__,
+                flush=True,
+            )
+        del keeper
+
+
+def _allocate(shape: tuple[int, ...], dtype: np.dtype, pool: str) -> np.ndarray:
+    """A block of the snapshot pool, at once or ArenaFullError (a snapshot never waits)."""
+    import ml_dtypes  # noqa: F401 - registers bfloat16 & co. with numpy
+
+    from colocar.shm.context import sidecar_runtime
+
+    try:
+        arena = sidecar_runtime()
+    except RuntimeError:  # not in a sidecar (a unit test of the class)
+        return np.empty(shape, dtype)
+    return arena.empty(shape, dtype, pool, timeout=0.0)
+
+
+def _flush() -> None:
+    """Waits until the blocks of dropped views are free (the arena's counts then say so)."""
+    from colocar.shm.context import sidecar_runtime
+
+    try:
+        sidecar_runtime().flush()
+    except RuntimeError:  # not in a sidecar (a unit test of the class): nothing to wait for
+        pass
+
+
+def _copy_overlap(out: np.ndarray, want: Bounds, data: np.ndarray, held: Bounds) -> int:
+    """Copies the part of block `data` (at `held` bounds) inside `want` into `out`; returns the
+    elements copied."""
+    lo = [max(a, c) for (a, _), (c, _) in zip(want, held, strict=True)]
+    hi = [min(b, d) for (_, b), (_, d) in zip(want, held, strict=True)]
+    if any(h <= low for low, h in zip(lo, hi, strict=True)):
+        return 0
+    dst = tuple(slice(a - w[0], b - w[0]) for a, b, w in zip(lo, hi, want, strict=True))
+    src = tuple(slice(a - h[0], b - h[0]) for a, b, h in zip(lo, hi, held, strict=True))
+    out[dst] = data[src]  # an assignment: a 0-d array's out[()] is no view to copy into
+    return int(np.prod([b - a for a, b in zip(lo, hi, strict=True)], dtype=np.int64))

@@ -1,0 +1,180 @@
+"""Sidecar-to-sidecar bulk transfer of snapshot replicas (runs in the sidecar).
+
+A keeper sends its blocks to a peer host's keeper directly, never through the controller: it
+opens a session with the peer's sidecar like a controller would (the cluster's token, or
+mutual TLS), always over gRPC (`shm=False`, even when both sidecars share a machine, so the
+path is the one that runs across hosts). Each block travels as chunks of just under 1 MiB
+(`send_chunks`), each a call of the peer keeper's `receive`, which writes it straight into a
+block of the snapshot pool; at most `WINDOW` chunks are in flight (flow control). The sending
+thread runs at a lower priority than training, and `bandwidth` (bytes/s) caps its rate. A
+controller that does not map a host's arena sends that host's own shards the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+
+CHUNK_BYTES = (1 << 20) - (16 << 10)  # a chunk and its call's arguments stay under the 1 MiB inline limit
+WINDOW = 4  # chunks in flight to one peer
+
+
+class Target(NamedTuple):
+    """A peer keeper: its host index, its sidecar's address and the keeper's detached name."""
+
+    host: int
+    address: str
+    name: str
+
+
+@dataclass
+class PeerOptions:
+    """Plain data, sent from the controller once per keeper."""
+
+    token: str = ""
+    tls_ca: str | None = None  # PEM file paths on the sidecars' hosts (mutual TLS)
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    heartbeat_seconds: float = 1.0
+    lease_seconds: float = 30.0
+    connect_timeout: float = 10.0
+    bandwidth: float = 0.0  # bytes per second a keeper sends at most (0: no cap)
+    nice: int = 5  # scheduling priority of the replicating thread (0: as the sidecar)
+
+
+def lower_priority(nice: int) -> None:
+    """The calling thread yields the CPU to training (replication is background work)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except (AttributeError, OSError):
+        pass
+
+
+def _credentials(options: PeerOptions) -> Any:
+    if not (options.tls_ca or options.tls_cert):
+        return None
+    import grpc
+
+    def read(path: str | None) -> bytes | None:
+        if path is None:
+            return None
+        with open(path, "rb") as f:
+            return f.read()
+
+    return grpc.ssl_channel_credentials(read(options.tls_ca), read(options.tls_key), read(options.tls_cert))
+
+
+def send_chunks(
+    keeper: Any,
+    step: int,
+    attempt: str,
+    source: int,
+    items: list[tuple[int, Any, np.ndarray]],
+    check: Callable[[], None] = lambda: None,
+    bandwidth: float = 0.0,
+) -> int:
+    """Sends `items` (leaf, bounds, array) of `step` to `keeper` as chunks, `WINDOW` in flight;
+    returns the bytes sent. `check()` raises to stop; `bandwidth` (bytes/s) caps the rate.
+    On failure every chunk in flight has ended before the error is raised."""
+    in_flight: deque[Any] = deque()
+    sent = queued = 0
+    started = time.monotonic()
+    try:
+        for leaf, bounds, array in items:
+            flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+            for offset in range(0, max(flat.size, 1), CHUNK_BYTES):
+                while bandwidth > 0 and (ahead := queued / bandwidth - (time.monotonic() - started)) > 0:
+                    time.sleep(min(ahead, 0.2))  # the bytes sent so far are ahead of the cap
+                    check()
+                check()
+                chunk = flat[offset : offset + CHUNK_BYTES].tobytes()
+                call = keeper.receive.submit(
+                    step, attempt, source, leaf, bounds, array.dtype, array.shape, offset, chunk
+                )
+                in_flight.append(call)
+                queued += len(chunk)
+                while len(in_flight) >= WINDOW:
+                    sent += in_flight.popleft().result()
+        while in_flight:
+            sent += in_flight.popleft().result()
+        return sent
+    except BaseException:
+        for call in in_flight:
+            call.exception()
+        raise
+
+
+@dataclass
+class _PeerHost:
+    """What a remote-object handle needs of its host (`cluster.Host` would import JAX here)."""
+
+    index: int
+    connection: Any
+
+    @property
+    def name(self) -> str:
+        return str(self.connection.session.name)
+
+
+class PeerLinks:
+    """One keeper's connections to its peers' sidecars, opened on first use."""
+
+    def __init__(self, host: int, options: PeerOptions):
+        self.host = host
+        self.options = options
+        self._links: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def send(
+        self,
+        target: Target,
+        step: int,
+        attempt: str,
+        items: list[tuple[int, Any, Any]],
+        check: Callable[[], None],
+    ) -> int:
+        """Stores `items` (leaf, bounds, array) of `step` in `target`'s keeper; returns the
+        bytes sent. `check()` raises to stop (the snapshot was dropped)."""
+        peer = self._keeper(target)
+        return send_chunks(peer, step, attempt, self.host, items, check, self.options.bandwidth)
+
+    def _keeper(self, target: Target) -> Any:
+        """A handle on the peer's keeper, over a live gRPC session with its sidecar."""
+        from colocar.controller_bridge.connection import HostConnection
+        from colocar.controller_bridge.remote import find_detached
+
+        with self._lock:
+            conn = self._links.get(target.address)
+            if conn is not None and (conn.session.lost is not None or conn.session.closed):
+                conn.close()
+                conn = None
+            if conn is None:
+                o = self.options
+                conn = HostConnection(
+                    target.address,
+                    f"host{target.host}",
+                    o.token,
+                    shm=False,
+                    lease_seconds=o.lease_seconds,
+                    heartbeat_seconds=o.heartbeat_seconds,
+                    connect_timeout=o.connect_timeout,
+                    credentials=_credentials(o),
+                )
+                self._links[target.address] = conn
+        return find_detached(_PeerHost(target.host, conn), target.name)  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        with self._lock:
+            links, self._links = self._links, {}
+        for conn in links.values():
+            try:
+                conn.close()
+            except Exception:
+                pass

@@ -1,0 +1,228 @@
+"""Finding recoverable snapshots and restoring them from the survivors' arenas (controller).
+
+`survey` asks each live host's keeper what it holds (committed records and block keys); a
+snapshot is recoverable when some live keeper has its record and every shard it lists is held
+by a live host (its primary or a replica). A restore plans each target device's slice as the
+checkpoint restore does (`checkpoint.restore`'s target checks, plan and assembly); each slice
+is read from one live host holding all of it when there is one (preferring the device's own
+host), else stitched here from the parts each holder cuts out.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections import defaultdict
+from typing import Any
+
+import jax
+import numpy as np
+
+from colocar.checkpoint import restore as ckpt_restore
+from colocar.errors import CheckpointError, SnapshotError
+
+from .keeper import Bounds, Key, key_of
+
+Survey = dict[int, dict[int, dict[str, Any]]]  # host -> step -> {"record", "attempt", "state", "keys"}
+
+
+def survey(keepers: dict[int, Any], hosts: list[int]) -> Survey:
+    """What each of `hosts` holds; a host whose keeper does not answer holds nothing."""
+    futures = {}
+    for h in hosts:
+        try:
+            futures[h] = keepers[h].holdings.submit()
+        except Exception:  # noqa: BLE001 - lost: it holds nothing
+            continue
+    found: Survey = {}
+    for h, future in futures.items():
+        try:
+            found[h] = future.result()
+        except Exception:  # noqa: BLE001
+            continue
+    return found
+
+
+def records(found: Survey) -> dict[int, list[dict[str, Any]]]:
+    """step -> its committed records (one per attempt at the step), newest first."""
+    out: dict[int, dict[str, dict[str, Any]]] = defaultdict(dict)
+    for held in found.values():
+        for step, info in held.items():
+            if info["record"] is not None and info["attempt"] not in out[step]:
+                out[step][info["attempt"]] = pickle.loads(info["record"])
+    return {s: sorted(r.values(), key=lambda r: -r["time"]) for s, r in out.items()}
+
+
+def holders(found: Survey, step: int, attempt: str) -> dict[Key, list[int]]:
+    """Shard key -> the live hosts holding it in their snapshot of `step` made by `attempt`
+    (a host that began another attempt at the step holds other data under the same keys)."""
+    where: dict[Key, list[int]] = defaultdict(list)
+    for h, held in found.items():
+        info = held.get(step)
+        if info is not None and info["attempt"] == attempt:
+            for key in info["keys"]:
+                where[key_of(*key)].append(h)
+    return where
+
+
+def missing(record: dict[str, Any], where: dict[Key, list[int]]) -> list[tuple[int, Key]]:
+    """(primary host, shard) of each shard no live host holds."""
+    return [
+        (h, key_of(leaf, bounds))
+        for h, shards in record["shards"].items()
+        for leaf, bounds in shards
+        if not where.get(key_of(leaf, bounds))
+    ]
+
+
+def usable(found: Survey, step: int) -> dict[str, Any] | None:
+    """The newest committed record of `step` whose every shard a live host holds, or None."""
+    for record in records(found).get(step, []):
+        if not missing(record, holders(found, step, record["attempt"])):
+            return record
+    return None
+
+
+def recoverable(found: Survey) -> list[int]:
+    """Committed steps whose every shard a live host holds, ascending."""
+    return sorted(s for s in records(found) if usable(found, s) is not None)
+
+
+def _overlap(a: Bounds, b: Bounds) -> Bounds | None:
+    lo_hi = tuple((max(x, z), min(y, w)) for (x, y), (z, w) in zip(a, b, strict=True))
+    return None if any(hi <= lo for lo, hi in lo_hi) else lo_hi
+
+
+def restore(step: int, target: Any, cluster: Any, found: Survey, keepers: dict[int, Any]) -> Any:
+    """The snapshot's tree on `target` (a pytree of ShapeDtypeStructs with shardings)."""
+    record = usable(found, step)
+    if record is None:
+        _unrecoverable(step, found)
+    assert record is not None
+    where = holders(found, step, record["attempt"])
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=lambda x: x is None)
+    targets = {jax.tree_util.keystr(path): leaf for path, leaf in leaves}
+    values = pickle.loads(record["values"])
+    out: dict[str, Any] = {}
+    arrays = {}
+    for key, wanted_leaf in targets.items():
+        if key in values:
+            out[key] = values[key]
+        elif key in record["leaves"]:
+            arrays[key] = wanted_leaf
+        else:
+            raise SnapshotError(f"{key}: not in snapshot step {step} (it holds {record['keys'][:20]})")
+    try:
+        _, wanted = ckpt_restore._split_targets(record["leaves"], arrays, cluster.devices, step)
+    except CheckpointError as e:
+        raise SnapshotError(f"snapshot {e}") from None
+    requests, placed = ckpt_restore._plan(wanted, cluster, ckpt_restore.RestoreStats())
+    results = _read(step, record["attempt"], requests, where, keepers)
+    for picked in wanted:
+        out[picked.key] = ckpt_restore._assemble(picked, cluster, placed, results)
+    return jax.tree_util.tree_unflatten(treedef, [out[k] for k in targets])
+
+
+def _unrecoverable(step: int, found: Survey) -> None:
+    """Raises SnapshotError saying why `step` cannot be restored from the live hosts."""
+    committed = records(found)
+    if step not in committed:
+        raise SnapshotError(
+            f"snapshot step {step} is not committed on any live host (live: {sorted(found)}; "
+            f"committed there: {sorted(committed)})"
+        )
+    record = committed[step][0]
+    lost = missing(record, holders(found, step, record["attempt"]))
+    host, (leaf, bounds) = lost[0]
+    raise SnapshotError(
+        f"snapshot step {step} is not recoverable: {len(lost)} shards have no live copy, e.g. "
+        f"leaf {leaf} {list(bounds)} of host {host} (its replicas were on hosts "
+        f"{record['replicas'].get(host)}; live hosts: {sorted(found)}). Restore an older "
+        "snapshot (latest()) or from storage"
+    )
+
+
+def _sources(
+    h: int, leaf: int, bounds: Bounds, where: dict[Key, list[int]], load: dict[int, int]
+) -> list[tuple[int, Bounds]]:
+    """(host, part) covering one slice: all from one holder when possible, else each
+    intersecting shard from one of its holders; the device's own host first, else the holder
+    serving the fewest bytes so far (`load`, updated)."""
+    parts = [
+        (key, part) for key in where if key[0] == leaf and (part := _overlap(key[1], bounds)) is not None
+    ]
+    common = set.intersection(*[set(where[k]) for k, _ in parts]) if parts else set()
+    chosen = [(common, bounds)] if common else [(set(where[k]), part) for k, part in parts]
+    out = []
+    for hosts, part in chosen:
+        source = h if h in hosts else min(hosts, key=lambda x: (load.get(x, 0), x))
+        load[source] = load.get(source, 0) + _volume(part)
+        out.append((source, part))
+    return out
+
+
+def _volume(bounds: Any) -> int:
+    return int(np.prod([b - a for a, b in bounds], dtype=np.int64))
+
+
+def _read(
+    step: int,
+    attempt: str,
+    requests: dict[int, list[Any]],
+    where: dict[Key, list[int]],
+    keepers: dict[int, Any],
+) -> dict[int, list[np.ndarray]]:
+    """Per device host, its requested slices (in request order) read from the holders."""
+    plans: dict[int, list[tuple[int, list[tuple[int, Bounds, int]]]]] = {}  # h -> per request: parts
+    reads: dict[int, list[tuple[int, str, list[list[int]]]]] = defaultdict(list)
+    load: dict[int, int] = {}  # elements each source serves so far
+    for h, wanted in requests.items():
+        plans[h] = []
+        for leaf, dtype, bounds in wanted:
+            parts = []
+            for source, part in _sources(h, leaf, key_of(leaf, bounds)[1], where, load):
+                parts.append((source, part, len(reads[source])))
+                reads[source].append((leaf, dtype, [list(b) for b in part]))
+            plans[h].append((leaf, parts))
+    got = _fetch(step, attempt, reads, keepers)
+    results: dict[int, list[np.ndarray]] = {}
+    for h, wanted in requests.items():
+        results[h] = []
+        for (leaf, dtype, bounds), (_, parts) in zip(wanted, plans[h], strict=True):
+            if len(parts) == 1 and [list(b) for b in parts[0][1]] == [list(b) for b in bounds]:
+                results[h].append(got[parts[0][0]][parts[0][2]])
+                continue
+            whole = np.empty(tuple(b - a for a, b in bounds), np.dtype(dtype))
+            _check_covered(step, leaf, bounds, [p for _, p, _ in parts])
+            for source, part, i in parts:
+                whole[tuple(slice(a - o[0], b - o[0]) for (a, b), o in zip(part, bounds, strict=True))] = got[
+                    source
+                ][i]
+            results[h].append(whole)
+    return results
+
+
+def _check_covered(step: int, leaf: int, bounds: Any, parts: list[Bounds]) -> None:
+    """The parts (disjoint: distinct shards) fill the slice, or SnapshotError: never a slice
+    with a hole in it."""
+    volume = _volume(bounds)
+    got = sum(_volume(part) for part in parts)
+    if got != volume:
+        raise SnapshotError(
+            f"snapshot step {step}: the held shards of leaf {leaf} cover {got} of the {volume} "
+            f"elements of slice {bounds}"
+        )
+
+
+def _fetch(
+    step: int, attempt: str, reads: dict[int, list[Any]], keepers: dict[int, Any]
+) -> dict[int, list[np.ndarray]]:
+    """Every source host cuts its parts at once; a failure gives up the others' reads."""
+    futures = {}
+    try:
+        for source, wanted in reads.items():
+            futures[source] = keepers[source].read.submit(step, attempt, wanted)
+        return {source: list(future.result()) for source, future in futures.items()}
+    except Exception as e:
+        for future in futures.values():
+            future.give_up()
+        raise SnapshotError(f"reading snapshot step {step} from the surviving hosts failed: {e}") from e

@@ -1,0 +1,174 @@
+"""Taking a snapshot: replica placement, the fit check, shards device -> arena (controller).
+
+A snapshot reuses the checkpoint's save planning (`checkpoint.save.plan`: one piece per
+distinct shard, replicated shards once) with one piece per shard, and its copy (`copy_into`:
+one memcpy into an arena block of the shard's host, split over the copy threads). What a host
+must hold is its own shards plus the replicas it receives; a snapshot that does not fit some
+host's pool is skipped with a warning naming the sizes, before any block is taken.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+import warnings
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any
+
+import cloudpickle
+import jax
+import numpy as np
+
+from colocar.checkpoint import save, tree
+from colocar.errors import HostLostError, SnapshotError
+from colocar.shm.allocator import footprint
+
+from .peers import send_chunks
+
+WHOLE_SHARD = 1 << 62  # plan's chunk limit: one piece per shard
+Placement = Callable[[list[int], int], dict[int, list[int]]]
+
+
+class SnapshotSkipped(UserWarning):
+    """A snapshot was not taken (it does not fit an arena pool); training goes on."""
+
+
+def ring(hosts: list[int], replicas: int) -> dict[int, list[int]]:
+    """Each host's replicas go to the next `replicas` hosts in ring order."""
+    n = len(hosts)
+    return {h: [hosts[(i + k) % n] for k in range(1, replicas + 1)] for i, h in enumerate(hosts)}
+
+
+def placement_of(place: Placement, hosts: list[int], replicas: int) -> dict[int, list[int]]:
+    """`place(hosts, replicas)`, checked: every host gets `replicas` distinct other hosts."""
+    targets = place(hosts, replicas)
+    for h in hosts:
+        got = list(targets.get(h, []))
+        if len(set(got)) != replicas or h in got or not set(got) <= set(hosts):
+            raise ValueError(
+                f"replica placement gave host {h} the peers {got}; it needs {replicas} distinct "
+                f"other hosts among {hosts}"
+            )
+    return {h: list(targets[h]) for h in hosts}
+
+
+class _Among:
+    """The cluster as `save.plan` sees it: only `hosts` (the live ones), so that host-side
+    leaves (numpy arrays) go to the first of them."""
+
+    def __init__(self, cluster: Any, hosts: list[int]):
+        self.hosts = [h for h in cluster.hosts if h.index in hosts]
+        self.host_of = cluster.host_of
+
+
+@dataclass
+class Planned:
+    """A snapshot's plan: pieces per host, peers per host, the record once it commits."""
+
+    step: int
+    pieces: dict[int, list[save.Piece]]
+    targets: dict[int, list[int]]
+    record: dict[str, Any]
+    own: dict[int, int] = field(default_factory=dict)  # host -> bytes of its shards
+    need: dict[int, int] = field(default_factory=dict)  # host -> arena bytes incl. replicas received
+
+
+def plan(step: int, state: Any, cluster: Any, hosts: list[int], replicas: int, place: Placement) -> Planned:
+    """The pieces of `state` per host and the record a restore needs (tree, leaf metadata,
+    non-array leaves pickled, which shard each host holds)."""
+    named, skeleton = tree.flatten(state)
+    arrays = [(k, v) for k, v in named if tree.is_array(v)]
+    values = {k: v for k, v in named if not tree.is_array(v)}
+    planned = save.plan(arrays, _Among(cluster, hosts), WHOLE_SHARD)
+    for h in planned.pieces:
+        if h not in hosts and planned.pieces[h]:
+            raise HostLostError(
+                f"snapshot of step {step}: host {h} holds shards of the state but is lost; "
+                "restore onto the surviving hosts first"
+            )
+    pieces = {h: planned.pieces.get(h, []) for h in hosts}
+    targets = placement_of(place, hosts, replicas) if replicas else {h: [] for h in hosts}
+    record = {
+        "step": step,
+        "attempt": uuid.uuid4().hex,
+        "time": time.time(),
+        "keys": [k for k, _ in named],
+        "tree": skeleton,
+        "leaves": planned.leaves,
+        "values": _pickled(step, values),
+        "shards": {h: [(p.leaf, p.bounds) for p in ps] for h, ps in pieces.items()},
+        "replicas": targets,
+        "jax_version": jax.__version__,
+    }
+    result = Planned(step, pieces, targets, record)
+    for h, ps in pieces.items():
+        result.own[h] = sum(footprint(p.nbytes) for p in ps)
+    result.need = dict(result.own)
+    for h, peers in targets.items():
+        for t in peers:
+            result.need[t] += result.own[h]
+    return result
+
+
+def _pickled(step: int, values: dict[str, Any]) -> bytes:
+    """The plain (non-array) leaves, pickled by value; an error names the leaf that cannot be."""
+    for key, value in values.items():
+        try:
+            cloudpickle.dumps(value)
+        except Exception as e:
+            raise SnapshotError(
+                f"snapshot of step {step}: leaf {key} ({type(value).__name__}) cannot be stored: {e}"
+            ) from e
+    return cloudpickle.dumps(values)
+
+
+def misfit(planned: Planned, pools: dict[int, dict[str, int]], pool: str) -> str | None:
+    """Why the snapshot cannot fit (naming host, sizes and pool), or None."""
+    for h, need in planned.need.items():
+        stats = pools[h]
+        free = stats["reserved"] - stats["used"]
+        if need > free:
+            return (
+                f"snapshot of step {planned.step} skipped: host {h} needs {need} bytes in arena pool "
+                f"{pool!r} ({planned.own[h]} of its shards + {need - planned.own[h]} of replicas it "
+                f"receives) but the pool holds {stats['reserved']} bytes with {free} free; training "
+                "goes on. Give the snapshots a larger pool (or arena), or fewer replicas"
+            )
+    return None
+
+
+def skip(reason: str) -> bool:
+    warnings.warn(reason, SnapshotSkipped, stacklevel=3)
+    return False
+
+
+def send(
+    host: Any,
+    keeper: Any,
+    step: int,
+    attempt: str,
+    pieces: list[save.Piece],
+    pool: str,
+    copiers: Executor | None,
+) -> int:
+    """Copies `pieces` into `host`'s arena (one allocation, no waiting: a full pool raises
+    ArenaFullError) and hands them to its keeper; without a mapped arena they go to the
+    keeper in chunks (`peers.send_chunks`). Returns the bytes."""
+    sources = []
+    for piece in pieces:
+        if isinstance(piece.source, jax.Array):
+            piece.source.copy_to_host_async()
+    for piece in pieces:
+        sources.append(np.asarray(piece.source)[piece.local])
+    conn = host.connection
+    if not conn.blocks.mapped:  # chunks straight into blocks of the snapshot pool
+        items = [(p.leaf, p.bounds, s) for p, s in zip(pieces, sources, strict=True)]
+        sent = send_chunks(keeper, step, attempt, host.index, items)
+        keeper.finish(step, len(pieces))
+        return sent
+    blocks = conn.blocks.empty([(p.shape, p.dtype) for p in pieces], pool=pool, timeout=0.0) if pieces else []
+    save.copy_into(list(zip(blocks, sources, strict=True)), copiers)
+    keeper.write(step, [(p.leaf, p.bounds, b) for p, b in zip(pieces, blocks, strict=True)], len(pieces))
+    return sum(p.nbytes for p in pieces)

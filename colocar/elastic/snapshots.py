@@ -1,0 +1,325 @@
+"""`Snapshots`: host-memory snapshots in the sidecars' arenas, with peer replicas (controller).
+
+`take` copies every distinct shard device -> its host's arena (as a checkpoint save does) and
+hands the blocks to the host's keeper (`keeper.py`, a detached object); it returns once the
+copies are done. Each keeper then copies its blocks to `replicas` peer hosts' keepers, sidecar
+to sidecar (`peers.py`), in the background; a snapshot counts once every shard and its
+replicas are in place and its record is committed in the keepers (`snap_commit.py`), so losing
+any `replicas` hosts loses no shard. `keep` snapshots hold blocks at most: a new one starts
+after dropping all but the newest `keep - 1` complete ones. `latest` and `restore` ask the
+surviving keepers (`snap_restore.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import jax
+
+from colocar.controller_bridge.obj import colocated_class
+from colocar.errors import SnapshotError
+from colocar.protocol.tokens import TOKEN_METADATA_KEY
+from colocar.shm import ArenaFullError
+
+from . import snap_restore, snap_take
+from .keeper import SnapshotKeeper
+from .peers import PeerOptions, Target
+from .snap_commit import Committer
+
+_Keeper = colocated_class(SnapshotKeeper)
+log = logging.getLogger("colocar.elastic")
+KEEPER_TTL = 30 * 24 * 3600.0  # the object's; its blocks go after `idle_seconds` without a controller
+
+
+def _token(cluster: Any) -> str:
+    """The token the controller reached the sidecars with (the peers accept the same): the
+    one its gRPC calls carry."""
+    return str(dict(cluster.hosts[0].connection.grpc.metadata).get(TOKEN_METADATA_KEY, ""))
+
+
+def _check_args(hosts: int, replicas: int, keep: int) -> None:
+    if jax.process_count() > 1:
+        raise SnapshotError(
+            "Snapshots needs a single controller; with several JAX processes use the "
+            "CheckpointManager (multi-controller snapshots are not supported yet)"
+        )
+    if not 0 <= replicas < hosts:
+        raise ValueError(f"replicas must be between 0 and {hosts - 1} for {hosts} hosts, got {replicas}")
+    if keep < 1:
+        raise ValueError(f"keep must be at least 1, got {keep}")
+
+
+class Snapshots:
+    """Host-memory snapshots of a pytree of jax.Arrays in the sidecars' arenas, with peer replicas.
+
+    `replicas`: peer hosts holding a copy of each host's shards (default placement: the next
+    hosts in ring order; `placement(hosts, replicas) -> {host: [peers]}` to choose). `pool`:
+    the arena pool holding the blocks. `name`: the keepers' name; a new `Snapshots` with the
+    name of an earlier one (a restarted controller) finds its committed snapshots. `bandwidth`
+    caps each host's replication rate (bytes/s). `token` and `tls_*` (PEM paths on the hosts)
+    authenticate the sidecars to each other (default: the controller's token).
+    """
+
+    def __init__(
+        self,
+        cluster: Any,
+        *,
+        replicas: int = 1,
+        keep: int = 2,
+        pool: str | None = None,
+        placement: snap_take.Placement | None = None,
+        name: str | None = None,
+        token: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        bandwidth: float = 0.0,
+        replication_timeout: float = 600.0,
+        idle_seconds: float = 2 * 3600.0,
+        copy_threads: int = 4,
+    ):
+        hosts = [h.index for h in cluster.hosts]
+        _check_args(len(hosts), replicas, keep)
+        self.cluster = cluster
+        self.replicas = replicas
+        self.keep = keep
+        self.pool = pool or "default"
+        self.placement = placement or snap_take.ring
+        self.name = name or uuid.uuid4().hex
+        heartbeat = cluster.hosts[0].connection.session.heartbeat_seconds
+        self._peer_options = PeerOptions(
+            token=token if token is not None else _token(cluster),
+            tls_ca=tls_ca,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+            heartbeat_seconds=heartbeat,
+            bandwidth=bandwidth,
+        )
+        self._idle_seconds = idle_seconds
+        self._lock = threading.RLock()
+        self._committed_lock = threading.Lock()
+        self._senders = ThreadPoolExecutor(len(hosts), thread_name_prefix="colocar-snap-send")
+        self._copiers = ThreadPoolExecutor(copy_threads, thread_name_prefix="colocar-snap-copy")
+        self._keepers: dict[int, Any] = {}
+        self._committer = Committer(self._keeper, self._committed_now, replication_timeout)
+        self._committed: list[int] = []
+        self._stats: dict[str, Any] = {"taken": 0, "skipped": 0, "last_take": {}}
+        self._closed = False
+        self._generations: dict[int, int] = {}  # of each host's sidecar when its keeper was opened
+        try:
+            self._pools(hosts)  # the pool exists everywhere
+            for f in [self._senders.submit(self._open_keeper, h) for h in cluster.hosts]:
+                f.result()
+        except BaseException:
+            self.close()
+            raise
+        self._committed = snap_restore.recoverable(snap_restore.survey(self._keepers, hosts))
+
+    def _keeper_name(self, h: int) -> str:
+        return f"colocar.snapshots/{self.name}/{h}"
+
+    def _open_keeper(self, host: Any) -> None:
+        """The host's keeper: the one an earlier `Snapshots` of this name left, or a new one."""
+        name = self._keeper_name(host.index)
+        self._generations[host.index] = host.connection.session.generation
+        try:
+            self._keepers[host.index] = host.object(name)
+            return
+        except Exception:  # noqa: BLE001 - none there yet
+            pass
+        self._keepers[host.index] = _Keeper.on(host, name=name, ttl=KEEPER_TTL)(
+            host.index, self.pool, self._peer_options, self._idle_seconds
+        )
+
+    def _keeper(self, h: int) -> Any:
+        return self._keepers[h]
+
+    def _reopen_restarted(self, hosts: list[int]) -> None:
+        """A host whose sidecar restarted since (it lost its keeper and blocks) gets a new keeper."""
+        for h in hosts:
+            host = self.cluster.hosts[h]
+            if host.connection.session.generation != self._generations.get(h):
+                self._open_keeper(host)
+
+    def _committed_now(self, step: int) -> None:
+        with self._committed_lock:  # not self._lock: take() holds that while it waits for a commit
+            self._committed = sorted({*self._committed, step})[-self.keep :]
+
+    # --- taking -------------------------------------------------------------------------------
+    def take(self, step: int, tree: Any) -> bool:
+        """Copies every distinct shard device -> its host's arena and hands it to the host's
+        keeper; returns once the copies are done (replication continues in the background).
+        False, with a `SnapshotSkipped` warning naming the sizes, when it does not fit."""
+        if self._closed:
+            raise SnapshotError("this Snapshots is closed")
+        started = time.monotonic()
+        with self._lock:
+            self._committer.wait(None)  # one snapshot replicates at a time
+            hosts, replicas = self._hosts_now()
+            self._reopen_restarted(hosts)
+            planned = snap_take.plan(step, tree, self.cluster, hosts, replicas, self.placement)
+            with self._committed_lock:
+                committed = [s for s in self._committed if s != step]
+            keep = committed[-(self.keep - 1) :] if self.keep > 1 else []
+            try:
+                self._begin(planned, keep)
+                reason = snap_take.misfit(planned, self._pools(hosts), self.pool)
+                if reason is None:
+                    reason = self._send(planned)
+            except BaseException:  # a host lost (or an interrupt): no part of this step stays
+                self._drop(step, hosts)
+                raise
+            if reason is not None:
+                self._drop(step, hosts)
+                self._stats["skipped"] += 1
+                return snap_take.skip(reason)
+            self._committer.track(step, hosts, planned.record)
+            self._stats["taken"] += 1
+            self._stats["last_take"] = {
+                "step": step,
+                "bytes": sum(planned.own.values()),
+                "blocked_seconds": time.monotonic() - started,
+            }
+            return True
+
+    def _hosts_now(self) -> tuple[list[int], int]:
+        """The hosts not lost, and the replicas a snapshot can have among them."""
+        hosts = self._live(None)
+        replicas = min(self.replicas, len(hosts) - 1)
+        if replicas < self.replicas:
+            log.warning(
+                "snapshots keep %d replicas instead of %d: only hosts %s are left",
+                replicas,
+                self.replicas,
+                hosts,
+            )
+        return hosts, replicas
+
+    def _begin(self, planned: snap_take.Planned, keep: list[int]) -> None:
+        """Every keeper learns the new step and its peers, and drops what is not kept."""
+        futures = []
+        for h, peers in planned.targets.items():
+            targets = [Target(t, self.cluster.hosts[t].address, self._keeper_name(t)) for t in peers]
+            attempt = planned.record["attempt"]
+            futures.append(
+                self._keepers[h].begin.submit(planned.step, attempt, keep, [tuple(t) for t in targets])
+            )
+        for future in futures:
+            future.result()
+
+    def _pools(self, hosts: list[int]) -> dict[int, dict[str, int]]:
+        futures = {h: self._senders.submit(self.cluster.hosts[h].stats) for h in hosts}
+        pools = {}
+        for h, future in futures.items():
+            found = future.result()["pools"]
+            if self.pool not in found:
+                raise SnapshotError(f"host {h} has no arena pool {self.pool!r} (it has {sorted(found)})")
+            pools[h] = found[self.pool]
+        return pools
+
+    def _send(self, planned: snap_take.Planned) -> str | None:
+        """Every host's pieces into its arena and keeper, one thread per host; the reason
+        when one host's pool turned out full (then nothing of it is kept)."""
+        step = planned.step
+
+        def send(h: int) -> int:
+            host = self.cluster.hosts[h]
+            keeper, attempt = self._keepers[h], planned.record["attempt"]
+            return snap_take.send(host, keeper, step, attempt, planned.pieces[h], self.pool, self._copiers)
+
+        futures = {h: self._senders.submit(send, h) for h in planned.pieces}
+        reason, error = None, None
+        for h, future in futures.items():  # all of them end before this returns or raises
+            try:
+                future.result()
+            except ArenaFullError as e:
+                reason = reason or (
+                    f"snapshot of step {step} skipped: host {h} found arena pool {self.pool!r} full "
+                    f"placing {planned.own[h]} bytes ({e}); training goes on"
+                )
+            except BaseException as e:
+                error = error or e
+        if error is not None:
+            raise error
+        return reason
+
+    def _drop(self, step: int, hosts: list[int]) -> None:
+        for h in hosts:
+            try:
+                self._keepers[h].drop(step)
+            except Exception:  # noqa: BLE001 - a lost host holds nothing
+                pass
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Until the replication (and commit) of the last take ended; TimeoutError after `timeout`."""
+        self._committer.wait(timeout)
+
+    # --- finding and restoring ----------------------------------------------------------------
+    def _live(self, hosts: Any) -> list[int]:
+        """Indices in this cluster of `hosts` (indices, or `Host`s of this cluster or of a view
+        of it that renumbered them: matched by their connection); None: the hosts not lost."""
+        if hosts is None:
+            return [h.index for h in self.cluster.hosts if h.connection.session.lost is None]
+        mine = {id(h.connection): h.index for h in self.cluster.hosts}
+        out = []
+        for h in hosts:
+            if isinstance(h, int):
+                out.append(h)
+            elif id(h.connection) in mine:
+                out.append(mine[id(h.connection)])
+            else:
+                raise SnapshotError(f"{h} is not a host of the snapshots' cluster {self.cluster}")
+        return out
+
+    def latest(self, hosts: Any = None) -> int | None:
+        """Newest committed snapshot recoverable from `hosts` (default: the hosts not lost)."""
+        steps = snap_restore.recoverable(snap_restore.survey(self._keepers, self._live(hosts)))
+        return steps[-1] if steps else None
+
+    def restore(self, step: int, target: Any, hosts: Any = None) -> Any:
+        """The snapshot's tree onto `target` (ShapeDtypeStructs with shardings, e.g. on a smaller
+        mesh), each shard read from a surviving host holding it. SnapshotError if not recoverable."""
+        found = snap_restore.survey(self._keepers, self._live(hosts))
+        return snap_restore.restore(step, target, self.cluster, found, self._keepers)
+
+    def stats(self) -> dict[str, Any]:
+        last = self._committer.last
+        replication = None
+        if last is not None:
+            replication = {
+                "step": last.step,
+                "state": last.state,
+                "error": last.error,
+                "seconds": last.seconds,
+                "bytes": sum(s.get("replicated_bytes", 0) for s in last.statuses.values()),
+            }
+        return {**self._stats, "committed": list(self._committed), "replication": replication}
+
+    def close(self) -> None:
+        """Waits for the last replication, then deletes the keepers (freeing every block)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._committer.wait(None)
+        finally:
+            for handle in self._keepers.values():
+                try:
+                    handle.close()
+                    handle.delete()
+                except Exception:  # noqa: BLE001 - a lost (or restarted) host took its keeper with it
+                    pass
+            self._keepers = {}
+            self._senders.shutdown(wait=False)
+            self._copiers.shutdown(wait=False)
+
+    def __enter__(self) -> Snapshots:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
