@@ -139,6 +139,26 @@ def test_two_hosts_killed_one_after_the_other(seed, shm_dir, tmp_path):
             el.close()
 
 
+def test_recovery_comes_from_the_newest_snapshot_in_ram(shm_dir, tmp_path):
+    """Snapshots every step, storage saves rarely: after host1 is killed the state comes back
+    from the survivors' arenas (its shards from their replicas), bit-exactly, and the record
+    stream is the uninterrupted run's."""
+    with three_hosts(shm_dir) as (c, started):
+        reference, ref_ids, _ = plain_run(c.devices, init(mesh_of(c.devices)), 0, STEPS)
+        mngr = CheckpointManager(str(tmp_path / "ckpt"), c)
+        el = Manager(c, mngr, save_every=100, snapshot_every=1, faults=[faults.kill("host1", at_step=4)])
+        log = Log()
+        try:
+            el.run(min_hosts=2)(make_train(el, log, STEPS))()
+            started += log.processes
+            attempt, restored, state = log.restored[-1]
+            assert el.restored_from == "snapshot" and restored >= 3, (el.restored_from, restored)
+            assert_bitwise(state, reference[restored])
+            assert log.trained_on() == ref_ids
+        finally:
+            el.close()
+
+
 def test_stopped_host_and_the_per_device_batch_rule_lose_and_repeat_no_record(shm_dir, tmp_path):
     """A hung sidecar (SIGSTOP) is a loss too. After it the global batch follows the devices
     (2 per device: 12, then 8); the position is in records, so the records trained on are the
