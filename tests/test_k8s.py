@@ -2,7 +2,7 @@
 volume, native sidecar, probes, topologies).
 
 No cluster and no network: core objects validate with kubernetes-validate's bundled 1.33
-schemas, JobSets with the JobSet CRD's openAPIV3Schema from the shared schemas directory.
+schemas, JobSets with the JobSet CRD's openAPIV3Schema from the copy in tests/data/schemas.
 """
 
 from __future__ import annotations
