@@ -64,17 +64,22 @@ def _check_restore(url: str, cluster, step: int, state, expected) -> None:
     assert_same(expected, restored)
 
 
-@pytest.mark.parametrize("where", ["local", "gcs"])
-def test_a_snapshot_saved_to_storage_restores_bit_exactly(make_cluster, tmp_path, gcs_server, where):
+@pytest.mark.parametrize(
+    "where, rows, chunk",
+    [("local", 16, 48), ("gcs", 256, 2048)],  # 48 bytes: a chunk is half a row (a strided view)
+)
+def test_a_snapshot_saved_to_storage_restores_bit_exactly(
+    make_cluster, tmp_path, gcs_server, where, rows, chunk
+):
     url, env = str(tmp_path / "ckpt"), {}
     if where == "gcs":
         gcs_server.create_bucket("colocar-snap-saves")
         url, env = "gs://colocar-snap-saves/run", gcs_server.env
     cluster = _four(make_cluster, env=env)
-    state = _state(cluster, seed=3, rows=256)
+    state = _state(cluster, seed=3, rows=rows)
     with (
         Snapshots(cluster, replicas=1, pool=POOL) as snaps,
-        CheckpointManager(url, cluster, max_chunk_bytes=2048) as mngr,
+        CheckpointManager(url, cluster, max_chunk_bytes=chunk) as mngr,
     ):
         mngr.save(4, state)  # from the devices: the manifest to compare with
         mngr.wait()
@@ -93,8 +98,9 @@ def test_a_snapshot_saved_to_storage_restores_bit_exactly(make_cluster, tmp_path
         assert mngr.all_steps() == [4, 5] and mngr.metadata(5) == {"note": "from RAM"}
         from_devices, from_snapshot = _manifest(mngr, 4), _manifest(mngr, 5)
         assert from_snapshot["leaves"] == from_devices["leaves"]
+        assert where != "local" or from_snapshot["leaves"]["['params']['w']"]["chunks"] == [1, 8]
         assert from_snapshot["tree"] == from_devices["tree"]
-    _check_restore(url, cluster, 5, _state(cluster, seed=3, rows=256), expected)
+    _check_restore(url, cluster, 5, _state(cluster, seed=3, rows=rows), expected)
 
 
 def test_a_host_lost_between_the_snapshot_and_its_save_commits_nothing(make_cluster, tmp_path):
@@ -104,6 +110,7 @@ def test_a_host_lost_between_the_snapshot_and_its_save_commits_nothing(make_clus
     with Snapshots(cluster, replicas=1, pool=POOL) as snaps:
         mngr = CheckpointManager(url, cluster)
         assert snaps.take(7, state)
+        snaps.wait()  # replicated and committed: only the host's own blocks are missing
         _kill(cluster, 2)
         _wait_lost(cluster, 2)
         with pytest.raises(CheckpointError, match=r"snapshot step 7: host 2 .* is lost"):

@@ -138,7 +138,7 @@ class CheckpointWriter:
             if old is not None and old.state not in TERMINAL:
                 raise RuntimeError(f"step {step} is already being saved on host {self.host}")
             for ended in [s for s, j in self._jobs.items() if j.reported]:
-                del self._jobs[ended]  # a long-lived writer keeps only what may still be asked
+                _BEGUN.pop((ended, self._jobs.pop(ended).attempt), None)  # keeps only what may be asked
             self._jobs[step] = job
             _BEGUN[(step, job.attempt)] = self
         watch_caller(self._trainer_gone)  # after the job is known: its trainer may be gone already
