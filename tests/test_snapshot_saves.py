@@ -21,8 +21,9 @@ from test_snapshots import POOL, _kill, _state, _target, _used, _wait_lost
 
 import colocar
 from colocar.checkpoint import CheckpointManager
+from colocar.elastic import snap_save
 from colocar.elastic.snapshots import Snapshots
-from colocar.errors import CheckpointError
+from colocar.errors import CheckpointError, SnapshotError
 
 MiB = 1 << 20
 ROWS = 8192  # 1 MiB of float32 weights: each host writes over a hundred 2 KiB chunks
@@ -109,6 +110,8 @@ def test_a_host_lost_between_the_snapshot_and_its_save_commits_nothing(make_clus
     url = str(tmp_path / "ckpt")
     with Snapshots(cluster, replicas=1, pool=POOL) as snaps:
         mngr = CheckpointManager(url, cluster)
+        with pytest.raises(SnapshotError, match="no snapshot of step 7 is held"):
+            snaps.save_to(mngr, 7)
         assert snaps.take(7, state)
         snaps.wait()  # replicated and committed: only the host's own blocks are missing
         _kill(cluster, 2)
@@ -182,6 +185,8 @@ def test_the_elastic_storage_tier_saves_from_a_snapshot_of_the_same_arrays(make_
         elastic.step(1, {"state": state})  # step 2: snapshot, then the save from its blocks
         mngr.wait()
         assert mngr.stats()["save"]["bytes"] == 0 and mngr.stats()["save"]["pieces"] > 0
+        copy = {"state": jax.tree_util.tree_map(lambda x: x.copy() if isinstance(x, jax.Array) else x, state)}
+        assert snap_save.save_if_taken(mngr, 2, copy, {}) is None  # equal values, other arrays: no
         with_numpy = _state(cluster, seed=6)  # a numpy leaf may change in place: from the devices
         elastic.step(3, {"state": with_numpy})
         mngr.wait()
