@@ -30,7 +30,7 @@ import jax
 from colocar.controller_bridge.cluster import Cluster, current_cluster
 from colocar.errors import CheckpointError
 
-from . import layout, save, tree
+from . import from_blocks, layout, save, tree
 from .inflight import InFlight, Save, SaveStats, save_failed
 from .lease import WriterLease
 from .restore import RestoreStats, restore_leaves
@@ -190,6 +190,11 @@ class CheckpointManager:
             self._last = record.stats
         return True
 
+    def save_held(self, step: int, held: from_blocks.Held, *, metadata: dict[str, Any] | None = None) -> bool:
+        """Saves `step` from arrays already in the hosts' arenas (`held`, e.g. a snapshot's
+        blocks: `Snapshots.save_to`), as `save` does but without copying from the devices."""
+        return self.save(step, held, metadata=metadata, force=True)
+
     def _clear_failed_save(self, step: int) -> None:
         """What an earlier, failed save of `step` left goes before this save writes anything."""
         try:
@@ -213,8 +218,11 @@ class CheckpointManager:
         return client
 
     def _start(self, step: int, state: Any, metadata: dict[str, Any], started: float, attempt: str) -> Save:
-        named, skeleton = tree.flatten(state)
-        plan = save.plan(named, self.cluster, self._chunk_bytes(), host_data=self.topology.leader)
+        if isinstance(state, from_blocks.Held):
+            plan, skeleton = state.plan(self.cluster, self._chunk_bytes())
+        else:
+            named, skeleton = tree.flatten(state)
+            plan = save.plan(named, self.cluster, self._chunk_bytes(), host_data=self.topology.leader)
         pieces = {self.topology.storage_id(h): p for h, p in plan.pieces.items()}  # this process's hosts
         hosts = self.topology.save_hosts(list(pieces))
         manifest = {
@@ -234,7 +242,10 @@ class CheckpointManager:
             record.writers = self._writers.for_save(list(pieces))
             record.begun = time.monotonic()
             self._begin(record, json.dumps(manifest).encode())
-            self._send(record, pieces)
+            if isinstance(state, from_blocks.Held):
+                from_blocks.send(record, pieces, state, self._senders)
+            else:
+                self._send(record, pieces)
         except Exception as e:
             error = e if isinstance(e, CheckpointError) else save_failed(step, f"{type(e).__name__}: {e}")
             self._inflight.abort(record, str(error))

@@ -20,6 +20,7 @@ import json
 import os
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,16 @@ from .storage import Storage, describe, open_storage
 from .trainer_watch import caller, watch_caller
 
 TERMINAL = ("committed", "done", "failed")
+_BEGUN: weakref.WeakValueDictionary[tuple[int, str], CheckpointWriter] = weakref.WeakValueDictionary()
+
+
+def writer_for(step: int, attempt: str) -> CheckpointWriter:
+    """The writer of this sidecar that began `attempt` at `step`: a holder of blocks in the
+    same sidecar hands it views of them (`from_blocks`)."""
+    writer = _BEGUN.get((step, attempt))
+    if writer is None:
+        raise KeyError(f"no checkpoint writer of this sidecar began step {step} (attempt {attempt})")
+    return writer
 
 
 def _lower_priority(nice: int) -> None:
@@ -127,8 +138,9 @@ class CheckpointWriter:
             if old is not None and old.state not in TERMINAL:
                 raise RuntimeError(f"step {step} is already being saved on host {self.host}")
             for ended in [s for s, j in self._jobs.items() if j.reported]:
-                del self._jobs[ended]  # a long-lived writer keeps only what may still be asked
+                _BEGUN.pop((ended, self._jobs.pop(ended).attempt), None)  # keeps only what may be asked
             self._jobs[step] = job
+            _BEGUN[(step, job.attempt)] = self
         watch_caller(self._trainer_gone)  # after the job is known: its trainer may be gone already
         if primary:
             self.commits = True

@@ -62,6 +62,7 @@ class SnapshotKeeper:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._peers = PeerLinks(host, peer_options)
+        _preimport()
         self._closed = False
         self._touched = time.monotonic()  # the last call from a controller
         # A keeper whose lifetime ended (the sidecar dropped it) closes its peer sessions too.
@@ -264,6 +265,27 @@ class SnapshotKeeper:
             out.append(result)
         return out
 
+    def write_to(self, step: int, attempt: str, save_step: int, save_attempt: str, items: list) -> int:
+        """Hands the checkpoint writer of this sidecar that began `save_attempt` at `save_step`
+        views of this host's own blocks of snapshot `step`: items (leaf, bounds, held leaf, held
+        bounds). The views keep their blocks until written, whatever `begin` or `drop` do."""
+        from colocar.checkpoint.writer_backend import writer_for
+
+        self._touch()
+        pieces = []
+        with self._lock:
+            snap = self._snap(step, attempt)
+            for leaf, bounds, held_leaf, held_bounds in items:
+                block = snap.own.get(key_of(held_leaf, held_bounds))
+                if block is None:
+                    where = f"{held_leaf} {held_bounds} of step {step}"
+                    raise KeyError(f"host {self.host} holds no block {where}")
+                starts = [lo for lo, _ in held_bounds]
+                local = tuple(slice(a - lo, b - lo) for (a, b), lo in zip(bounds, starts, strict=True))
+                pieces.append((leaf, bounds, block[local] if block.ndim else block))
+        writer_for(save_step, save_attempt).write(save_step, pieces, len(pieces))
+        return sum(p[2].nbytes for p in pieces)
+
     def stats(self) -> dict[int, Any]:
         with self._lock:
             return {
@@ -272,12 +294,13 @@ class SnapshotKeeper:
             }
 
     def close(self) -> None:
-        """Drops every block and closes the peer links."""
+        """Drops every block and closes the peer links, in the background: closing the session
+        with a lost peer waits out its timeout, which would hold the controller's `close`."""
         with self._lock:
             self._closed = True
             for step in list(self._snaps):
                 self._forget(step)
-        self._peers.close()
+        threading.Thread(target=self._peers.close, name="colocar-snap-close", daemon=True).start()
         _flush()
 
     # --- helpers (lock held) ----------------------------------------------------------------
@@ -302,6 +325,14 @@ class SnapshotKeeper:
             snap.replicas.clear()
             snap.incoming.clear()
             self._changed.notify_all()
+
+
+def _preimport() -> None:
+    """What the replication threads import, imported now: a first import there racing another
+    thread's (a checkpoint writer's modules reach `colocar.controller_bridge` too) can find a
+    module of that package partially initialised."""
+    import colocar.controller_bridge.connection  # noqa: F401
+    import colocar.controller_bridge.remote  # noqa: F401
 
 
 def _watch_idle(ref: weakref.ref, idle_seconds: float) -> None:

@@ -26,7 +26,7 @@ from colocar.errors import SnapshotError
 from colocar.protocol.tokens import TOKEN_METADATA_KEY
 from colocar.shm import ArenaFullError
 
-from . import snap_restore, snap_take
+from . import snap_restore, snap_save, snap_take
 from .keeper import SnapshotKeeper
 from .peers import PeerOptions, Target
 from .snap_commit import Committer
@@ -108,6 +108,8 @@ class Snapshots:
         self._keepers: dict[int, Any] = {}
         self._committer = Committer(self._keeper, self._committed_now, replication_timeout)
         self._committed: list[int] = []
+        self._records: dict[int, dict[str, Any]] = {}  # of this object's recent takes (`save_to`)
+        self._taken: tuple[int, list[Any]] | None = None  # the last take's step and arrays
         self._stats: dict[str, Any] = {"taken": 0, "skipped": 0, "last_take": {}}
         self._closed = False
         self._generations: dict[int, int] = {}  # of each host's sidecar when its keeper was opened
@@ -119,6 +121,7 @@ class Snapshots:
             self.close()
             raise
         self._committed = snap_restore.recoverable(snap_restore.survey(self._keepers, hosts))
+        snap_save._OPEN.add(self)
 
     def _keeper_name(self, h: int) -> str:
         return f"colocar.snapshots/{self.name}/{h}"
@@ -179,6 +182,8 @@ class Snapshots:
                 self._stats["skipped"] += 1
                 return snap_take.skip(reason)
             self._committer.track(step, hosts, planned.record)
+            self._records = {s: r for s, r in self._records.items() if s in keep} | {step: planned.record}
+            self._taken = (step, snap_save.remember(tree))
             self._stats["taken"] += 1
             self._stats["last_take"] = {
                 "step": step,
@@ -186,6 +191,15 @@ class Snapshots:
                 "blocked_seconds": time.monotonic() - started,
             }
             return True
+
+    def save_to(self, manager: Any, step: int, *, metadata: dict[str, Any] | None = None) -> bool:
+        """Writes snapshot `step` to storage through `manager` (a `CheckpointManager` over these
+        hosts) from the blocks the hosts hold: no device-to-host copy (`snap_save`). Returns
+        once the writers have them; `manager.wait()` for the commit."""
+        if self._closed:
+            raise SnapshotError("this Snapshots is closed")
+        with self._lock:  # no take drops the step's blocks before the writers hold them
+            return snap_save.save_to(self, manager, step, metadata)
 
     def _hosts_now(self) -> tuple[list[int], int]:
         """The hosts not lost, and the replicas a snapshot can have among them."""
@@ -305,6 +319,7 @@ class Snapshots:
         if self._closed:
             return
         self._closed = True
+        self._taken = None
         try:
             self._committer.wait(None)
         finally:

@@ -86,8 +86,15 @@ class StorageTier:
         return self.manager.latest_step() if self.manager is not None else None
 
     def save(self, step: int, tree: Any, meta: dict[str, Any]) -> bool:
-        """Starts the save of `tree` as `step` (written in the background)."""
-        return bool(self.manager.save(step, tree, metadata={META_KEY: meta}, force=True))
+        """Starts the save of `tree` as `step` (written in the background): from the blocks of a
+        snapshot just taken of these very arrays when there is one (no second copy from the
+        devices, `snap_save`), else from the devices."""
+        from .snap_save import save_if_taken
+
+        saved = save_if_taken(self.manager, step, tree, {META_KEY: meta})
+        if saved is None:
+            saved = self.manager.save(step, tree, metadata={META_KEY: meta}, force=True)
+        return bool(saved)
 
     def meta(self, step: int) -> dict[str, Any]:
         """The elastic bookkeeping saved with `step` ({} for a step saved otherwise)."""
