@@ -106,6 +106,24 @@ def test_each_broken_promise_fails_the_demo_with_its_message():
     assert checks({**good, "kill_step": None, "host_losses": 0, "restored_from": None}) == []
 
 
+def test_the_record_stream_is_rebuilt_from_the_attempts():
+    """The steps a later attempt replays replace the first attempt's; a restart past the last
+    step done leaves a gap that the comparison with the reference must see."""
+    from colocar.demo.monitor import Monitor, StepRecord
+
+    def run(*attempts: tuple[int, range]) -> Monitor:
+        m = Monitor(global_batch=2)
+        for attempt, steps in attempts:
+            m.steps += [StepRecord(attempt, s, 1.0, 0.1, [attempt, s], 0.0) for s in steps]
+        return m
+
+    m = run((1, range(0, 6)), (2, range(3, 8)))
+    assert m.trained_on() == [[1, 0], [1, 1], [1, 2]] + [[2, s] for s in range(3, 8)]
+    assert m.steps_lost() == 3
+    gap = run((1, range(0, 4)), (2, range(6, 8)))
+    assert len(gap.trained_on()) != 8
+
+
 def test_readme_shows_the_training_module():
     """The README's demo section holds `colocar/demo/train.py`'s `train` function, exactly."""
     readme = (ROOT / "README.md").read_text()

@@ -193,8 +193,13 @@ def main(argv: list[str]) -> None:
     os.makedirs(args.out, exist_ok=True)
     logging.getLogger("colocar.elastic").addHandler(logging.NullHandler())  # the display shows them
     signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGINT, _terminate)  # also when started in the background (SIGINT ignored)
     display = Display(args.steps, every=max(1, args.steps // 20))
     started = time.monotonic()
-    result = run(args, display)
+    try:
+        result = run(args, display)
+    except RuntimeError as e:  # no devices enough, the GCS server did not start: one line
+        print(f"colocar demo: error: {e}", file=sys.stderr)
+        sys.exit(1)
     result["wall_seconds"] = round(time.monotonic() - started, 1)
     sys.exit(report(result, display))
