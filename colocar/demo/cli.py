@@ -141,7 +141,8 @@ def run(args: argparse.Namespace, display: Any) -> dict[str, Any]:
     )
     settings = settings_for(args, written["config"])
     later = None if args.kill_step is None else min(args.steps - 2, args.kill_step + args.steps // 4)
-    monitor = Monitor(args.batch, display, scale_up_at=later, scale_up=scaleup.make("host1"))
+    settings.faults += scaleup.fault("host1", later)  # the host back, when this colocar can
+    monitor = Monitor(args.batch, display)
     with storage(args.storage, args.out) as (url, env):
         settings.storage = url
         display.note(f"checkpoints: {url}; starting {args.hosts} sidecars with 2 devices each")
@@ -157,6 +158,7 @@ def run(args: argparse.Namespace, display: Any) -> dict[str, Any]:
             "hosts": args.hosts,
             "steps": args.steps,
             "kill_step": args.kill_step,
+            "scale_up_at": later,
             "global_batch": args.batch,
             "storage": where,
             "plot": os.path.join(args.out, "demo.png"),

@@ -3,8 +3,8 @@
 Runs in the controller, called by `train.train` after every step. It keeps each step's
 attempt, loss, duration and record ids, picks up the elastic manager's new events (snapshot,
 save, fault, loss, restore, recovery, scale-up) and hands both to the display as they happen.
-It also notes the kill (the fault event) and the first step after it, for the recovery time,
-and runs the scale-up stage once, at its step, when the manager can do it (`scaleup`).
+It also notes the kill (the first fault event) and the first step after it, for the recovery
+time.
 """
 
 from __future__ import annotations
@@ -28,32 +28,32 @@ class StepRecord:
 
 @dataclass
 class Monitor:
-    """Collects the run; `display` (optional) shows it; `scale_up_at`: the step after which the
-    killed host is brought back, `scale_up`: the function doing it (see `scaleup.scale_up`)."""
+    """Collects the run; `display` (optional) shows it."""
 
     global_batch: int
     display: Any = None
-    scale_up_at: int | None = None
-    scale_up: Any = None
     steps: list[StepRecord] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
     kill_time: float | None = None
     first_step_after_kill: float | None = None
-    scale_up_result: dict[str, Any] = field(default_factory=lambda: {"ran": False, "reason": "not reached"})
     _seen: int = 0
+    _last: tuple[int, float] | None = None  # (attempt, time) of the previous call
 
-    def step(self, elastic: Any, step: int, loss: float, seconds: float, ids: Any) -> None:
-        now = time.time()
-        record = StepRecord(elastic.attempt, step, loss, seconds, np.asarray(ids).tolist(), now)
+    def step(self, elastic: Any, step: int, loss: Any, ids: Any) -> None:
+        """Step `step` of the current attempt is computed (called before `elastic.step`, which
+        may end the attempt there). Its time is the span since the previous call of the same
+        attempt: the whole loop, the previous step's snapshot or save included."""
+        loss, ids = float(loss), np.asarray(ids).tolist()  # waits for the step
+        now, attempt = time.time(), elastic.attempt
+        seconds = now - self._last[1] if self._last and self._last[0] == attempt else float("nan")
+        self._last = (attempt, now)
+        record = StepRecord(attempt, step, loss, seconds, ids, now)
         self.steps.append(record)
-        if self.kill_time is not None and self.first_step_after_kill is None and record.attempt > 1:
-            self.first_step_after_kill = now
         self._poll(elastic)
+        if self.kill_time is not None and self.first_step_after_kill is None and attempt > 1:
+            self.first_step_after_kill = now
         if self.display is not None:
             self.display.step(record, self.global_batch)
-        if self.scale_up is not None and self.scale_up_at == step and not self.scale_up_result["ran"]:
-            self.scale_up_result = self.scale_up(elastic)
-            self._poll(elastic)
 
     def _poll(self, elastic: Any) -> None:
         """The manager's events since the last call (it keeps them in order)."""

@@ -35,7 +35,7 @@ def draw(path: str, steps: list[Any], events: list[dict[str, Any]], title: str) 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True)
     for attempt in sorted({s.attempt for s in steps}):
         mine = [s for s in steps if s.attempt == attempt]
-        label = "first attempt" if attempt == 1 else f"attempt {attempt} (after a loss)"
+        label = "first attempt" if attempt == 1 else f"attempt {attempt} (after a loss or scale-up)"
         line = top.plot([s.step for s in mine], [s.loss for s in mine], lw=0.6, alpha=0.35)[0]
         top.plot(
             [s.step for s in mine],
@@ -64,7 +64,7 @@ def draw(path: str, steps: list[Any], events: list[dict[str, Any]], title: str) 
     top.legend(loc="upper right", fontsize=8)
     bottom.set_ylabel("step time (ms)")
     bottom.set_xlabel("step")
-    times = sorted(s.seconds * 1000 for s in steps)
+    times = sorted(s.seconds * 1000 for s in steps if s.seconds == s.seconds)  # nan: an attempt's first
     if times:  # the first steps of an attempt compile: keep the scale for the others
         bottom.set_ylim(0, 2.5 * times[int(0.9 * (len(times) - 1))])
     bottom.legend(loc="upper right", fontsize=8)

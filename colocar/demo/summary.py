@@ -35,16 +35,29 @@ def _blocked(stats: dict[str, Any], kind: str) -> float | None:
     return round(1000 * stats["seconds"].get(kind, 0.0) / count, 2) if count else None
 
 
+def _recovery(monitor: Any) -> tuple[str | None, int | None]:
+    """Where the state came back from after the first loss, and its step (a later scale-up
+    restores again, from the kept state: not a recovery)."""
+    event = next((e for e in monitor.events if e["kind"] == "recovery"), None)
+    if event is None:
+        return None, None
+    return str(event["detail"]).removeprefix("from "), event["step"]
+
+
 def build(monitor: Any, elastic: Any, run: dict[str, Any]) -> dict[str, Any]:
     """The summary of a finished run; `run` holds what the caller knows (settings, paths,
-    accuracy, the reference stream under "reference")."""
+    accuracy, the reference stream under "reference", the scale-up step under "scale_up_at")."""
+    from . import scaleup
+
     stats = elastic.stats()
-    steady = [s.seconds for s in monitor.steps[5:] if s.attempt == 1] or [s.seconds for s in monitor.steps]
+    timed = [s for s in monitor.steps if s.seconds == s.seconds]  # not an attempt's first step
+    steady = [s.seconds for s in timed[5:] if s.attempt == 1] or [s.seconds for s in timed] or [float("nan")]
     recovery = None
     if monitor.kill_time is not None and monitor.first_step_after_kill is not None:
         recovery = round(monitor.first_step_after_kill - monitor.kill_time, 3)
     losses = [s.loss for s in monitor.steps]
     reference = run.pop("reference")
+    restored_from, restored_step = _recovery(monitor)
     return {
         **run,
         "steps_run": len(monitor.steps),
@@ -55,15 +68,15 @@ def build(monitor: Any, elastic: Any, run: dict[str, Any]) -> dict[str, Any]:
         "saves": stats["counts"].get("save", 0),
         "host_losses": stats["counts"].get("loss", 0),
         "recovery_seconds": recovery,
-        "restored_from": stats["restored_from"],
-        "restored_step": stats["restored_step"],
+        "restored_from": restored_from,
+        "restored_step": restored_step,
         "steps_lost": monitor.steps_lost(),
         "lost_hosts": sorted({h for e in monitor.events if e["kind"] == "loss" for h in e["hosts"]}),
         "hosts_at_end": stats["hosts"],
         "record_stream_intact": monitor.trained_on() == reference,
         "loss_first": round(float(np.mean(losses[:5])), 4),
         "loss_last": round(float(np.mean(losses[-5:])), 4),
-        "scale_up": monitor.scale_up_result,
+        "scale_up": scaleup.result(monitor.events, run["scale_up_at"]),
     }
 
 

@@ -9,7 +9,6 @@ Runs in the controller. `train(cluster, settings)` is all a job needs: against a
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -130,12 +129,11 @@ def train(cluster: colocar.Cluster, settings: Settings, monitor: Any = None) -> 
         state, start = elastic.restore(target=model.abstract(mesh), init=lambda: model.init(mesh))
         data = elastic.load(settings.config, mesh)  # the pipeline runs on the sidecars
         for step in range(start, settings.steps):
-            began = time.perf_counter()
             batch = next(data)
             state, loss = model.step(state, batch)
+            if monitor is not None:  # before elastic.step, which may end the attempt here
+                monitor.step(elastic, step, loss, batch["id"])
             elastic.step(step, {"state": state, "data": data})  # snapshot / save when due
-            if monitor is not None:
-                monitor.step(elastic, step, float(loss), time.perf_counter() - began, batch["id"])
         data.close()
         return state["params"]
 
