@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 import psutil
 
+from colocar.demo import scaleup
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -46,7 +48,14 @@ def test_quick_demo_recovers_from_ram_and_draws_its_plot(tmp_path, shm_dir):
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["passed"] and summary["problems"] == []
     assert summary["restored_from"] == "snapshot" and summary["host_losses"] == 1
-    assert summary["lost_hosts"] == ["host1"] and "host1" not in summary["hosts_at_end"]
+    assert summary["lost_hosts"] == ["host1"]
+    # host1 comes back where this colocar can restart it (colocar.demo.scaleup)
+    if scaleup.available():
+        assert summary["scale_up"]["ran"] is True, summary["scale_up"]
+        assert summary["hosts_at_end"] == ["host0", "host1", "host2", "host3"]
+    else:
+        assert summary["scale_up"] == {"ran": False, "reason": scaleup.SKIPPED}
+        assert summary["hosts_at_end"] == ["host0", "host2", "host3"]
     assert summary["record_stream_intact"] is True
     assert summary["kill_step"] - 10 <= summary["restored_step"] <= summary["kill_step"] + 1
     assert 0 < summary["recovery_seconds"] < 120
@@ -55,7 +64,6 @@ def test_quick_demo_recovers_from_ram_and_draws_its_plot(tmp_path, shm_dir):
     assert summary["accuracy_floor"] < summary["test_accuracy"] <= 1
     assert summary["snapshots"] > 0 and summary["saves"] > 0 and summary["throughput_examples_per_s"] > 0
     assert summary["snapshot_blocked_ms"] > 0 and summary["save_blocked_ms"] > 0
-    assert isinstance(summary["scale_up"]["ran"], bool)
     assert summary["storage"].startswith("gs://colocar-demo/")
     assert "summary" in result.stdout and "demo passed" in result.stdout
     _check_png(tmp_path / "out" / "demo.png")

@@ -179,6 +179,8 @@ def report(result: dict[str, Any], display: Any) -> int:
     problems = summary.checks(result)
     result["passed"], result["problems"] = not problems, problems
     title = f"colocar demo: {result['hosts']} hosts, host1 killed after step {result['kill_step']}"
+    if result["scale_up"]["ran"]:
+        title += f", back at step {result['scale_up']['step']}"
     plot.draw(result["plot"], monitor.steps, monitor.events, title)
     with open(os.path.join(os.path.dirname(result["plot"]), "summary.json"), "w") as f:
         json.dump(result, f, indent=2)

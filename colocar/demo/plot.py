@@ -9,7 +9,8 @@ from typing import Any
 
 MARKS = {  # event kind -> (colour, line style, label)
     "save": ("tab:cyan", ":", "checkpoint save"),
-    "fault": ("tab:red", "-", "host killed"),
+    "kill": ("tab:red", "-", "host killed"),
+    "restart": ("tab:purple", "-", "host restarted"),
     "recovery": ("tab:green", "--", "resumed from the restored step"),
     "scale_up": ("tab:blue", "-.", "host back (scale-up)"),
 }
@@ -33,9 +34,13 @@ def draw(path: str, steps: list[Any], events: list[dict[str, Any]], title: str) 
     import matplotlib.pyplot as plt
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True)
+    restores = [e for e in events if e["kind"] == "restore" and e["hosts"]]  # one per attempt
     for attempt in sorted({s.attempt for s in steps}):
         mine = [s for s in steps if s.attempt == attempt]
-        label = "first attempt" if attempt == 1 else f"attempt {attempt} (after a loss or scale-up)"
+        label = f"attempt {attempt}"
+        if attempt <= len(restores):
+            restore = restores[attempt - 1]
+            label += f": {len(restore['hosts'])} hosts, {restore['detail']}"
         line = top.plot([s.step for s in mine], [s.loss for s in mine], lw=0.6, alpha=0.35)[0]
         top.plot(
             [s.step for s in mine],
@@ -50,7 +55,7 @@ def draw(path: str, steps: list[Any], events: list[dict[str, Any]], title: str) 
         bottom.plot(snaps, [0] * len(snaps), "|", color="gray", ms=8, label="snapshot (RAM)")
     seen: set[str] = set()
     for event in events:
-        mark = MARKS.get(event["kind"])
+        mark = MARKS.get(event["detail"] if event["kind"] == "fault" else event["kind"])
         if mark is None or event["step"] is None:
             continue
         colour, style, label = mark

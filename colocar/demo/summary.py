@@ -113,7 +113,12 @@ def rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         ("recovery", "-" if recovery is None else f"{recovery:.2f} s from kill to the next step"),
         ("restored from", f"{summary['restored_from']} (step {summary['restored_step']})"),
         ("record stream", "intact" if summary["record_stream_intact"] else "DIFFERS"),
-        ("scale-up", "ran" if scale["ran"] else f"skipped: {scale['reason']}"),
+        (
+            "scale-up",
+            f"back to {len(summary['hosts_at_end'])} hosts at step {scale['step']} in {scale['seconds']} s"
+            if scale["ran"]
+            else f"skipped: {scale['reason']}",
+        ),
         ("loss", f"{summary['loss_first']} -> {summary['loss_last']}"),
         ("test accuracy", f"{summary['test_accuracy']:.3f} (floor {summary['accuracy_floor']})"),
         ("checkpoints", summary["storage"]),
