@@ -54,7 +54,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
         help="where checkpoints go: 'gcs' (a local fake GCS server, the default), a directory, or gs://BUCKET/PATH",
     )
     p.add_argument("--out", default="demo-out", help="data, summary.json, demo.png (default demo-out/)")
-    p.add_argument("--batch", type=int, default=48, help="global batch (48: divides 8, 6, 4 devices)")
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=48,
+        help="global batch of a new pipeline.yaml (48 divides 8, 6, 4 devices)",
+    )
     p.add_argument("--quick", action="store_true", help="a run of under a minute through every stage")
     args = p.parse_args(argv)
     preset = QUICK if args.quick else FULL
@@ -132,6 +137,8 @@ def cluster_for(args: argparse.Namespace, env: dict[str, str]) -> Any:
 
 def run(args: argparse.Namespace, display: Any) -> dict[str, Any]:
     """Data, storage, cluster, training, evaluation: the summary."""
+    from colocar.loaders.config import load_config
+
     from . import data, scaleup, summary, train
     from .monitor import Monitor
 
@@ -140,6 +147,7 @@ def run(args: argparse.Namespace, display: Any) -> dict[str, Any]:
         f"data: {written['train']} train / {written['test']} test digits; pipeline: {written['config']}"
     )
     settings = settings_for(args, written["config"])
+    args.batch = load_config(written["config"]).global_batch_size  # the file wins: it may be edited
     later = None if args.kill_step is None else min(args.steps - 2, args.kill_step + args.steps // 4)
     settings.faults += scaleup.fault("host1", later)  # the host back, when this colocar can
     monitor = Monitor(args.batch, display)
