@@ -1,4 +1,5 @@
-# Quick start: `make demo` runs the demo job on a local cluster; `make test` runs the whole suite.
+# Quick start: `make demo` runs the demo job (colocar demo: training on 4 local sidecar hosts, one of
+# them killed midway; DEMO_ARGS passes flags, e.g. DEMO_ARGS=--quick); `make test` runs the whole suite.
 # Both create .venv at the repo root (Python 3.11+) and reuse it when it is up to date.
 PYTHON ?= python3
 VENV := .venv
@@ -13,11 +14,11 @@ $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "colocar needs Python 3.11+; set PYTHON=python3.11")'
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[demo,test]'
 	@touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) examples/demo.py
+	$(VENV)/bin/colocar demo $(DEMO_ARGS)
 
 test: $(STAMP) lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)

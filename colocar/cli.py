@@ -1,4 +1,4 @@
-"""The `colocar` command: `sidecar`, `bench`, `ckpt` (list/inspect checkpoints), `k8s` (render manifests).
+"""The `colocar` command: `sidecar`, `demo`, `bench`, `ckpt` (inspect checkpoints), `k8s` (render manifests).
 
 A user's mistake (a missing file, a bucket that does not exist, storage that does not answer)
 ends the command with one line on stderr naming what failed, and exit status 1; a traceback
@@ -10,9 +10,10 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-USAGE = """usage: colocar [--version] {sidecar,bench,ckpt,k8s} ...
+USAGE = """usage: colocar [--version] {sidecar,demo,bench,ckpt,k8s} ...
 
   sidecar   run a sidecar (colocar sidecar --help)
+  demo      train on a local cluster, lose a host, recover from RAM (colocar demo --help)
   bench     run a benchmark: colocar bench {rpc,transfer,loader,ckpt} [--json] [--quick]
   ckpt      list and inspect checkpoints: colocar ckpt {ls PATH,show PATH STEP} [--timeout S]
   k8s       render Kubernetes manifests: colocar k8s render --topology T --image I --bucket B
@@ -37,6 +38,10 @@ def _command(name: str) -> Callable[[list[str]], object] | None:
         from colocar.sidecar.server import main as sidecar_main
 
         return sidecar_main
+    if name == "demo":
+        from colocar.demo.cli import main as demo_main
+
+        return demo_main
     if name == "bench":
         from colocar.bench.run import main as bench_main
 
@@ -65,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     command, rest = argv[0], argv[1:]
     run = _command(command)
     if run is None:
-        print(f"colocar: unknown command {command!r} (sidecar, bench, ckpt, k8s)", file=sys.stderr)
+        print(f"colocar: unknown command {command!r} (sidecar, demo, bench, ckpt, k8s)", file=sys.stderr)
         sys.exit(2)
     try:
         run(rest)

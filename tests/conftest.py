@@ -123,7 +123,7 @@ def make_cluster():
 @pytest.fixture(scope="session")
 def gcs_server(tmp_path_factory):
     """A fake GCS server for the session; the controller's environment points at it."""
-    from helpers import FakeGcs
+    from colocar.demo.gcs import FakeGcs  # the demo's starter: the same server, the same way
 
     server = FakeGcs(str(tmp_path_factory.mktemp("gcs")))
     server.start()
