@@ -114,7 +114,9 @@ def settings_for(args: argparse.Namespace, config: str) -> Any:
 
 
 def cluster_for(args: argparse.Namespace, env: dict[str, str]) -> Any:
-    """`hosts` local sidecars with 2 devices each; small arenas, fast loss detection."""
+    """`hosts` local sidecars with 2 devices each; small arenas. The killed sidecar is noticed at
+    once (its sockets reset); the default 1 s heartbeat keeps a laptop that is busy for a
+    moment from taking a slow host for a lost one."""
     import jax
 
     import colocar
@@ -128,8 +130,8 @@ def cluster_for(args: argparse.Namespace, env: dict[str, str]) -> Any:
         hosts=args.hosts,
         devices=jax.devices()[: 2 * args.hosts],
         arena_size=32 << 20,
-        lease_seconds=5,
-        heartbeat_seconds=0.5,
+        lease_seconds=10,
+        heartbeat_seconds=1.0,
         processes=0,
         env=env,
     )
