@@ -20,6 +20,7 @@ from elastic_helpers import (
     B,
     Log,
     assert_bitwise,
+    config,
     elastic_cluster,
     init,
     make_train,
@@ -150,4 +151,29 @@ def test_a_stopped_host_that_answers_again_rejoins(shm_dir, tmp_path):
         finally:
             el.close()
             del final
+        started += log.processes
+
+
+@pytest.mark.slow
+def test_step_time_and_loader_rate_after_the_scale_up(shm_dir, tmp_path):
+    """Benchmark-style (printed, not asserted): 120 steps, host2 killed after step 30 and
+    restarted after step 70; the medians of the steps before the loss and after the scale-up.
+    Every record of the epoch is trained on once, in order."""
+    from colocar.loaders.sampler import IndexSampler
+
+    cfg = config(source={"kind": "range", "n": 120 * B})
+    with elastic_cluster(shm_dir) as (c, started):
+        el = Manager(c, CheckpointManager(str(tmp_path / "ckpt"), c), save_every=20, snapshot_every=10)
+        el.faults.add(faults.kill("host2", at_step=30))
+        el.faults.add(faults.restart("host2", at_step=70))
+        log = Log()
+        try:
+            final = el.run(min_hosts=2)(make_train(el, log, None, lambda devices: cfg))()
+            del final
+            assert el.attempt == 3 and el.restored_from == "scale_up"
+            stream = [i for ids in log.trained_on() for i in ids]
+            assert stream == IndexSampler(120 * B, B, seed=3).epoch_order(0).tolist()
+            _print_rates("120 steps", log, next(e for e in el.stats()["events"] if e["kind"] == "scale_up"))
+        finally:
+            el.close()
         started += log.processes
