@@ -195,7 +195,7 @@ def make_train(el, log: Log, steps: int | None, cfg=None):
 
 
 @contextlib.contextmanager
-def elastic_cluster(shm_dir: str, hosts: int = 3):
+def elastic_cluster(shm_dir: str, hosts: int = 3, lease_seconds: float = 2):
     """`hosts` sidecars with two devices each, restartable (`restart_host`). Afterwards every
     process they started, restarted sidecars and their workers included, is gone, and so are
     their arena files."""
@@ -210,7 +210,7 @@ def elastic_cluster(shm_dir: str, hosts: int = 3):
         hosts=hosts,
         devices=jax.devices()[: 2 * hosts],
         arena_size=16 * MiB,
-        lease_seconds=2,
+        lease_seconds=lease_seconds,
         heartbeat_seconds=0.5,
         processes=0,
     )

@@ -78,7 +78,9 @@ def _check_exact(c, log: Log, final, remeshed: int, ref_ids: list) -> None:
     assert log.trained_on() == ref_ids
 
 
-@pytest.mark.parametrize("snapshots", [True, False], ids=["snapshots", "storage"])
+@pytest.mark.parametrize(
+    "snapshots", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["snapshots", "storage"]
+)
 def test_a_restarted_host_rejoins_bit_exactly_and_leaves_nothing_behind(snapshots, shm_dir, tmp_path):
     kill, back = faults.kill("host2", at_step=3), faults.restart("host2", at_step=9)
     with elastic_cluster(shm_dir) as (c, started):
@@ -131,11 +133,13 @@ def test_restart_host_brings_a_dead_sidecar_back_on_its_address(make_cluster, sh
         c.restart_host("host7")
 
 
-def test_a_stopped_host_that_answers_again_rejoins(shm_dir, tmp_path):
+@pytest.mark.parametrize("lease", [30, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_stopped_host_that_answers_again_rejoins(lease, shm_dir, tmp_path):
     """A hung sidecar (SIGSTOP) is lost; resumed, its session reconnects by itself and the run
-    scales back up onto it. The workers the first loader had on it end too (its session
-    expired while it hung), so nothing of the old configuration is left."""
-    with elastic_cluster(shm_dir) as (c, started):
+    scales back up onto it. The workers the first loader had on it end too: the sidecar still
+    holds that session when the hang was shorter than its lease (30 s), so the manager ends it
+    and opens a fresh one; with a 2 s lease the session lapsed while it hung."""
+    with elastic_cluster(shm_dir, lease_seconds=lease) as (c, started):
         reference, ref_ids, _ = plain_run(c.devices, init(mesh_of(c.devices)), 0, STEPS)
         el = Manager(c, CheckpointManager(str(tmp_path / "ckpt"), c), save_every=4, snapshot_every=2)
         el.faults.add(faults.stop("host2", at_step=2))

@@ -30,7 +30,7 @@ from colocar.errors import HostLostError
 from . import data
 from .events import Events, log
 from .faults import Fault, Schedule
-from .rejoin import Handoff, Rescale, reshard, returned_hosts
+from .rejoin import Handoff, Rescale, fresh_session, reshard, returned_hosts
 from .tiers import SnapshotTier, StorageTier, snapshots_available
 from .topology import ClusterView, ElasticError, alive_hosts, lost_hosts, wait_for_loss
 
@@ -316,7 +316,7 @@ class Manager:
         """Lost hosts came back: keeps this boundary's state and ends the attempt (`Rescale`)."""
         if self._closed or self._lost_at is not None:
             return
-        back = [h.name for h in returned_hosts(self.root, self.cluster)]
+        back = [h.name for h in returned_hosts(self.root, self.cluster) if fresh_session(h)]
         if back:
             self._handoff = Handoff(done, tree, meta, back)
             raise Rescale(back, done)

@@ -5,7 +5,8 @@ sidecar resumed, or one restarted on its address (its session reconnects by itse
 `local_cluster`, `restart_host` connects a new session). `Manager.step` notices it after the
 step's snapshot and save were started, keeps the state it was given (a `Handoff`: the arrays
 as they are on the devices, and the data position) and raises `Rescale`; the run loop closes
-the attempt's loaders and calls the training function again with every live host, and
+the attempt's loaders and calls the training function again with every live host (each
+returning one with a fresh session, so nothing of the old configuration stays there), and
 `restore` copies the handed-over arrays onto the new mesh. No step is lost or repeated, and
 nothing is read back from a snapshot or from storage.
 """
@@ -19,7 +20,10 @@ from typing import Any
 import jax
 
 from colocar.controller_bridge.cluster import Cluster, Host
+from colocar.errors import ColocarError
+from colocar.protocol import colocar_pb2 as pb
 
+from .events import log
 from .topology import ElasticError, alive_hosts
 
 
@@ -51,6 +55,21 @@ def returned_hosts(root: Cluster, current: Cluster) -> list[Host]:
     return [h for h in alive_hosts(root) if h.name not in names]
 
 
+def fresh_session(host: Host, timeout: float = 10.0) -> bool:
+    """Ends `host`'s session on its sidecar and opens it anew, empty: what the old configuration
+    left there is freed (a loader's workers, objects and blocks the controller gave up when the
+    host was lost). A sidecar that hung for less than its session lease still holds that
+    session when it answers again. False (and the host stays out) if it does not answer."""
+    conn = host.connection
+    try:
+        conn.unary("Disconnect", pb.SessionRef(session_id=conn.session.session_id), timeout=10)
+        conn.session.connect(timeout)
+    except ColocarError as e:
+        log.warning("host %s came back but did not open a fresh session: %s", host.name, e)
+        return False
+    return True
+
+
 def reshard(tree: Any, target: Any) -> Any:
     """`tree` with each array copied onto the sharding of its leaf in `target` (a
     `jax.ShapeDtypeStruct` with a sharding, or an array), bit for bit; other leaves as they are.
@@ -70,4 +89,4 @@ def reshard(tree: Any, target: Any) -> Any:
     return jax.tree_util.tree_map(put, target, tree)
 
 
-__all__ = ["Handoff", "Rescale", "reshard", "returned_hosts"]
+__all__ = ["Handoff", "Rescale", "fresh_session", "reshard", "returned_hosts"]
