@@ -126,7 +126,6 @@ class SessionTable:
 
     def open(self, session_id: str, controller: str, lease_seconds: float) -> Session:
         lease = lease_seconds if lease_seconds > 0 else self.default_lease
-        self._end_if_lapsed(self._sessions.get(session_id))
         with self._lock:
             session = self._sessions.get(session_id)
             if session is None:
@@ -138,25 +137,11 @@ class SessionTable:
 
     def get(self, session_id: str) -> Session | None:
         """The live session (renewed, since any request is a sign of life), or None."""
-        session = self._end_if_lapsed(self._sessions.get(session_id))
+        session = self._sessions.get(session_id)
         if session is not None:
             session.renew()
         _serving.session = session
         return session
-
-    def _end_if_lapsed(self, session: Session | None) -> Session | None:
-        """`session`, or None once its lease ran out: then it ends now, as the reaper would
-        (a sidecar resumed after a stop answers the requests queued meanwhile before its
-        reaper runs; they must not revive a session whose objects its controller gave up)."""
-        if session is None or session.expires_at >= time.monotonic():
-            return session
-        with self._lock:
-            lapsed = self._sessions.get(session.id) is session
-            if lapsed:
-                del self._sessions[session.id]
-        if lapsed:
-            self._expire(session, LAPSED)
-        return None
 
     def close(self, session_id: str) -> None:
         with self._lock:
