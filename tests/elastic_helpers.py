@@ -4,6 +4,8 @@ model trained with momentum SGD (deterministic on CPU), and an uninterrupted ref
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 DIM = 4
 N = 240
 B = 12
+MiB = 1 << 20
 W_TRUE = np.array([0.5, -1.0, 2.0, 0.25], np.float32)
 
 
@@ -114,7 +117,7 @@ def sidecar_descendants(cluster, depth: int = 1) -> list:
     (1: all; 2: the pipeline workers, which their process server forks)."""
     import psutil
 
-    level = [psutil.Process(p.pid) for p in cluster.processes]
+    level = [psutil.Process(p.pid) for p in cluster.processes if p.poll() is None]  # not a dead sidecar
     for _ in range(1, depth):
         level = [c for p in level for c in p.children()]
     return [q for p in level for q in p.children(recursive=True)]
@@ -129,6 +132,11 @@ class Log:
         self.processes: list = []  # what the sidecars ran while the first loader was open
         self.workers: list = []  # of which the pipeline workers
         self.states: dict[tuple[int, int], dict] = {}  # (attempt, steps done) -> state as numpy
+        self.attempt_workers: dict[int, list] = {}  # attempt -> its pipeline workers
+        self.times: list[tuple[int, int, float]] = []  # (attempt, step, perf_counter at its end)
+        self.waits: list[tuple[int, float]] = []  # (attempt, seconds next(it) blocked)
+        self.loaders: list = []  # every attempt's loader, held as a user's code might: only an
+        # explicit close (by the manager, after a loss or at a scale-up) ends their workers
 
     def saved_state(self, attempt: int, step: int, reference: dict) -> dict:
         """The state after `step` steps that attempt `attempt` restored: the one of the attempt
@@ -152,6 +160,7 @@ def make_train(el, log: Log, steps: int | None, cfg=None):
     """The elastic training function of the tests: `steps` steps (None: until the data ends),
     with the pipeline `cfg(devices)` (default: the fixed global batch)."""
     import itertools
+    import time
 
     def train(hosts, devices):
         mesh = mesh_of(devices)
@@ -159,21 +168,69 @@ def make_train(el, log: Log, steps: int | None, cfg=None):
         log.restored.append((el.attempt, start, to_numpy(state)))
         # no `with`: after a loss the manager closes the loader (the tests check its workers end)
         it = el.load(cfg(devices) if cfg else config(), mesh)
+        log.loaders.append(it)
         for step in range(start, steps) if steps is not None else itertools.count(start):
+            waited = time.perf_counter()
             try:
                 batch = next(it)
             except StopIteration:
                 break
+            log.waits.append((el.attempt, time.perf_counter() - waited))
             ids = np.asarray(batch["index"]).tolist()
             if not log.processes:
                 log.processes = sidecar_descendants(el.root)
                 log.workers = sidecar_descendants(el.root, depth=2)
+            if el.attempt not in log.attempt_workers:
+                log.attempt_workers[el.attempt] = sidecar_descendants(el.root, depth=2)
             state, loss = train_step(state, batch)
             del batch
             log.steps.append((el.attempt, step, ids, float(loss)))
             log.states[(el.attempt, step + 1)] = to_numpy(state)
+            log.times.append((el.attempt, step, time.perf_counter()))
             el.step(step, {"state": state, "data": it})
         it.close()
         return state
 
     return train
+
+
+@contextlib.contextmanager
+def elastic_cluster(shm_dir: str, hosts: int = 3, lease_seconds: float = 2):
+    """`hosts` sidecars with two devices each, restartable (`restart_host`). Afterwards every
+    process they started, restarted sidecars and their workers included, is gone, and so are
+    their arena files."""
+    import os
+
+    import psutil
+
+    import colocar
+
+    before = set(os.listdir(shm_dir))
+    c = colocar.local_cluster(
+        hosts=hosts,
+        devices=jax.devices()[: 2 * hosts],
+        arena_size=16 * MiB,
+        lease_seconds=lease_seconds,
+        heartbeat_seconds=0.5,
+        processes=0,
+    )
+    started: list = []
+
+    def note_processes() -> None:
+        for process in c.processes:
+            if process.poll() is None:
+                parent = psutil.Process(process.pid)
+                started.extend([parent, *parent.children(recursive=True)])
+
+    note_processes()
+    try:
+        yield c, started
+    finally:
+        note_processes()  # the sidecars restarted meanwhile
+        for process in c.processes:
+            if process.poll() is None and psutil.Process(process.pid).status() == psutil.STATUS_STOPPED:
+                process.kill()  # a stopped sidecar cannot drain
+        c.close()
+    alive = psutil.wait_procs(started, timeout=30)[1]
+    assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], alive
+    assert set(os.listdir(shm_dir)) <= before

@@ -44,17 +44,21 @@ class _Sidecar:
         self.index = index
         self.ready_file = os.path.join(workdir, f"host{index}.ready")
         self.log_file = os.path.join(workdir, f"host{index}.log")
-        with open(self.log_file, "wb") as log:
+        self.spawn(argv, env, persist)
+
+    def spawn(self, argv: list[str], env: dict[str, str], persist: bool) -> None:
+        """Starts the process (again, after `restart_host`: its log is appended to)."""
+        self.info: dict[str, Any] | None = None
+        self.terminated = False
+        with open(self.log_file, "ab") as log:
             self.process = subprocess.Popen(
-                [*argv, "--ready-file", self.ready_file, "--label", f"host{index}"],
+                [*argv, "--ready-file", self.ready_file, "--label", f"host{self.index}"],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,
                 start_new_session=persist,
             )
-        self.info: dict[str, Any] | None = None
-        self.terminated = False
 
     def poll_ready(self) -> bool:
         if self.info is None and os.path.exists(self.ready_file):
@@ -173,6 +177,43 @@ def _shutdown(sidecars: list[_Sidecar], workdir: str, persist: bool) -> None:
     shutil.rmtree(workdir, ignore_errors=True)
 
 
+class LocalCluster(Cluster):
+    """A `Cluster` of sidecars this process started; `restart_host` brings a dead one back."""
+
+    _spawn: tuple[list[_Sidecar], list[str], dict[str, str], dict[str, Any]]
+
+    def restart_host(self, host: int | str, timeout: float = 120.0) -> Host:
+        """Starts the sidecar of `host` (its index or name) again after it died, on the same
+        address with the same options, and connects to it: the host keeps its name, index and
+        devices, with a new connection (a new session; its old remote objects are gone). For
+        drills of a host coming back (`colocar.elastic` then scales back up). Raises
+        `ColocarError` if that sidecar still runs, or if the new one does not start."""
+        target = next((h for h in self.hosts if host in (h.name, h.index)), None)
+        if target is None:
+            raise ColocarError(f"no host {host!r} in {[h.name for h in self.hosts]}")
+        sidecars, argv, env, options = self._spawn
+        sidecar = sidecars[self.hosts.index(target)]
+        if sidecar.process.poll() is None:
+            raise ColocarError(
+                f"sidecar {target.name} (pid {sidecar.process.pid}) still runs: only a dead one is restarted"
+            )
+        address = (sidecar.info or {}).get("address", "127.0.0.1:0")
+        target.connection.close()  # lost already: ends its threads, calls nobody
+        sidecar.remove_files()  # a killed sidecar leaves its arena and link socket
+        if os.path.exists(sidecar.ready_file):
+            os.unlink(sidecar.ready_file)
+        argv = list(argv)
+        argv[argv.index("--address") + 1] = address
+        sidecar.spawn(argv, env, persist="--parent-pid" not in argv)
+        self.processes[self.hosts.index(target)] = sidecar.process  # type: ignore[attr-defined]
+        _wait_ready([sidecar], timeout)
+        assert sidecar.info is not None
+        target.connection = HostConnection(
+            sidecar.info["address"], target.name, process_status=sidecar.status, **options
+        )
+        return target
+
+
 class ClusterDroppedWarning(UserWarning):
     """A local cluster was dropped (a notebook cell re-run, a variable reassigned) unclosed."""
 
@@ -198,7 +239,7 @@ def _shutdown_dropped(hosts: list[Host], shutdown: Callable[[], None], what: str
 
 def _owned_cluster(
     hosts: list[Host], sidecars: list[_Sidecar], files: tuple[str, bool], arena_size: str
-) -> Cluster:
+) -> LocalCluster:
     """A cluster of `sidecars` that stop on `close()`, or once nothing holds it any more (with
     a `ClusterDroppedWarning`). At interpreter exit nothing runs: `--parent-pid` stops them.
     `files`: the work folder and `persist` (see `_shutdown`); `arena_size`: as in the flag."""
@@ -215,7 +256,7 @@ def _owned_cluster(
         dropped[0].detach()
         shutdown()
 
-    cluster = Cluster(hosts, on_close=on_close)
+    cluster = LocalCluster(hosts, on_close=on_close)
     dropped.append(weakref.finalize(cluster, _shutdown_dropped, hosts, shutdown, what, doing))
     dropped[0].atexit = False
     cluster.processes = [s.process for s in sidecars]  # type: ignore[attr-defined]
@@ -249,6 +290,7 @@ def _connect(
     """Waits for the sidecars to be ready, then connects to each (sidecar i gets device group
     i); on a failure, closes the connections made so far and raises."""
     connected: list[Host] = []
+    options = dict(shm=shm, lease_seconds=lease_seconds, heartbeat_seconds=heartbeat_seconds)
     try:
         _wait_ready(sidecars, startup_timeout)
         for s, group in zip(sidecars, groups, strict=True):
@@ -257,11 +299,9 @@ def _connect(
                 s.info["address"],
                 f"host{s.index}",
                 token,
-                shm=shm,
-                lease_seconds=lease_seconds,
-                heartbeat_seconds=heartbeat_seconds,
                 alloc_timeout=alloc_timeout,
                 process_status=s.status,
+                **options,  # type: ignore[arg-type]
             )
             connected.append(Host(s.index, conn, group))
     except BaseException:
@@ -287,7 +327,7 @@ def local_cluster(
     startup_timeout: float = 120.0,
     env: dict[str, str] | None = None,
     alloc_timeout: float = 30.0,
-) -> Cluster:
+) -> LocalCluster:
     """Starts `hosts` sidecars on loopback and connects to them.
 
     `devices` (default: all local JAX devices) are split into equal contiguous groups, one per
@@ -328,4 +368,6 @@ def local_cluster(
         raise
     cluster = _owned_cluster(connected, sidecars, (workdir, persist), str(arena_size))
     cluster.token_file = token_file  # type: ignore[attr-defined]
+    options = dict(token=token, shm=shm, lease_seconds=lease_seconds, heartbeat_seconds=heartbeat_seconds)
+    cluster._spawn = (sidecars, argv, _sidecar_env(env), {**options, "alloc_timeout": alloc_timeout})
     return cluster

@@ -5,8 +5,10 @@ Runs in the controller. For tests, the demo and drills: `kill(host, at_step=s)` 
 after that step's snapshot or save was started; `inject(cluster, fault)` fires one now. A
 killed sidecar (SIGKILL) is gone: its host is lost at the next keepalive. A stopped one
 (SIGSTOP) hangs: it is lost once a keepalive goes unanswered (about three heartbeats), and
-`resume` (SIGCONT) lets it answer again. `random_kill(hosts, steps, seed)` picks the host and
-the step from a seed, so a drill is repeatable.
+`resume` (SIGCONT; `resume_at(host, s)` after step s) lets it answer again. `restart(host,
+at_step=s)` starts a dead sidecar of a `local_cluster` again on the same address. Either way
+the host comes back and the elastic manager scales up onto it. `random_kill(hosts, steps,
+seed)` picks the host and the step from a seed, so a drill is repeatable.
 
 The sidecar's process is found through `local_cluster` (its `processes`), else through the pid
 the sidecar reported, when it runs on this machine; a remote sidecar cannot be reached (stop
@@ -19,12 +21,13 @@ import os
 import random
 import signal
 import socket
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from colocar.controller_bridge.cluster import Cluster
 
-from .topology import ElasticError, host_named
+from .topology import ElasticError, host_named, loss_grace
 
 ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "resume": signal.SIGCONT}
 
@@ -39,8 +42,10 @@ class Fault:
     at_step: int | None = None
 
     def __post_init__(self) -> None:
-        if self.action not in ("kill", "stop"):
-            raise ValueError(f"a fault is 'kill' or 'stop', got {self.action!r}")
+        if self.action not in ("kill", "stop", "restart", "resume"):
+            raise ValueError(
+                f"a fault is 'kill' or 'stop' (a loss), 'restart' or 'resume' (a return), got {self.action!r}"
+            )
 
     @property
     def host_name(self) -> str:
@@ -55,6 +60,19 @@ def kill(host: int | str, at_step: int | None = None) -> Fault:
 def stop(host: int | str, at_step: int | None = None) -> Fault:
     """SIGSTOP the sidecar of `host` (it hangs, as a wedged machine) after step `at_step`."""
     return Fault("stop", host, at_step)
+
+
+def resume_at(host: int | str, at_step: int) -> Fault:
+    """Lets the stopped sidecar of `host` run again (SIGCONT) after step `at_step`, and waits
+    until its session answers: a host lost by a stop comes back (the manager scales up)."""
+    return Fault("resume", host, at_step)
+
+
+def restart(host: int | str, at_step: int | None = None) -> Fault:
+    """Starts the dead sidecar of `host` again (same address, a new session) after step
+    `at_step`: the host comes back, and the elastic manager scales back up onto it. Needs a
+    `local_cluster` (`LocalCluster.restart_host`); blocks while the sidecar starts."""
+    return Fault("restart", host, at_step)
 
 
 def random_kill(hosts: int, steps: range, seed: int, *, spare: tuple[int, ...] = (0,)) -> Fault:
@@ -102,12 +120,35 @@ def signal_host(cluster: Cluster, host: int | str, action: str) -> None:
 
 def inject(cluster: Cluster, fault: Fault) -> None:
     """Fires `fault` now, whatever its step."""
-    signal_host(cluster, fault.host_name, fault.action)
+    if fault.action == "resume":
+        resume(cluster, fault.host_name)
+        return
+    if fault.action != "restart":
+        signal_host(cluster, fault.host_name, fault.action)
+        return
+    root = _root(cluster)
+    restart_host = getattr(root, "restart_host", None)
+    if restart_host is None:
+        raise ElasticError(
+            f"cannot restart sidecar {fault.host_name}: only a local_cluster starts its sidecars; "
+            "restart it where it runs (its session reconnects by itself)"
+        )
+    restart_host(fault.host_name)
 
 
-def resume(cluster: Cluster, host: int | str) -> None:
-    """Lets a stopped sidecar run again (SIGCONT)."""
+def resume(cluster: Cluster, host: int | str, timeout: float | None = None) -> None:
+    """Lets a stopped sidecar run again (SIGCONT) and waits until its session answers (it
+    reconnects at its next heartbeat if it was marked lost), at most `timeout` seconds
+    (default: `topology.loss_grace`); raises `ElasticError` if it does not."""
     signal_host(cluster, host, "resume")
+    target = host_named(_root(cluster), host if isinstance(host, str) else f"host{host}")
+    deadline = time.monotonic() + (loss_grace(cluster) if timeout is None else timeout)
+    while target.connection.session.lost is not None:
+        if time.monotonic() > deadline:
+            raise ElasticError(
+                f"sidecar {target.name} at {target.address} did not answer again after SIGCONT"
+            )
+        time.sleep(0.05)
 
 
 class Schedule:

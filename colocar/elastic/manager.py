@@ -7,7 +7,8 @@ called again with the survivors, over a `ClusterView` of them. There `restore` b
 newest state it can find (a host-memory snapshot complete on the survivors, else the newest
 committed storage checkpoint, else `init()`), resharded onto the new mesh, together with the
 data position in records, so the loader continues the record stream exactly. Errors that do
-not come from a lost host are never caught.
+not come from a lost host are never caught. When lost hosts come back, `step` hands the state
+over at the step boundary and the run function is called again with all hosts (`rejoin.py`).
 
 Step numbers: `step(s, ...)` is called once step `s` of the loop is done, so what it saves is
 the state after `s + 1` steps and is stored as step `s + 1`; `restore` returns that number,
@@ -29,6 +30,7 @@ from colocar.errors import HostLostError
 from . import data
 from .events import Events, log
 from .faults import Fault, Schedule
+from .rejoin import Handoff, Rescale, fresh_session, reshard, returned_hosts
 from .tiers import SnapshotTier, StorageTier, snapshots_available
 from .topology import ClusterView, ElasticError, alive_hosts, lost_hosts, wait_for_loss
 
@@ -78,6 +80,7 @@ class Manager:
         self._lost_at: float | None = None
         self._last_step: int | None = None
         self._snap_current = self.snap is not None and self.snap.snapshots is not None
+        self._handoff: Handoff | None = None  # the state at the boundary of a scale-up
         self._closed = False
 
     # --- the run loop -----------------------------------------------------------------------
@@ -104,6 +107,9 @@ class Manager:
             try:
                 self._begin_attempt(min_hosts)
                 return fn(list(self.cluster.hosts), list(self.cluster.devices), *args, **kwargs)
+            except Rescale:
+                self._close_loaders("of the attempt before the scale-up")
+                self._snap_current = False  # the next snapshots span every host
             except ElasticError:
                 raise
             except BaseException as error:
@@ -144,14 +150,19 @@ class Manager:
         self._lost_at = time.monotonic()
         detail = f"{type(error).__name__}: {error}"
         self.events.add("loss", self._last_step, hosts=lost, detail=detail[:500])
+        self._handoff = None  # its arrays may be on the lost host's devices
+        self._close_loaders("of the failed attempt")
+        if self.snap is not None:
+            self._snap_current = False  # restore reads the old snapshots, then they move
+
+    def _close_loaders(self, which: str) -> None:
+        """Closes the attempt's loaders: their workers and ring slots are freed now."""
         for iterator in self._iterators:
             try:
                 iterator.close()
-            except Exception as e:  # its lost host's part cannot answer
-                log.info("closing a loader of the failed attempt: %s: %s", type(e).__name__, e)
+            except Exception as e:  # a lost host's part cannot answer
+                log.info("closing a loader %s: %s: %s", which, type(e).__name__, e)
         self._iterators = []
-        if self.snap is not None:
-            self._snap_current = False  # restore reads the old snapshots, then they move
 
     # --- restoring ----------------------------------------------------------------------------
     def restore(self, target: Any, init: Callable[[], Any] | None = None) -> tuple[Any, int]:
@@ -163,8 +174,13 @@ class Manager:
         `jax.ShapeDtypeStruct`s with shardings (or arrays) on the current mesh. The data
         position comes back in `data_state` / `data_start`."""
         started = time.monotonic()
-        found = self._restore_newest(target)
+        handoff, self._handoff = self._handoff, None
         meta: dict[str, Any]
+        if handoff is not None:  # a scale-up: the state of the boundary, onto the new mesh
+            tree = reshard(handoff.tree, self._wrap(target, handoff.meta))
+            found: Any = self._unwrap(target, tree, handoff.meta), handoff.step, "scale_up", handoff.meta
+        else:
+            found = self._restore_newest(target)
         if found is None:
             if init is None:
                 raise ElasticError("nothing to restore (no snapshot, no checkpoint) and no init= given")
@@ -180,6 +196,10 @@ class Manager:
         if self._lost_at is not None:
             self.events.add("recovery", step, time.monotonic() - self._lost_at, hosts, f"from {source}")
             self._lost_at = None
+        if handoff is not None:
+            self._refill(step, tree, handoff.meta)
+            detail = f"{','.join(handoff.hosts)} back; the state of step {step} moved onto {len(hosts)} hosts"
+            self.events.add("scale_up", step, time.monotonic() - handoff.noticed, hosts, detail)
         return state, step
 
     def _restore_newest(self, target: Any) -> tuple[Any, int, str, dict[str, Any]] | None:
@@ -263,7 +283,8 @@ class Manager:
     # --- each step ----------------------------------------------------------------------------
     def step(self, step: int, items: dict[str, Any]) -> None:
         """Step `step` is done: takes a snapshot and starts a save when due (as step
-        `step + 1`), fires the faults due, and raises `HostLostError` if a host is lost.
+        `step + 1`), fires the faults due, and raises `HostLostError` if a host is lost, or
+        `Rescale` (caught by `run`) if lost hosts came back.
 
         `items`: names to pytrees of arrays (the state) or data iterators (their position in
         records is kept with the state)."""
@@ -287,6 +308,29 @@ class Manager:
         self._save_if_due(done, tree, meta)
         for fault in self.faults.fire_due(self.cluster, step):
             self.events.add("fault", step, hosts=[fault.host_name], detail=fault.action)
+        if self.snap is not None and self.snap.snapshots is not None:
+            self.snap.report_replication(self.events)
+        self._rejoin_if_back(done, tree, meta)
+
+    def _rejoin_if_back(self, done: int, tree: dict[str, Any], meta: dict[str, Any]) -> None:
+        """Lost hosts came back: keeps this boundary's state and ends the attempt (`Rescale`)."""
+        if self._closed or self._lost_at is not None:
+            return
+        back = [h.name for h in returned_hosts(self.root, self.cluster) if fresh_session(h)]
+        if back:
+            self._handoff = Handoff(done, tree, meta, back)
+            raise Rescale(back, done)
+
+    def _refill(self, step: int, tree: dict[str, Any], meta: dict[str, Any]) -> None:
+        """A snapshot over all hosts at once after a scale-up: the newcomers' shards and the
+        replicas they hold are made anew from the state just moved (their arenas start empty)."""
+        if self.snap is None or not self.snapshot_every:
+            return
+        started = time.monotonic()
+        taken = self.snap.take(step, tree, meta)
+        hosts = [h.name for h in self.cluster.hosts]
+        detail = "refill after the scale-up" if taken else "refill after the scale-up did not fit"
+        self.events.add("snapshot", step, time.monotonic() - started, hosts, detail)
 
     def _snapshot_if_due(self, done: int, tree: dict[str, Any], meta: dict[str, Any]) -> None:
         if self.snap is None or not self.snapshot_every or done % self.snapshot_every:
@@ -315,7 +359,7 @@ class Manager:
         return self.storage.manager if self.storage is not None else None
 
     def stats(self) -> dict[str, Any]:
-        """Events with their timings (snapshot, save, restore, fault, loss, recovery), their
+        """Events with their timings (snapshot, save, restore, fault, loss, recovery, scale_up), their
         counts and total seconds per kind, and where the manager stands."""
         out = self.events.stats()
         out.update(

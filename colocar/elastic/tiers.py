@@ -127,6 +127,7 @@ class SnapshotTier:
         self.snapshots: Any = None if snapshots is True or callable(snapshots) else snapshots
         self.cluster: Cluster | None = getattr(self.snapshots, "cluster", None)  # what it spans
         self.meta: dict[int, dict[str, Any]] = {}
+        self._reported: tuple[int, int] | None = None  # the replication last made an event
 
     def _build(self, cluster: Cluster) -> Any:
         if callable(self._given) and self._given is not True:
@@ -163,6 +164,22 @@ class SnapshotTier:
     def wait(self) -> None:
         if self.snapshots is not None:
             self.snapshots.wait()
+
+    def report_replication(self, events: Any) -> None:
+        """Adds a "replication" event for the last take once its replication ended (committed
+        or failed), once: its step, seconds, and bytes sent to the peers."""
+        done = (self.stats() or {}).get("replication")
+        if not done or done["state"] == "replicating":
+            return
+        key = (id(self.snapshots), done["step"])
+        if key == self._reported:
+            return
+        self._reported = key
+        hosts = [h.name for h in self.cluster.hosts] if self.cluster is not None else []
+        detail = f"{done['state']}, {done['bytes']} bytes to peers" + (
+            f": {done['error']}" if done["error"] else ""
+        )
+        events.add("replication", done["step"], float(done["seconds"] or 0.0), hosts, detail[:300])
 
     def stats(self) -> dict[str, Any]:
         return self.snapshots.stats() if self.snapshots is not None else {}

@@ -1,0 +1,183 @@
+"""Scaling back up: a killed host's sidecar is started again, and the run re-meshes onto all
+hosts at the next step boundary, bit-exactly and without losing or repeating a record.
+
+Three local sidecars with two CPU devices each; host2 is killed, the run recovers on four
+devices, then host2 is restarted on its address and the run goes back to six. The state right
+after the re-mesh is the one the smaller run had at that step; the steps after it equal a run
+from that state on all devices; the records the final state was trained on are the
+uninterrupted run's; the loaders of the old configurations leave no worker and no arena.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+
+import jax
+import psutil
+import pytest
+from elastic_helpers import (
+    B,
+    Log,
+    assert_bitwise,
+    config,
+    elastic_cluster,
+    init,
+    make_train,
+    mesh_of,
+    plain_run,
+    replicated,
+)
+
+from colocar.checkpoint import CheckpointManager
+from colocar.elastic import Manager, faults
+from colocar.errors import ColocarError
+
+STEPS = 18
+
+
+def _print_rates(label: str, log: Log, scale_up: dict) -> None:
+    """Benchmark-style: step time and loader rate before the loss and after the scale-up
+    (medians over each attempt's steps, its first one left out). Printed, never asserted."""
+
+    def medians(attempt: int) -> tuple[float, float]:
+        ends = [t for a, _, t in log.times if a == attempt]
+        waits = [w for a, w in log.waits if a == attempt][1:]
+        steps = [b - a for a, b in zip(ends, ends[1:], strict=False)]
+        return statistics.median(steps), statistics.median(waits)
+
+    (step_1, wait_1), (step_3, wait_3) = medians(1), medians(3)
+    print(
+        f"\n[scale-up, {label}] step {step_1 * 1e3:.1f} ms before the loss, {step_3 * 1e3:.1f} ms "
+        f"after the scale-up ({step_3 / step_1:.2f}x); loader {B / step_1:.0f} -> {B / step_3:.0f} "
+        f"records/s, next() blocked {wait_1 * 1e3:.2f} -> {wait_3 * 1e3:.2f} ms; the scale-up "
+        f"took {scale_up['seconds']:.2f} s"
+    )
+
+
+def _arenas(shm_dir: str) -> list[str]:
+    return [f for f in os.listdir(shm_dir) if f.endswith(".arena")]
+
+
+def _check_exact(c, log: Log, final, remeshed: int, ref_ids: list) -> None:
+    """The re-mesh carries the state the run on four devices had at that step, bit for bit;
+    after it the run is the one from that state on all six devices; the records trained on
+    are the uninterrupted run's."""
+    attempt, restored, state = log.restored[-1]
+    assert (attempt, restored) == (3, remeshed)
+    assert_bitwise(state, log.states[(2, remeshed)])
+    _, recovered, recovered_state = log.restored[1]
+    small = c.devices[:4]
+    start = jax.device_put(recovered_state, replicated(mesh_of(small)))
+    before, _, _ = plain_run(small, start, recovered, remeshed)
+    assert_bitwise(state, before[remeshed])
+    start = jax.device_put(state, replicated(mesh_of(c.devices)))
+    after, _, losses = plain_run(c.devices, start, remeshed, STEPS)
+    assert [loss for a, _, _, loss in log.steps if a == 3] == losses
+    assert_bitwise(final, after[STEPS])
+    assert log.trained_on() == ref_ids
+
+
+@pytest.mark.parametrize(
+    "snapshots", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["snapshots", "storage"]
+)
+def test_a_restarted_host_rejoins_bit_exactly_and_leaves_nothing_behind(snapshots, shm_dir, tmp_path):
+    kill, back = faults.kill("host2", at_step=3), faults.restart("host2", at_step=9)
+    with elastic_cluster(shm_dir) as (c, started):
+        arenas = set(_arenas(shm_dir))
+        reference, ref_ids, _ = plain_run(c.devices, init(mesh_of(c.devices)), 0, STEPS)
+        mngr = CheckpointManager(str(tmp_path / "ckpt"), c)
+        el = Manager(c, mngr, save_every=4, snapshot_every=2, snapshots=None if snapshots else False)
+        el.faults.add(kill)
+        el.faults.add(back)
+        log = Log()
+        final = el.run(min_hosts=2)(make_train(el, log, STEPS))()
+        try:
+            stats = el.stats()
+            assert el.attempt == 3 and stats["lost"] == [] and el.cluster is c
+            assert stats["counts"]["loss"] == stats["counts"]["recovery"] == stats["counts"]["scale_up"] == 1
+            scale_up = next(e for e in stats["events"] if e["kind"] == "scale_up")
+            assert scale_up["step"] == back.at_step + 1 and scale_up["hosts"] == ["host0", "host1", "host2"]
+            assert el.restored_from == "scale_up"
+            _check_exact(c, log, final, back.at_step + 1, ref_ids)
+            # the old configurations' loaders: every worker gone; the killed sidecar's arena too
+            for old in (1, 2):
+                workers = log.attempt_workers[old]
+                assert workers and not psutil.wait_procs(workers, timeout=30)[1]
+            now = set(_arenas(shm_dir))
+            assert len(now - arenas) == len(arenas - now) == 1, (arenas, now)  # host2's, replaced
+            if snapshots:  # the refill: a snapshot over all three hosts at the re-mesh
+                refill = [e for e in stats["events"] if e["kind"] == "snapshot" and "refill" in e["detail"]]
+                assert [e["step"] for e in refill] == [back.at_step + 1] and len(refill[0]["hosts"]) == 3
+                assert stats["counts"]["replication"] >= 1  # each logged with its seconds and bytes
+            _print_rates("snapshots" if snapshots else "storage", log, scale_up)
+        finally:
+            el.close()
+            del final
+        started += log.processes
+
+
+def test_restart_host_brings_a_dead_sidecar_back_on_its_address(make_cluster, shm_dir):
+    c = make_cluster(hosts=2, processes=0)
+    host = c.hosts[1]
+    address, arena = host.address, host.connection.session.info.arena_path
+    with pytest.raises(ColocarError, match="sidecar host1 .* still runs"):
+        c.restart_host("host1")
+    faults.inject(c, faults.kill(1))
+    c.processes[1].wait(timeout=30)
+    assert c.restart_host(1) is host
+    assert host.address == address and host.connection.session.lost is None
+    assert host.stats()["sessions"] >= 1  # the new sidecar answers
+    assert not os.path.exists(arena)  # the killed one's arena is gone
+    with pytest.raises(ColocarError, match="no host 'host7'"):
+        c.restart_host("host7")
+
+
+@pytest.mark.parametrize("lease", [30, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_stopped_host_that_answers_again_rejoins(lease, shm_dir, tmp_path):
+    """A hung sidecar (SIGSTOP) is lost; resumed, its session reconnects by itself and the run
+    scales back up onto it. The workers the first loader had on it end too: the sidecar still
+    holds that session when the hang was shorter than its lease (30 s), so the manager ends it
+    and opens a fresh one; with a 2 s lease the session lapsed while it hung."""
+    with elastic_cluster(shm_dir, lease_seconds=lease) as (c, started):
+        reference, ref_ids, _ = plain_run(c.devices, init(mesh_of(c.devices)), 0, STEPS)
+        el = Manager(c, CheckpointManager(str(tmp_path / "ckpt"), c), save_every=4, snapshot_every=2)
+        el.faults.add(faults.stop("host2", at_step=2))
+        el.faults.add(faults.resume_at("host2", at_step=12))
+        log = Log()
+        final = el.run(min_hosts=2)(make_train(el, log, STEPS))()
+        try:
+            assert el.attempt == 3 and el.stats()["lost"] == [] and el.restored_from == "scale_up"
+            _check_exact(c, log, final, 13, ref_ids)
+            for old in (1, 2):
+                workers = log.attempt_workers[old]
+                assert workers and not psutil.wait_procs(workers, timeout=30)[1]
+        finally:
+            el.close()
+            del final
+        started += log.processes
+
+
+@pytest.mark.slow
+def test_step_time_and_loader_rate_after_the_scale_up(shm_dir, tmp_path):
+    """Benchmark-style (printed, not asserted): 120 steps, host2 killed after step 30 and
+    restarted after step 70; the medians of the steps before the loss and after the scale-up.
+    Every record of the epoch is trained on once, in order."""
+    from colocar.loaders.sampler import IndexSampler
+
+    cfg = config(source={"kind": "range", "n": 120 * B})
+    with elastic_cluster(shm_dir) as (c, started):
+        el = Manager(c, CheckpointManager(str(tmp_path / "ckpt"), c), save_every=20, snapshot_every=10)
+        el.faults.add(faults.kill("host2", at_step=30))
+        el.faults.add(faults.restart("host2", at_step=70))
+        log = Log()
+        try:
+            final = el.run(min_hosts=2)(make_train(el, log, None, lambda devices: cfg))()
+            del final
+            assert el.attempt == 3 and el.restored_from == "scale_up"
+            stream = [i for ids in log.trained_on() for i in ids]
+            assert stream == IndexSampler(120 * B, B, seed=3).epoch_order(0).tolist()
+            _print_rates("120 steps", log, next(e for e in el.stats()["events"] if e["kind"] == "scale_up"))
+        finally:
+            el.close()
+        started += log.processes
