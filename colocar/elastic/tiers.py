@@ -148,7 +148,8 @@ class SnapshotTier:
         taken = bool(self.snapshots.take(step, tree))
         if taken:
             self.meta[step] = meta
-            for old in [s for s in self.meta if s < step - 8]:
+            # the snapshots the keepers may still hold (`keep`), and the one in flight
+            for old in sorted(self.meta)[: -(getattr(self.snapshots, "keep", 2) + 1)]:
                 del self.meta[old]
         return taken
 
