@@ -4,7 +4,8 @@ State: 16 layers `{"w": float32[rows, 2048] sharded by rows, "b": float32[2048] 
 the 8 CPU devices of the training process (rows = 8160: 1020 MiB; `--quick`: 504, 63 MiB), split
 into 4 hosts of 2 devices, one sidecar each (`local_cluster(hosts=4, processes=0)`).
 
-Each round (default 3, `--quick` 1) starts a fresh cluster, then, before the kill:
+Each round (default 3, `--quick` 1) runs in a process of its own (`round_main`: the state is
+built there) and starts a fresh cluster, then, before the kill:
 
 * snapshots (`Snapshots(replicas=1, pool="snap")`): a warm-up take (it opens the peer sessions),
   `takes` timed takes with an idle caller (`snapshot_blocked_s`: how long `take` held the
@@ -45,14 +46,18 @@ from colocar.bench import request_cpu_devices
 _DEVICES_FLAG = request_cpu_devices(8)  # before JAX starts (`colocar bench` imports this module first)
 
 import gc  # noqa: E402
+import json  # noqa: E402
 import os  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from typing import Any  # noqa: E402
 
+from colocar.bench import child_env  # noqa: E402
 from colocar.bench import recovery_systems as rs  # noqa: E402
 from colocar.bench.ckpt_systems import orbax_checkpointer  # noqa: E402
 
@@ -194,8 +199,11 @@ def _config(quick: bool, state: dict[str, Any], share: int) -> Config:
     )
 
 
-def run(quick: bool, repeats: int) -> dict:
-    """Builds the state on the 8 CPU devices, runs the rounds, sums up."""
+def round_main(quick: bool, r: int) -> None:
+    """One round in a process of its own (`run` starts it): builds the state, measures the
+    memcpy, runs the round, prints its figures as JSON on the last line. A process per round
+    gives the memory of each round's cluster back when it ends (the controller kept the arenas
+    of a closed cluster mapped while it lived; see RESULTS.md)."""
     import jax
 
     devices = jax.devices("cpu")
@@ -204,35 +212,65 @@ def run(quick: bool, repeats: int) -> dict:
             f"the recovery benchmark needs 8 CPU devices, got {len(devices)}: set XLA_FLAGS={_DEVICES_FLAG} "
             "before JAX is imported"
         )
-    rounds = min(repeats, 1) if quick else repeats
     state = rs.make_state(504 if quick else 8160, devices)
     shares = rs.host_shards(state, devices)
     share = max(sum(s.nbytes for s in host) for host in shares)
     cfg = _config(quick, state, share)
-    memcpy = rs.memcpy_s(shares[1], 3 if quick else 7)
-    memcpy_state = rs.memcpy_s([s for host in shares for s in host], 3)
+    head = {
+        "memcpy_s": rs.memcpy_s(shares[1], 3 if quick else 7),
+        "memcpy_state_s": rs.memcpy_s([s for host in shares for s in host], 3),
+        "rows": cfg.rows,
+        "state_bytes": sum(leaf.nbytes for leaf in jax.tree.leaves(state)),
+        "share_bytes": share,
+        "snap_pool": cfg.snap_pool,
+        "default_pool": cfg.default_pool,
+    }
     root = tempfile.mkdtemp(prefix="colocar-bench-recovery-")
     try:
         ckptr = orbax_checkpointer(state, root)
         try:
-            results = [_round(r, state, devices, cfg, ckptr, root) for r in range(rounds)]
+            m = _round(r, state, devices, cfg, ckptr, root)
         finally:
             ckptr.close()
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    nbytes = sum(leaf.nbytes for leaf in jax.tree.leaves(state))
-    layout = f"{rs.LAYERS} x {{w: f32[{cfg.rows},{rs.COLS}] P(data), b: f32[{rs.COLS}] P()}}, 4 x 2 devices"
+    print(json.dumps({**head, **m}), flush=True)
+
+
+def _spawn(quick: bool, r: int) -> dict:
+    """Round `r` in a child process (its stderr goes to ours); its figures."""
+    code = f"from colocar.bench.recovery import round_main; round_main({quick}, {r})"
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=child_env(), stdout=subprocess.PIPE, text=True, timeout=1800
+    )
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(
+            f"recovery round {r} failed (exit {done.returncode}); its output:\n{done.stdout[-3000:]}"
+        )
+    return dict(json.loads(lines[-1]))
+
+
+def run(quick: bool, repeats: int) -> dict:
+    """Runs the rounds, each in a process of its own, and sums up."""
+    rounds = min(repeats, 1) if quick else repeats
+    results = [_spawn(quick, r) for r in range(rounds)]
+    first = results[0]
+    layout = (
+        f"{rs.LAYERS} x {{w: f32[{first['rows']},{rs.COLS}] P(data), b: f32[{rs.COLS}] P()}}, 4 x 2 devices"
+    )
     head: dict[str, Any] = {
         "benchmark": "recovery",
         "quick": quick,
         "rounds": rounds,
         "state": layout,
-        "state_mib": round(nbytes / MiB, 1),
-        "host_share_mib": round(share / MiB, 1),
-        "snap_pool_mib": cfg.snap_pool // MiB,
-        "default_pool_mib": cfg.default_pool // MiB,
+        "state_mib": round(first["state_bytes"] / MiB, 1),
+        "host_share_mib": round(first["share_bytes"] / MiB, 1),
+        "snap_pool_mib": first["snap_pool"] // MiB,
+        "default_pool_mib": first["default_pool"] // MiB,
     }
+    memcpy = statistics.median(m["memcpy_s"] for m in results)
     out = _summary(head, results, memcpy)
-    out["memcpy_state_s"] = round(memcpy_state, 4)
+    out["memcpy_state_s"] = round(statistics.median(m["memcpy_state_s"] for m in results), 4)
     out["load_avg_1m"] = round(os.getloadavg()[0], 1)
     return out
