@@ -32,6 +32,7 @@ bench: $(STAMP)
 	$(VENV)/bin/colocar bench transfer --quick
 	$(VENV)/bin/colocar bench loader --quick
 	$(VENV)/bin/colocar bench ckpt --quick
+	$(VENV)/bin/colocar bench recovery --quick
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

@@ -1,4 +1,4 @@
-"""`colocar bench rpc|transfer|loader|ckpt --quick --json` run end to end: the last line is the result.
+"""`colocar bench rpc|transfer|loader|ckpt|recovery --quick --json` end to end: the last line is the result.
 
 Numbers are not asserted (this machine is shared and noisy); only that each benchmark runs,
 cleans up, and reports the keys RESULTS.md and the CLI promise, with positive values.
@@ -31,6 +31,22 @@ REQUIRED = {
         "colocar_durable_training_s",
         "orbax_durable_training_s",
         "colocar_peak_host_mem_mib",
+    ),
+    "recovery": (
+        "ram_s",
+        "storage_s",
+        "orbax_s",
+        "speedup",
+        "orbax_speedup",
+        "snapshot_blocked_s",
+        "memcpy_s",
+        "blocked_ratio",
+        "detect_s",
+        "ram_restore_s",
+        "storage_restore_s",
+        "orbax_restore_s",
+        "slowdown_ratio",
+        "state_mib",
     ),
     "rpc": ("p50_us", "p99_us", "grpc_echo_p50_us", "ratio", "socket_p50_us"),
     "transfer": ("gbps", "memcpy_gbps", "ratio", "view_ms", "device_put_ms"),
@@ -85,6 +101,14 @@ def test_bench_quick_json(name: str) -> None:
             assert isinstance(result[f"{system}_train_slowdown"], float)  # may be ~0 or below
             for key in ("blocked_s", "durable_s", "restore_s", "train_slowdown", "durable_training_s"):
                 assert len(result[f"{system}_{key}_per_round"]) == 2
+    if name == "recovery":
+        assert result["rounds"] == 1 and result["state_mib"] < 128
+        for key in ("replication_slowdown", "save_slowdown"):
+            assert isinstance(result[key], float)  # may be ~0 or below
+        for key in ("ram_s", "storage_s", "orbax_s", "detect_s"):
+            assert len(result[f"{key}_per_round"]) == 1
+        # each recovery is timed from the kill: the loss's detection is part of all three
+        assert min(result["ram_s"], result["storage_s"], result["orbax_s"]) >= result["detect_s"]
     if name == "loader":
         assert result["rounds"] == 2
         for key in ("transfer", "compute"):

@@ -1,0 +1,277 @@
+"""Recovery after a lost host: colocar's peer snapshots vs its storage checkpoint vs Orbax.
+
+State: 16 layers `{"w": float32[rows, 2048] sharded by rows, "b": float32[2048] replicated}` on
+the 8 CPU devices of the training process (rows = 8160: 1020 MiB; `--quick`: 504, 63 MiB), split
+into 4 hosts of 2 devices, one sidecar each (`local_cluster(hosts=4, processes=0)`).
+
+Each round (default 3, `--quick` 1) runs in a process of its own (`round_main`: the state is
+built there) and starts a fresh cluster, then, before the kill:
+
+* snapshots (`Snapshots(replicas=1, pool="snap")`): a warm-up take (it opens the peer sessions),
+  `takes` timed takes with an idle caller (`snapshot_blocked_s`: how long `take` held the
+  caller; `snapshot_committed_s`: until the replicas were committed), and one more with the
+  training loop (`ckpt_measure.step`, pure Python) running from the moment `take` returned until
+  the replicas were committed: `replication_slowdown` = mean step time then / baseline - 1;
+* a storage save of the state by a `CheckpointManager` on local disk, the loop running from the
+  moment `save` returned until durable: `save_slowdown`; `slowdown_ratio` = replication / save
+  slowdown, both floored at `SLOWDOWN_FLOOR` (the noise of this machine);
+* a warm-up (untimed): a tiny tree snapshotted and checkpointed by colocar, each restored onto
+  the survivors' devices (Orbax's checkpointer is warmed up the same way, once);
+* Orbax's `StandardCheckpointer` (one for the run, warmed up) saves the same state to local disk;
+* the training step (`x + 1` on every array, jitted) is compiled for the survivors' mesh (rows
+  sharded over the 6 devices left), so no recovery pays XLA's compile.
+
+Then the sidecar of one host (1, 2 or 3 by round) is SIGKILLed; `detect_s` runs from the kill
+until its session is marked lost. Each recovery is timed from then until one training step on the
+restored state finished (`block_until_ready`), and reported with `detect_s` added, i.e. from the
+kill: `ram_s` (a: `Snapshots.latest()` + `restore` onto the 6 devices), `storage_s` (b: a
+`CheckpointManager` over a `ClusterView` of the survivors, as the elastic manager reopens it,
+restoring its latest step), `orbax_s` (c: Orbax restoring its save onto the 6 devices). Their
+order rotates by round. Every restore is checked against the state (untimed). Both checkpoints
+were just written, so their files are in the page cache (warm): a restore from a cold disk or a
+remote store would be slower for both. `speedup` = storage_s / ram_s, `orbax_speedup` =
+orbax_s / ram_s, from the medians over rounds; `restore_speedup` and `orbax_restore_speedup`
+are the same without `detect_s` (a killed local sidecar is marked lost at the session's next
+heartbeat, within `heartbeat_seconds`, default 1 s; a remote one after about three). `memcpy_s`:
+one `np.copyto` of a host's share of the state into a pre-faulted buffer (`blocked_ratio` =
+snapshot_blocked_s / memcpy_s); `take` copies every host's share, all from the controller, on
+this machine's 2 cores: `memcpy_state_s` is one thread copying all four shares. `load_avg_1m`:
+the machine's load when the run ended (other tenants make the figures scatter).
+"""
+
+from __future__ import annotations
+
+from colocar.bench import request_cpu_devices
+
+_DEVICES_FLAG = request_cpu_devices(8)  # before JAX starts (`colocar bench` imports this module first)
+
+import gc  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from typing import Any  # noqa: E402
+
+from colocar.bench import child_env  # noqa: E402
+from colocar.bench import recovery_systems as rs  # noqa: E402
+from colocar.bench.ckpt_systems import orbax_checkpointer  # noqa: E402
+
+MiB = 1 << 20
+POOL = "snap"
+SLOWDOWN_FLOOR = 0.02
+SYSTEMS = ("ram", "storage", "orbax")
+PER_ROUND = (
+    "ram_s",
+    "storage_s",
+    "orbax_s",
+    "detect_s",
+    "snapshot_blocked_s",
+    "replication_slowdown",
+    "save_slowdown",
+)
+
+
+@dataclass
+class Config:
+    rows: int
+    takes: int
+    baseline_s: float
+    snap_pool: int  # bytes per host: 2 snapshots kept x (own + 1 replica) x a host's share
+    default_pool: int  # bytes per host: a storage save of its share, or two restores' slices
+
+
+def _mib(n: float) -> int:
+    return int(-(-n // MiB) * MiB)
+
+
+def _kill(cluster: Any, victim: int) -> float:
+    """SIGKILLs the victim's sidecar; seconds until its session is marked lost."""
+    session = cluster.hosts[victim].connection.session
+    t0 = time.monotonic()
+    cluster.processes[victim].kill()
+    deadline = t0 + 60
+    while session.lost is None:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"host {victim} was not marked lost 60 s after its sidecar was killed")
+        time.sleep(0.002)
+    detect = time.monotonic() - t0
+    cluster.processes[victim].wait(timeout=30)
+    return detect
+
+
+def _recover(name: str, cluster: Any, snaps: Any, m: dict, paths: dict, ckptr: Any, surv: Any) -> float:
+    if name == "ram":
+        return rs.ram(snaps, surv, m["last_snapshot"])
+    if name == "storage":
+        return rs.storage(cluster, paths["colocar"], surv)
+    return rs.orbax(ckptr, paths["orbax"], surv)
+
+
+def _round(r: int, state: dict[str, Any], devices: list[Any], cfg: Config, ckptr: Any, root: str) -> dict:
+    """One round on a fresh cluster: the costs, the saves, the kill, the three recoveries."""
+    import colocar
+    from colocar.checkpoint import CheckpointManager
+    from colocar.elastic.snapshots import Snapshots
+
+    victim = 1 + r % 3
+    paths = {name: os.path.join(root, f"{name}-{r}") for name in ("colocar", "orbax", "warm")}
+    left = [d for i, d in enumerate(devices) if i // 2 != victim]
+    arena = cfg.snap_pool + cfg.default_pool
+    with colocar.local_cluster(
+        hosts=rs.HOSTS, devices=devices, arena_size=arena, pools={POOL: cfg.snap_pool}, processes=0
+    ) as cluster:
+        rs.warm_up(cluster, POOL, paths["warm"], devices, left)
+        snaps = Snapshots(cluster, replicas=1, pool=POOL)
+        try:
+            m = rs.snapshot_costs(snaps, state, cfg.takes, cfg.baseline_s)
+            mngr = CheckpointManager(paths["colocar"], cluster)
+            try:
+                m.update(rs.storage_save(mngr, state, cfg.baseline_s))
+            finally:
+                mngr.close()
+            ckptr.save(paths["orbax"], state)
+            ckptr.wait_until_finished()
+            surv = rs.Survivors.of(state, left)
+            gc.collect()
+            m["victim"] = victim
+            m["detect_s"] = _kill(cluster, victim)
+            order = SYSTEMS[r % 3 :] + SYSTEMS[: r % 3]
+            for name in order:
+                m[f"{name}_restore_s"] = _recover(name, cluster, snaps, m, paths, ckptr, surv)
+                m[f"{name}_s"] = m["detect_s"] + m[f"{name}_restore_s"]
+                gc.collect()
+            m["order"] = "/".join(order)
+            del surv
+        finally:
+            snaps.close()
+    for path in paths.values():
+        shutil.rmtree(path, ignore_errors=True)
+    return m
+
+
+def _summary(head: dict[str, Any], rounds: list[dict], memcpy: float) -> dict[str, Any]:
+    def med(key: str) -> float:
+        return float(statistics.median(m[key] for m in rounds))
+
+    out = dict(head)
+    keys = ("ram_s", "storage_s", "orbax_s", "detect_s", "snapshot_blocked_s", "snapshot_committed_s") + (
+        "ram_restore_s",
+        "storage_restore_s",
+        "orbax_restore_s",
+        "save_blocked_s",
+        "save_durable_s",
+    )
+    for key in keys:
+        out[key] = round(med(key), 4)
+    out["speedup"] = round(med("storage_s") / med("ram_s"), 2)
+    out["orbax_speedup"] = round(med("orbax_s") / med("ram_s"), 2)
+    # the same ratios without the loss's detection (common to all three, set by the heartbeat)
+    out["restore_speedup"] = round(med("storage_restore_s") / med("ram_restore_s"), 2)
+    out["orbax_restore_speedup"] = round(med("orbax_restore_s") / med("ram_restore_s"), 2)
+    out["memcpy_s"] = round(memcpy, 4)
+    out["blocked_ratio"] = round(med("snapshot_blocked_s") / memcpy, 2)
+    for key in ("replication_slowdown", "save_slowdown", "step_ms"):
+        out[key] = round(med(key), 3)
+    floored = {k: max(med(k), SLOWDOWN_FLOOR) for k in ("replication_slowdown", "save_slowdown")}
+    out["slowdown_ratio"] = round(floored["replication_slowdown"] / floored["save_slowdown"], 3)
+    for key in PER_ROUND:
+        out[f"{key}_per_round"] = [round(m[key], 4) for m in rounds]
+    out["order_per_round"] = [m["order"] for m in rounds]
+    out["victim_per_round"] = [m["victim"] for m in rounds]
+    return out
+
+
+def _config(quick: bool, state: dict[str, Any], share: int) -> Config:
+    import jax
+
+    nbytes = sum(leaf.nbytes for leaf in jax.tree.leaves(state))
+    return Config(
+        rows=504 if quick else 8160,
+        takes=2 if quick else 3,
+        baseline_s=0.25 if quick else 1.0,
+        snap_pool=_mib(4 * share + 16 * MiB),
+        default_pool=_mib(2 * nbytes / 3 + 32 * MiB),
+    )
+
+
+def round_main(quick: bool, r: int) -> None:
+    """One round in a process of its own (`run` starts it): builds the state, measures the
+    memcpy, runs the round, prints its figures as JSON on the last line. A process per round
+    bounds the peak memory by one round's: with the 3 rounds of 1 GiB in one process its
+    resident memory (arenas mapped, state, restored copies, allocator growth) reached 20 GiB
+    of this machine's 23, against 14 GiB for one round."""
+    import jax
+
+    devices = jax.devices("cpu")
+    if len(devices) != 8:
+        raise RuntimeError(
+            f"the recovery benchmark needs 8 CPU devices, got {len(devices)}: set XLA_FLAGS={_DEVICES_FLAG} "
+            "before JAX is imported"
+        )
+    state = rs.make_state(504 if quick else 8160, devices)
+    shares = rs.host_shards(state, devices)
+    share = max(sum(s.nbytes for s in host) for host in shares)
+    cfg = _config(quick, state, share)
+    head = {
+        "memcpy_s": rs.memcpy_s(shares[1], 3 if quick else 7),
+        "memcpy_state_s": rs.memcpy_s([s for host in shares for s in host], 3),
+        "rows": cfg.rows,
+        "state_bytes": sum(leaf.nbytes for leaf in jax.tree.leaves(state)),
+        "share_bytes": share,
+        "snap_pool": cfg.snap_pool,
+        "default_pool": cfg.default_pool,
+    }
+    root = tempfile.mkdtemp(prefix="colocar-bench-recovery-")
+    try:
+        ckptr = orbax_checkpointer(state, root)
+        try:
+            m = _round(r, state, devices, cfg, ckptr, root)
+        finally:
+            ckptr.close()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print(json.dumps({**head, **m}), flush=True)
+
+
+def _spawn(quick: bool, r: int) -> dict:
+    """Round `r` in a child process (its stderr goes to ours); its figures."""
+    code = f"from colocar.bench.recovery import round_main; round_main({quick}, {r})"
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=child_env(), stdout=subprocess.PIPE, text=True, timeout=1800
+    )
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(
+            f"recovery round {r} failed (exit {done.returncode}); its output:\n{done.stdout[-3000:]}"
+        )
+    return dict(json.loads(lines[-1]))
+
+
+def run(quick: bool, repeats: int) -> dict:
+    """Runs the rounds, each in a process of its own, and sums up."""
+    rounds = min(repeats, 1) if quick else repeats
+    results = [_spawn(quick, r) for r in range(rounds)]
+    first = results[0]
+    layout = (
+        f"{rs.LAYERS} x {{w: f32[{first['rows']},{rs.COLS}] P(data), b: f32[{rs.COLS}] P()}}, 4 x 2 devices"
+    )
+    head: dict[str, Any] = {
+        "benchmark": "recovery",
+        "quick": quick,
+        "rounds": rounds,
+        "state": layout,
+        "state_mib": round(first["state_bytes"] / MiB, 1),
+        "host_share_mib": round(first["share_bytes"] / MiB, 1),
+        "snap_pool_mib": first["snap_pool"] // MiB,
+        "default_pool_mib": first["default_pool"] // MiB,
+    }
+    memcpy = statistics.median(m["memcpy_s"] for m in results)
+    out = _summary(head, results, memcpy)
+    out["memcpy_state_s"] = round(statistics.median(m["memcpy_state_s"] for m in results), 4)
+    out["load_avg_1m"] = round(os.getloadavg()[0], 1)
+    return out
