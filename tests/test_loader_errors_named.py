@@ -27,8 +27,10 @@ def test_a_batch_size_the_batch_axes_do_not_divide_names_the_numbers(cluster):
 
 
 def test_an_unknown_batch_axis_is_named_with_the_mesh_axes(cluster):
-    with pytest.raises(ConfigError, match=r"batch_axes: .*'dat'.*mesh axes.*'data'"):
+    with pytest.raises(ConfigError, match=r"batch_axes: 'dat' is not an axis of the mesh.*'data'"):
         loaders.load(config(batch_axes="dat"), cluster)
+    with pytest.raises(ConfigError, match=r"batch_axes\[1\]: 'x' is not an axis of the mesh"):
+        loaders.load(config(batch_axes=["data", "x"]), cluster)
 
 
 def test_a_source_callable_that_needs_arguments_names_them(cluster):

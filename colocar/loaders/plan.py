@@ -87,13 +87,13 @@ def check_batch_axes(mesh: jax.sharding.Mesh, axes: tuple[str, ...], global_batc
     lacks, or when the devices along them do not divide `global_batch_size` (else JAX raises an
     IndivisibleError that names neither)."""
     names = tuple(mesh.axis_names)
-    unknown = [a for a in axes if a not in names]
-    if unknown:
-        raise ConfigError(
-            "batch_axes",
-            f"{', '.join(repr(a) for a in unknown)} is not an axis of the mesh; the mesh axes are "
-            f"{', '.join(repr(a) for a in names)}{suggest(str(unknown[0]), [str(n) for n in names])}",
-        )
+    for i, axis in enumerate(axes):
+        if axis not in names:
+            raise ConfigError(
+                f"batch_axes[{i}]" if len(axes) > 1 else "batch_axes",
+                f"{axis!r} is not an axis of the mesh; the mesh axes are "
+                f"{', '.join(repr(a) for a in names)}{suggest(str(axis), [str(n) for n in names])}",
+            )
     sizes = {a: int(mesh.shape[a]) for a in axes}
     shards = math.prod(sizes.values())
     B = global_batch_size
