@@ -100,3 +100,22 @@ def check_arity(fn: Callable[..., Any], kind: str, path: str, spec: Any) -> None
             f"{callable_name(spec)} has signature {sig}, but kind {kind!r} calls it as {call}; "
             f"fix the signature or use kind {other}",
         ) from None
+
+
+def check_no_arguments(fn: Callable[..., Any], path: str, spec: Any) -> None:
+    """A source callable is called as fn(): name its parameters that have no default."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # some builtins have no signature; the sidecar will find out
+    try:
+        sig.bind()
+    except TypeError:
+        kinds = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+        needed = [n for n, p in sig.parameters.items() if p.default is p.empty and p.kind not in kinds]
+        raise ConfigError(
+            path,
+            f"{callable_name(spec)} has signature {sig}, but a source callable is called with no "
+            f"arguments and it needs {', '.join(repr(n) for n in needed)}; give those parameters "
+            "defaults, or point 'callable' at a function that takes none (functools.partial in a module)",
+        ) from None

@@ -36,7 +36,7 @@ from .agreement import Agreement, identity
 from .config import PipelineConfig, load_config
 from .feed import open_feed
 from .host_backend import LoaderHost
-from .plan import HostPlan, host_plans, local_groups
+from .plan import HostPlan, check_batch_axes, host_plans, local_groups
 from .progress import Progress, count_batches
 
 STATE_VERSION = 1
@@ -48,12 +48,17 @@ RemoteLoaderHost = colocated_class(LoaderHost)
 @colocated
 def _probe_fields(config: PipelineConfig) -> dict[str, tuple[tuple[int, ...], str]]:
     """Runs on a sidecar: the fields of the first record the pipeline keeps."""
-    from colocar.loaders.worker import _record_pipeline
+    from colocar.loaders.pump import PipelineError
+    from colocar.loaders.worker import _record_pipeline, check_dict
 
     pipeline = _record_pipeline(config)
     for index in range(min(len(pipeline), 1000)):
         record = pipeline[index]
         if record is not None:
+            try:
+                check_dict(record, index, pipeline)
+            except TypeError as e:
+                raise PipelineError(f"probing the fields (no element_spec): {e}") from None
             return {name: (np.shape(v), np.asarray(v).dtype.name) for name, v in record.items()}
     raise ValueError("none of the first 1000 records passes the pipeline's filters")
 
@@ -85,6 +90,7 @@ class DataIterator:
         self.starve_timeout = starve_timeout
         axes = config.batch_axes or tuple(mesh.axis_names)
         B = config.global_batch_size
+        check_batch_axes(mesh, axes, B)
         groups = local_groups(cluster, mesh)  # this process's hosts and their devices of the mesh
         if config.element_spec:
             fields = {name: (tuple(f.shape), f.dtype) for name, f in config.element_spec.items()}

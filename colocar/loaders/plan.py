@@ -10,6 +10,7 @@ other processes build the other rows for their own devices.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -18,6 +19,7 @@ from jax.sharding import NamedSharding
 from colocar.controller_bridge.cluster import Cluster, Host
 from colocar.errors import ColocarError
 
+from .checks import ConfigError, suggest
 from .layout import SlotLayout
 
 # (host, its slot layout, each of its devices with the index of the segment it takes)
@@ -78,3 +80,29 @@ def host_plans(
             )
         plans.append((host, layout, placed))
     return plans
+
+
+def check_batch_axes(mesh: jax.sharding.Mesh, axes: tuple[str, ...], global_batch_size: int) -> None:
+    """Raise `ConfigError` naming the key and the numbers when `batch_axes` names an axis the mesh
+    lacks, or when the devices along them do not divide `global_batch_size` (else JAX raises an
+    IndivisibleError that names neither)."""
+    names = tuple(mesh.axis_names)
+    for i, axis in enumerate(axes):
+        if axis not in names:
+            raise ConfigError(
+                f"batch_axes[{i}]" if len(axes) > 1 else "batch_axes",
+                f"{axis!r} is not an axis of the mesh; the mesh axes are "
+                f"{', '.join(repr(a) for a in names)}{suggest(str(axis), [str(n) for n in names])}",
+            )
+    sizes = {a: int(mesh.shape[a]) for a in axes}
+    shards = math.prod(sizes.values())
+    B = global_batch_size
+    if B % shards:
+        lower, upper = B - B % shards, B - B % shards + shards
+        options = f"{lower} or {upper}" if lower else f"{upper}"
+        raise ConfigError(
+            "global_batch_size",
+            f"{B} is not a multiple of {shards}, the number of devices along the batch axes "
+            f"{sizes} that split each batch; use {options}, or shard the batch over other axes "
+            "(batch_axes)",
+        )

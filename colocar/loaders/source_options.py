@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from .callables import resolve_callable
+from .callables import check_no_arguments, resolve_callable
 from .checks import ConfigError, describe
 from .schema import Context
 
@@ -59,7 +59,7 @@ def source_callable(raw: Any, path: str, ctx: Context) -> str:
     """``"module:function"`` of a user source, checked to resolve to a callable."""
     if not isinstance(raw, str):
         raise ConfigError(path, f"expected a 'module:function' string, got {describe(raw)}")
-    resolve_callable(raw, path)
+    check_no_arguments(resolve_callable(raw, path), path, raw)
     return raw
 
 

@@ -51,11 +51,7 @@ def open_source(
     Paths may contain glob patterns; they are expanded in sorted order.
     """
     if kind == "array_record":
-        files = _expand_paths(paths, kind)
-        grain_sources = _grain_sources_module()
-        # grain's source opens one reader per file lazily, with readahead disabled (it is made for
-        # random access), and reads are thread-safe.
-        return grain_sources.ArrayRecordDataSource(files)
+        return ArrayRecordSource(_expand_paths(paths, kind))
     if kind == "parquet":
         return ParquetSource(_expand_paths(paths, kind), columns=columns)
     if kind == "range":
@@ -134,6 +130,57 @@ def _expand_paths(paths: Sequence[str] | str, kind: str) -> list[str]:
     if not files:
         raise ValueError(f"{kind} source needs at least one path")
     return files
+
+
+class ArrayRecordSource:
+    """grain's ArrayRecordDataSource, whose errors name the file (and the record in it) at fault.
+
+    grain's source opens one reader per file lazily, with readahead disabled (it is made for
+    random access), and reads are thread-safe. A file that cannot be opened or a record that cannot
+    be read raises `PipelineError` naming the file and the record's position in it.
+    """
+
+    def __init__(self, files: list[str]):
+        self.files = files
+        try:
+            self._source = _grain_sources_module().ArrayRecordDataSource(files)
+        except Exception as e:
+            raise _pipeline_error(f"array_record source: cannot open {_unreadable(files)}: {e}") from e
+
+    def __len__(self) -> int:
+        return len(self._source)
+
+    def __getitem__(self, index: int) -> bytes:
+        try:
+            return self._source[index]  # type: ignore[no-any-return]
+        except IndexError:
+            raise
+        except Exception as e:
+            try:
+                f, position = self._source._reader_idx_and_position(index)
+                where = f"record {position} of file {self._source._read_instructions[f].filename!r}"
+            except Exception:  # noqa: BLE001 - grain internals; fall back to the global index
+                where = f"record {index} of files {self.files}"
+            raise _pipeline_error(f"array_record source: cannot read {where}: {e}") from e
+
+    def __repr__(self) -> str:
+        return f"ArrayRecordSource({len(self.files)} files)"
+
+
+def _pipeline_error(message: str) -> Exception:
+    from .pump import PipelineError
+
+    return PipelineError(message)
+
+
+def _unreadable(files: list[str]) -> str:
+    """The first of `files` that grain cannot open alone (files are opened together first)."""
+    for path in files:
+        try:
+            _grain_sources_module().ArrayRecordDataSource([path])
+        except Exception:  # noqa: BLE001 - any failure names this file
+            return f"file {path!r}"
+    return f"one of the files {files}"
 
 
 class RangeSource:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import traceback
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -42,6 +43,40 @@ def sampler_for(config: Any, num_records: int) -> Any:
         num_epochs=config.num_epochs,
         drop_remainder=config.drop_remainder,
     )
+
+
+def check_dict(record: Any, index: int, pipeline: Any, fields: list[str] | None = None) -> None:
+    """Raise naming the record and the step that made it when a record is not a dict of fields."""
+    if not isinstance(record, Mapping):
+        step = pipeline.step_names[-1] if pipeline.step_names else f"source {type(pipeline.source).__name__}"
+        want = f"the fields {fields}" if fields else "fields"
+        raise TypeError(
+            f"record {index}: {step} returned {type(record).__name__}, not a dict; the pipeline's last "
+            f"step must return a dict of {want}"
+        )
+
+
+def _write_row(
+    views: dict, fields: list[str], segment: int, j: int, record: Any, index: int, pipeline: Any
+) -> None:
+    """Row j of `segment` from `record` (zeros when it is None); raises naming the record and the
+    step that made it when it is not a dict of the element spec's fields."""
+    if record is not None:
+        check_dict(record, index, pipeline, fields)
+    for name in fields:
+        target = views[name][segment]
+        if record is None:
+            target[j] = 0
+            continue
+        if name not in record:
+            raise KeyError(f"record {index} has no field {name!r} (it has {sorted(map(str, record))})")
+        value = np.asarray(record[name])
+        if value.shape != target.shape[1:] or not np.can_cast(value.dtype, target.dtype, "same_kind"):
+            raise ValueError(
+                f"record {index}: field {name!r} is {value.dtype}{list(value.shape)}, "
+                f"the element spec says {target.dtype}{list(target.shape[1:])}"
+            )
+        target[j] = value
 
 
 def main(conn: Any, arena_info: tuple, config_bytes: bytes, layout: Any, slots: list) -> None:
@@ -81,20 +116,7 @@ def main(conn: Any, arena_info: tuple, config_bytes: bytes, layout: Any, slots: 
             for row, index in enumerate(indices):
                 segment, j = layout.segment_of_row(r0 + row)
                 record = pipeline[int(index)] if index >= 0 else None
-                for name in fields:
-                    target = views[slot][name][segment]
-                    if record is None:
-                        target[j] = 0
-                    else:
-                        value = np.asarray(record[name])
-                        if value.shape != target.shape[1:] or not np.can_cast(
-                            value.dtype, target.dtype, "same_kind"
-                        ):
-                            raise ValueError(
-                                f"record {int(index)}: field {name!r} is {value.dtype}{list(value.shape)}, "
-                                f"the element spec says {target.dtype}{list(target.shape[1:])}"
-                            )
-                        target[j] = value
+                _write_row(views[slot], fields, segment, j, record, int(index), pipeline)
                 if "mask" in views[slot]:
                     views[slot]["mask"][segment][j] = record is not None
             send_pickled(conn, Built(k, slot, pipeline.bad_records - bad_before))
