@@ -77,3 +77,6 @@ def test_none_at_nested_and_listed_subtrees(cluster, tmp_path):
             mngr.restore(target={"metadata": None})
         with pytest.raises(CheckpointError, match=r"\['meta'\]\['ru'\]: not in step 1"):
             mngr.restore(target={"meta": {"ru": None}})
+        # get_state() that is not a dict (numpy's RandomState: a tuple) is not taken for a state
+        with pytest.raises(CheckpointError, match=r"\['rng'\]: cannot save a leaf of type RandomState"):
+            mngr.save(2, {"rng": np.random.RandomState(0)})

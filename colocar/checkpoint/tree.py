@@ -46,8 +46,10 @@ def _has_state(x: Any) -> bool:
 
 
 def _state_of(x: Any) -> Any:
-    """A data iterator (anything with `get_state()`) as its state; other leaves as they are."""
-    return x.get_state() if _has_state(x) else x
+    """A data iterator (anything whose `get_state()` is a dict) as its state; other leaves as
+    they are (a leaf that is not JSON-able then fails the save naming its key)."""
+    state = x.get_state() if _has_state(x) else None
+    return state if isinstance(state, dict) else x
 
 
 def abstract(tree: Any) -> Any:
