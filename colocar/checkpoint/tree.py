@@ -17,6 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from colocar.controller_bridge.specs import spec_of
 from colocar.errors import CheckpointError
 
 
@@ -59,10 +60,8 @@ def abstract(tree: Any) -> Any:
     state). Like Orbax's `to_shape_dtype_struct`."""
 
     def leaf(x: Any) -> Any:
-        if isinstance(x, jax.Array):
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-        if isinstance(x, np.ndarray | np.generic | jax.ShapeDtypeStruct):
-            return x
+        if isinstance(x, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct):
+            return spec_of(x)
         return None
 
     return jax.tree.map(leaf, tree, is_leaf=_is_none)
