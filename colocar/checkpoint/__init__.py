@@ -2,7 +2,8 @@
 
 `CheckpointManager(directory, cluster)` saves pytrees of `jax.Array`s: `save` blocks only for
 the device-to-arena copies, the sidecars write zarr3 arrays and commit the step; `restore`
-reads what each host's devices need for the target sharding. Format: README "Checkpoints".
+reads what each host's devices need for the target sharding; `abstract(tree)` makes a restore
+target from a live (or abstract) state. Format: README "Checkpoints".
 Sidecar-side modules (`writer_backend`, `reader_backend`) import no JAX.
 """
 
@@ -15,8 +16,9 @@ if TYPE_CHECKING:
 
     from .manager import CheckpointManager, SaveStats
     from .storage import StorageError
+    from .tree import abstract
 
-__all__ = ["CheckpointError", "CheckpointManager", "SaveStats", "StorageError"]
+__all__ = ["CheckpointError", "CheckpointManager", "SaveStats", "StorageError", "abstract"]
 
 
 def __getattr__(name: str) -> Any:
@@ -28,6 +30,10 @@ def __getattr__(name: str) -> Any:
         from colocar.errors import CheckpointError
 
         return CheckpointError
+    if name == "abstract":
+        from .tree import abstract
+
+        return abstract
     if name == "StorageError":
         from .storage import StorageError
 

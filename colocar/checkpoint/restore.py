@@ -85,6 +85,31 @@ Requests = dict[int, list[tuple[int, str, list[list[int]]]]]  # host -> [(leaf i
 Where = dict[tuple[str, int, str], int]  # (key, host, bounds) -> request number on that host
 
 
+def _expand_subtrees(manifest: dict[str, Any], targets: dict[str, Any]) -> dict[str, Any]:
+    """A None target at a saved subtree (e.g. the data iterator's state, saved as several
+    leaves) stands for each of its leaves, restored as saved."""
+    saved = manifest["leaves"]
+    expanded: dict[str, Any] = {}
+    for key, target in targets.items():
+        node = None if key in saved or target is not None else tree.subtree(manifest["tree"], key)
+        if node is None:
+            expanded[key] = target
+        else:
+            expanded.update(dict.fromkeys(tree.leaf_keys(node)))
+    return expanded
+
+
+def _subtrees(manifest: dict[str, Any], targets: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+    """The values of `targets`' keys, with each expanded subtree rebuilt as saved."""
+    out = {}
+    for key in targets:
+        if key in values:
+            out[key] = values[key]
+        else:
+            out[key] = tree.rebuild(tree.subtree(manifest["tree"], key), values)
+    return out
+
+
 def _split_targets(
     saved: dict[str, Any], targets: dict[str, Any], devices: Any, step: int
 ) -> tuple[dict[str, Any], list[_Leaf]]:
@@ -188,17 +213,19 @@ def restore_leaves(
     cluster: Any,
     storage_timeout: float,
 ) -> tuple[dict[str, Any], RestoreStats]:
-    """The values of the keys in `targets` (key -> target leaf or None) at `step`."""
+    """The values of the keys in `targets` (key -> target leaf or None) at `step`; None at a
+    saved subtree restores that whole subtree as saved."""
     # Saved shardings come back over the job's devices (under multi-controller JAX, every
     # process's): each process then reads only its own devices' slices (`_placements`).
-    values, leaves = _split_targets(manifest["leaves"], targets, jax.devices(), step)
+    wanted = _expand_subtrees(manifest, targets)
+    values, leaves = _split_targets(manifest["leaves"], wanted, jax.devices(), step)
     stats = RestoreStats()
     requests, where = _plan(leaves, cluster, stats)
     root = layout.arrays_root(step, manifest)
     results = _read_all(url, root, step, requests, cluster, storage_timeout, stats)
     for leaf in leaves:
         values[leaf.key] = _assemble(leaf, cluster, where, results)
-    return values, stats
+    return _subtrees(manifest, targets, values), stats
 
 
 def _assemble(leaf: _Leaf, cluster: Any, where: Where, results: dict[int, list[np.ndarray]]) -> Any:

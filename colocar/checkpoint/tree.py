@@ -4,7 +4,8 @@ Leaves are named by `jax.tree_util.keystr` of their path (`['params']['w']`); th
 records each leaf by that name, plus a JSON skeleton of dicts and lists so that a restore
 without a target can rebuild a tree of plain containers. Arrays (`jax.Array`, numpy arrays,
 typed PRNG keys, stored as their key data) are written by the sidecars; everything else
-(numbers, strings, booleans, None, the data iterator's state) is stored in the manifest.
+(numbers, strings, booleans, None, the data iterator's state) is stored in the manifest. An
+object with `get_state()` (a data iterator) is saved as its state.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from colocar.controller_bridge.specs import spec_of
 from colocar.errors import CheckpointError
 
 
@@ -30,6 +32,7 @@ def is_prng_key(x: Any) -> bool:
 
 def flatten(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
     """[(key, leaf)] in tree order, and the JSON skeleton of the tree."""
+    tree = jax.tree.map(_state_of, tree, is_leaf=_is_none)
     leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_none)
     named = [(jax.tree_util.keystr(path), leaf) for path, leaf in leaves]
     return named, _skeleton(tree)
@@ -37,6 +40,31 @@ def flatten(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
 
 def _is_none(x: Any) -> bool:
     return x is None
+
+
+def _has_state(x: Any) -> bool:
+    return not is_array(x) and callable(getattr(x, "get_state", None))
+
+
+def _state_of(x: Any) -> Any:
+    """A data iterator (anything whose `get_state()` is a dict) as its state; other leaves as
+    they are (a leaf that is not JSON-able then fails the save naming its key)."""
+    state = x.get_state() if _has_state(x) else None
+    return state if isinstance(state, dict) else x
+
+
+def abstract(tree: Any) -> Any:
+    """`tree` as a restore target: arrays as `jax.ShapeDtypeStruct`s with their sharding (numpy
+    arrays and ShapeDtypeStructs as they are), every other leaf, a data iterator included, as
+    None, which restores what was saved there (a whole subtree of plain values: the iterator's
+    state). Like Orbax's `to_shape_dtype_struct`."""
+
+    def leaf(x: Any) -> Any:
+        if isinstance(x, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct):
+            return spec_of(x)
+        return None
+
+    return jax.tree.map(leaf, tree, is_leaf=_is_none)
 
 
 def _skeleton(tree: Any, path: tuple = ()) -> Any:
@@ -64,6 +92,33 @@ def rebuild(skeleton: Any, values: dict[str, Any]) -> Any:
     if "list" in skeleton:
         return [rebuild(child, values) for child in skeleton["list"]]
     return {name: rebuild(child, values) for name, child in skeleton["dict"].items()}
+
+
+def subtree(skeleton: Any, key: str, prefix: str = "") -> Any:
+    """The skeleton's node whose path is `key` (a `keystr`), or None; `prefix`: this node's."""
+    if "leaf" in skeleton:
+        return None
+    children = enumerate(skeleton["list"]) if "list" in skeleton else skeleton["dict"].items()
+    for name, child in children:
+        first = next(iter(leaf_keys(child)), None)
+        if first is None:
+            continue
+        for part in (f"[{name!r}]", f"[{name}]", f".{name}"):
+            path = prefix + part
+            if first.startswith(path):
+                if path == key:
+                    return child
+                if key.startswith(path) and key[len(path)] in "[.":
+                    return subtree(child, key, path)
+    return None
+
+
+def leaf_keys(skeleton: Any) -> list[str]:
+    """The keys of the leaves under a skeleton node, in tree order."""
+    if "leaf" in skeleton:
+        return [skeleton["leaf"]]
+    children = skeleton["list"] if "list" in skeleton else list(skeleton["dict"].values())
+    return [k for c in children for k in leaf_keys(c)]
 
 
 def prune(skeleton: Any, keep: set[str]) -> Any:
