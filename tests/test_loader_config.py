@@ -247,9 +247,7 @@ def test_memory_source_is_rejected_in_files(work: Path) -> None:
 
 
 def test_callable_source(work: Path) -> None:
-    cfg = load_config(
-        {"source": {"kind": "callable", "callable": "builtins:list"}, "global_batch_size": 1}
-    )
+    cfg = load_config({"source": {"kind": "callable", "callable": "builtins:list"}, "global_batch_size": 1})
     assert cfg.source.callable == "builtins:list"
 
 
