@@ -313,9 +313,10 @@ class CheckpointManager:
 
         `target`: a pytree of `jax.ShapeDtypeStruct`s with shardings (or arrays) naming what to
         restore and where; it may shard differently than the save, over other devices, and hold
-        a subset of the saved keys. Without it, arrays come back with their saved shardings
-        (the same devices must exist) as plain dicts and lists; `keys` restricts that to some
-        top-level keys.
+        a subset of the saved keys; a `None` in it returns that key's saved subtree as saved
+        (a data iterator's state; `colocar.checkpoint.abstract` builds such targets). Without
+        it, arrays come back with their saved shardings (the same devices must exist) as plain
+        dicts and lists; `keys` restricts that to some top-level keys.
         """
         step, manifest = self.steps.committed_manifest(step)
         if target is not None:
