@@ -106,6 +106,13 @@ def _wait_used(cluster, hosts, expected: list[int]) -> list[int]:
     return used
 
 
+@colocar.colocated
+def _jax_loaded() -> bool:
+    import sys
+
+    return "jax" in sys.modules
+
+
 def test_one_replica_survives_a_killed_host(make_cluster):
     cluster = _cluster(make_cluster, pool_bytes=8 * MiB)
     with Snapshots(cluster, replicas=1, pool=POOL) as snaps:
@@ -115,6 +122,9 @@ def test_one_replica_survives_a_killed_host(make_cluster):
         assert snaps.stats()["replication"]["state"] == "committed"
         # each sidecar has the controller's session and its ring predecessor's (sidecar to sidecar)
         assert [h.stats()["sessions"] for h in cluster.hosts] == [2, 2, 2, 2]
+        # replicating made no sidecar import JAX (its link to the peer is the controller's
+        # connection code, without the rest of the controller side)
+        assert [_jax_loaded.on(h)() for h in cluster.hosts] == [False] * 4
         _kill(cluster, 2)
         assert snaps.latest() == 1
         restored = snaps.restore(1, _target(state, cluster, {2}))
