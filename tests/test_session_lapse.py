@@ -1,10 +1,10 @@
-"""What a controller holds must not change when its sidecar lapses its session and it comes
-back: a known gap, kept here until it is fixed (see the issue notes of 2026-12-01).
+"""What a controller holds does not change when its sidecar lapses its session and it comes
+back (`sidecar/lapsed.py`).
 
-The sidecar frees a lapsed session's blocks; a controller on the same host that still holds
-arrays aliasing them (it maps the arena) then reconnects under the same session id, and its next
-results reuse those blocks: the held array changes. A sidecar stopped past its lease (SIGSTOP,
-a frozen VM) is enough.
+A sidecar stopped past its lease (SIGSTOP, a frozen VM) lapses the session of a controller that
+is alive, maps the arena and holds arrays over the session's blocks. It reconnects under the same
+session id; the blocks must not have been reused meanwhile (they were: the held array changed).
+Once the controller is gone, the blocks are freed.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import signal
 import time
 
 import numpy as np
-import pytest
 from helpers import wait_for
 
 import colocar
@@ -27,7 +26,6 @@ def filled(value):
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="a lapsed session's blocks are freed while its controller maps them")
 def test_arrays_held_from_a_host_whose_session_lapsed_never_change(make_cluster):
     c = make_cluster(lease_seconds=2, heartbeat_seconds=0.5)
     host = c.hosts[0]

@@ -32,8 +32,9 @@ from . import logs
 from .blocks import BoundsError, SidecarArena
 from .cancels import CallRegistry, cancellable
 from .func_backend import CodeCache, CodeLoadError, CodeNotFound, remote_error
+from .lapsed import LapsedBlocks
 from .objects import ObjectTable, UnknownObjectError
-from .sessions import Session, SessionTable
+from .sessions import LAPSED, Session, SessionTable
 from .stats import Stats
 from .streams import Credits, chain
 from .workers import WorkerDiedError, WorkerPool
@@ -70,6 +71,7 @@ class SidecarService:
         self.objects = ObjectTable()
         self.code = CodeCache()
         self.cancels = CallRegistry()
+        self.lapsed = LapsedBlocks(arena.allocator, arena.arena.path)
         self.sessions = SessionTable(config.lease_seconds, self._session_ended)
         # Tokens of a SimpleQueue bound concurrent calls (cheaper than a Semaphore per call).
         self._call_slots: queue.SimpleQueue[None] = queue.SimpleQueue()
@@ -93,13 +95,14 @@ class SidecarService:
             )
         return session
 
-    def _session_ended(self, session: Session) -> None:
+    def _session_ended(self, session: Session, how: str) -> None:
         self.objects.drop_session(session.id)
-        self.arena.allocator.release_owner(session.id)
+        self.lapsed.session_ended(session.id, session.controller, how == LAPSED)
 
     def _sweep(self) -> None:
         while not self._sweeper_stop.wait(1.0):
             self.objects.sweep()
+            self.lapsed.sweep()
 
     # --- sessions --------------------------------------------------------------------------
     def Connect(self, request: pb.ConnectRequest) -> pb.ConnectReply:
@@ -123,6 +126,7 @@ class SidecarService:
                 sys.path.append(entry)
         if request.cwd and os.path.isdir(request.cwd):
             os.chdir(request.cwd)
+        self.lapsed.reconnected(request.session_id)
         session = self.sessions.open(request.session_id, request.controller, request.lease_seconds)
         a = self.arena.arena
         return pb.ConnectReply(

@@ -114,7 +114,7 @@ class Session:
 class SessionTable:
     """Thread-safe table of sessions with lease expiry."""
 
-    def __init__(self, default_lease: float, on_expire: Callable[[Session], None]):
+    def __init__(self, default_lease: float, on_expire: Callable[[Session, str], None]):
         self.default_lease = default_lease
         self._on_expire = on_expire
         self._sessions: dict[str, Session] = {}
@@ -155,7 +155,7 @@ class SessionTable:
     def _expire(self, session: Session, how: str) -> None:
         session.closed = True
         session.log("")  # wakes a wait for log lines so it can end
-        self._on_expire(session)
+        self._on_expire(session, how)
         session._run_end_hooks(how)
 
     def _reap(self) -> None:
