@@ -12,6 +12,7 @@ import gc
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from colocar.bench.ckpt_memory import Memory
@@ -112,26 +113,21 @@ def _idle_save(system: System, memory: Memory, state: dict[str, Any]) -> dict[st
     }
 
 
-def _training_save(system: System) -> tuple[float, int, float]:
-    """Save 2, the training loop running from the moment `save` returned until a second thread
-    saw the save durable. Returns the loop's seconds, its steps, and the seconds from the save
-    call until durable (plus the `syncfs`); save 2 is deleted after."""
-    t2 = time.monotonic()
-    system.save(2)
+def loop_until(done_fn: Callable[[], None]) -> tuple[float, int]:
+    """Runs training steps until `done_fn` (called on a second thread) returned; returns the
+    loop's seconds and steps. Re-raises what `done_fn` raised."""
     done = threading.Event()
-    ended: list[float] = []
     errors: list[BaseException] = []
 
     def waiter() -> None:
         try:
-            system.wait()
+            done_fn()
         except BaseException as e:  # noqa: BLE001 - re-raised in the training thread
             errors.append(e)
         finally:
-            ended.append(time.monotonic())
             done.set()
 
-    thread = threading.Thread(target=waiter, name="bench-ckpt-wait", daemon=True)
+    thread = threading.Thread(target=waiter, name="bench-wait", daemon=True)
     thread.start()
     n, start = 0, time.perf_counter()
     while not done.is_set():
@@ -141,6 +137,24 @@ def _training_save(system: System) -> tuple[float, int, float]:
     thread.join()
     if errors:
         raise errors[0]
+    return loop_s, n
+
+
+def _training_save(system: System) -> tuple[float, int, float]:
+    """Save 2, the training loop running from the moment `save` returned until a second thread
+    saw the save durable. Returns the loop's seconds, its steps, and the seconds from the save
+    call until durable (plus the `syncfs`); save 2 is deleted after."""
+    t2 = time.monotonic()
+    system.save(2)
+    ended: list[float] = []
+
+    def durable() -> None:
+        try:
+            system.wait()
+        finally:
+            ended.append(time.monotonic())
+
+    loop_s, n = loop_until(durable)
     durable_training = ended[0] - t2 + syncfs(system.path(2))
     system.delete(2)
     return loop_s, n, durable_training

@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import gc
 import statistics
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from colocar.bench.ckpt_measure import step, steps_for
+from colocar.bench.ckpt_measure import loop_until, steps_for
 
 LAYERS = 16
 COLS = 2048
@@ -150,33 +148,6 @@ def warm_up(cluster: Any, pool: str, directory: str, devices: list[Any], left: l
 
 
 # --- the snapshot's cost to training ---------------------------------------------------------
-def loop_until(done_fn: Callable[[], None]) -> tuple[float, int]:
-    """Runs training steps until `done_fn` (called on a second thread) returned; returns the
-    loop's seconds and steps. Re-raises what `done_fn` raised."""
-    done = threading.Event()
-    errors: list[BaseException] = []
-
-    def waiter() -> None:
-        try:
-            done_fn()
-        except BaseException as e:  # noqa: BLE001 - re-raised in the training thread
-            errors.append(e)
-        finally:
-            done.set()
-
-    thread = threading.Thread(target=waiter, name="bench-recovery-wait", daemon=True)
-    thread.start()
-    n, start = 0, time.perf_counter()
-    while not done.is_set():
-        step()
-        n += 1
-    loop_s = time.perf_counter() - start
-    thread.join()
-    if errors:
-        raise errors[0]
-    return loop_s, n
-
-
 def slowdown(loop_s: float, n: int, step_s: float) -> float:
     """Mean step time in the loop / baseline step time - 1 (0 when the loop ran no step)."""
     return (loop_s / n) / step_s - 1 if n else 0.0
