@@ -113,11 +113,6 @@ def test_a_call_failing_on_one_host_frees_the_others_results(make_cluster):
     del hog
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a submit() future dropped unread keeps its reply's result blocks leased until the "
-    "session ends (calls.py CallFuture, which issue 13 section 2 reworks for cancel/timeouts)",
-)
 def test_results_dropped_unread_free_their_blocks(small):
     host = small.hosts[0]
     gc.collect()

@@ -244,6 +244,13 @@ class Call:
             self._reply = _TAKEN
         self.conn.releases.discard_reply(reply)
 
+    def drop_when_unread(self) -> None:
+        """Its future was dropped unread: the reply is freed now, or as soon as it comes
+        (nothing can read it any more; its blocks would stay leased until the session ends)."""
+        future = self._future
+        if future is not None:
+            future.add_done_callback(lambda _: self.drop_reply())
+
     def result(self, timeout: float | None = None) -> Any:
         if self._reply is None:
             assert self._future is not None
@@ -291,6 +298,10 @@ class CallFuture:
                     raise
                 self._decoded = True
             return self._value
+
+    def __del__(self) -> None:
+        if not self._decoded:  # dropped unread: nobody can take the reply any more
+            self._call.drop_when_unread()
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         try:
