@@ -36,7 +36,7 @@ from test_k8s import _unknown_fields
 
 import colocar
 from colocar import loaders
-from colocar.checkpoint import CheckpointManager
+from colocar.checkpoint import CheckpointError, CheckpointManager, layout
 from colocar.k8s import RenderError, build_options
 from colocar.k8s.cli import render_text
 from colocar.k8s.pod import METRICS_PATH, SIDECAR
@@ -156,14 +156,30 @@ def _a_checkpoint_save(c: colocar.Cluster, address: str, directory: Path) -> Non
     before = scrape(address)
     sharding = NamedSharding(c.mesh(("data",)), P("data"))
     weights = jax.device_put(np.arange(1 << 16, dtype=np.float32), sharding)
-    with CheckpointManager(str(directory), c) as mngr:
+    mngr = CheckpointManager(str(directory), c)
+    try:
         mngr.save(1, {"w": weights})
         mngr.wait()
-    after = scrape(address)
-    assert grew(before, after, "colocar_checkpoint_written_bytes_total") >= weights.nbytes
-    assert grew(before, after, "colocar_checkpoint_saves_total", outcome="committed") == 1
-    assert grew(before, after, "colocar_checkpoint_saves_total", outcome="failed") == 0
-    assert grew(before, after, "colocar_checkpoint_save_duration_seconds_count") == 1
+        after = scrape(address)
+        assert grew(before, after, "colocar_checkpoint_written_bytes_total") >= weights.nbytes
+        assert grew(before, after, "colocar_checkpoint_saves_total", outcome="committed") == 1
+        assert grew(before, after, "colocar_checkpoint_saves_total", outcome="failed") == 0
+        assert grew(before, after, "colocar_checkpoint_save_duration_seconds_count") == 1
+        # A save that fails in the writer (a directory where step 2's heartbeat goes) is counted.
+        os.makedirs(directory / layout.step_dir(2) / layout.HEARTBEAT / "x")
+        mngr.save(2, {"w": weights})
+        wait_for(
+            lambda: grew(after, scrape(address), "colocar_checkpoint_saves_total", outcome="failed") == 1,
+            "the failed save to be counted",
+        )
+        with pytest.raises(CheckpointError, match="save of step 2 failed"):
+            mngr.wait()
+    finally:
+        mngr.close()
+    final = scrape(address)  # the abort that followed is not a second failure
+    assert grew(after, final, "colocar_checkpoint_saves_total", outcome="failed") == 1
+    assert grew(after, final, "colocar_checkpoint_saves_total", outcome="committed") == 0
+    assert grew(after, final, "colocar_checkpoint_save_duration_seconds_count") == 0
 
 
 def test_scraped_counters_follow_calls_blocks_batches_and_saves(tmp_path: Path) -> None:
