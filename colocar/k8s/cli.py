@@ -65,6 +65,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument("--tls-secret", help="Secret with tls.crt, tls.key, ca.crt: mutual TLS to the sidecar")
     r.add_argument("--max-restarts", type=int, default=3, help="JobSet restarts before it fails (default: 3)")
+    r.add_argument(
+        "--metrics-port",
+        type=int,
+        default=9464,
+        help="the sidecar's Prometheus port, named in prometheus.io pod annotations (default: 9464; 0: none)",
+    )
+    r.add_argument(
+        "--pod-monitoring",
+        action="store_true",
+        help="also render a PodMonitoring for GKE's managed Prometheus (needs its CRD)",
+    )
     e = sub.add_parser("examples", help="write k8s/examples-style files for every topology and variant")
     e.add_argument("dir", type=Path)
     return p
@@ -89,6 +100,8 @@ def options_from_args(args: argparse.Namespace) -> RenderOptions:
         sidecar_memory=args.sidecar_memory,
         tls_secret=args.tls_secret,
         max_restarts=args.max_restarts,
+        metrics_port=args.metrics_port,
+        pod_monitoring=args.pod_monitoring,
     )
 
 

@@ -165,6 +165,8 @@ class RenderOptions:
     sidecar_memory_bytes: int = 0
     tls_secret: str = ""
     max_restarts: int = 3
+    metrics_port: int = 9464  # the sidecar's Prometheus endpoint (0: none)
+    pod_monitoring: bool = False  # also a PodMonitoring (GKE Managed Service for Prometheus)
 
     @property
     def bucket_name(self) -> str:
@@ -196,6 +198,18 @@ def _check_settings(
     if tls_secret is not None and not re.match(r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$", tls_secret):
         raise RenderError(f"--tls-secret {tls_secret!r} is not a Secret name")
     return TOPOLOGIES[topology]
+
+
+def _check_metrics(metrics_port: int, port: int, pod_monitoring: bool) -> None:
+    """The metrics port: 0 (none) or an unprivileged port other than the sidecar's."""
+    if metrics_port == 0:
+        if pod_monitoring:
+            raise RenderError("--pod-monitoring needs the metrics endpoint: drop --metrics-port 0")
+        return
+    if not 1024 <= metrics_port <= 65535:
+        raise RenderError(f"--metrics-port {metrics_port}: choose an unprivileged port, 1024-65535 (0: none)")
+    if metrics_port == port:
+        raise RenderError(f"--metrics-port {metrics_port} is the sidecar's --port too: choose another")
 
 
 def _parse_commands(trainer_command: str, controller_command: str) -> dict[str, tuple[str, ...]]:
@@ -252,9 +266,12 @@ def build_options(
     sidecar_memory: str | None = None,
     tls_secret: str | None = None,
     max_restarts: int = 3,
+    metrics_port: int = 9464,
+    pod_monitoring: bool = False,
 ) -> RenderOptions:
     """Validates raw inputs (as typed on the command line) into `RenderOptions`."""
     topo = _check_settings(topology, variant, port, namespace, tls_secret)
+    _check_metrics(metrics_port, port, pod_monitoring)
     commands = _parse_commands(trainer_command, controller_command)
     shm_bytes, parsed_pools = _check_shm(shm_size, pools, topo)
     cpu = topo.sidecar_cpu if sidecar_cpu is None else sidecar_cpu
@@ -284,4 +301,6 @@ def build_options(
         sidecar_memory_bytes=memory,
         tls_secret=tls_secret or "",
         max_restarts=max_restarts,
+        metrics_port=metrics_port,
+        pod_monitoring=pod_monitoring,
     )

@@ -1,4 +1,5 @@
-"""The pod of one host: trainer, colocar sidecar (a native sidecar), arena volume, token, probes.
+"""The pod of one host: trainer, colocar sidecar (a native sidecar), arena volume, token, probes,
+the sidecar's metrics port and its scrape annotations.
 
 Plain dicts in Kubernetes' own field names. The sidecar is an `initContainers` entry with
 `restartPolicy: Always`: it starts (and passes its startup probe) before the trainer and stops
@@ -23,6 +24,8 @@ TOKEN_PATH = "/run/colocar/token"  # a 0600 copy owned by the sidecar, which ref
 TLS_PATH = "/etc/colocar/tls"
 DRAIN_SECONDS = 30
 GRACE_SECONDS = 120  # the trainer's last checkpoint first, then the sidecar's drain
+METRICS_PORT_NAME = "metrics"
+METRICS_PATH = "/metrics"  # colocar.sidecar.metrics.PATH (a test keeps them equal)
 
 
 def token_secret(opts: RenderOptions) -> str:
@@ -59,6 +62,8 @@ def sidecar_args(opts: RenderOptions) -> list[str]:
         "--processes", str(opts.processes),
         "--drain-seconds", str(DRAIN_SECONDS),
     ]  # fmt: skip
+    if opts.metrics_port:
+        args += ["--metrics-host", "0.0.0.0", "--metrics-port", str(opts.metrics_port)]
     if opts.tls_secret:
         args += [
             "--tls-cert", f"{TLS_PATH}/tls.crt",
@@ -90,6 +95,24 @@ def _mount(name: str, path: str, read_only: bool = False) -> dict[str, Any]:
     return mount
 
 
+def _ports(opts: RenderOptions) -> list[dict[str, Any]]:
+    ports = [{"name": "colocar", "containerPort": opts.port, "protocol": "TCP"}]
+    if opts.metrics_port:
+        ports.append({"name": METRICS_PORT_NAME, "containerPort": opts.metrics_port, "protocol": "TCP"})
+    return ports
+
+
+def scrape_annotations(opts: RenderOptions) -> dict[str, str]:
+    """The annotations a Prometheus with the usual pod scrape config reads (none: no endpoint)."""
+    if not opts.metrics_port:
+        return {}
+    return {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(opts.metrics_port),
+        "prometheus.io/path": METRICS_PATH,
+    }
+
+
 def sidecar_container(opts: RenderOptions) -> dict[str, Any]:
     """The native sidecar: memory = the whole arena volume (tmpfs pages are charged to the
     container that faults them in, and the sidecar pre-faults the arena) plus working memory."""
@@ -108,7 +131,7 @@ def sidecar_container(opts: RenderOptions) -> dict[str, Any]:
         "command": ["colocar", "sidecar"],
         "args": sidecar_args(opts),
         "env": [{"name": "HOME", "value": "/tmp"}],  # the root filesystem is read-only
-        "ports": [{"name": "colocar", "containerPort": opts.port, "protocol": "TCP"}],
+        "ports": _ports(opts),
         **_probes(opts),
         "resources": {
             "requests": {"cpu": str(opts.sidecar_cpu), "memory": memory},
@@ -238,7 +261,7 @@ def host_pod_template(opts: RenderOptions, labels: dict[str, str]) -> dict[str, 
     return {
         "metadata": {
             "labels": {**labels, "app.kubernetes.io/component": "host"},
-            "annotations": {"kubectl.kubernetes.io/default-container": TRAINER},
+            "annotations": {"kubectl.kubernetes.io/default-container": TRAINER, **scrape_annotations(opts)},
         },
         "spec": _pod_spec(opts, [trainer_container(opts)], host=True),
     }

@@ -1,7 +1,8 @@
 """`render(options)`: the objects of one job, as plain dicts, and their YAML.
 
 Objects: a ServiceAccount (Workload Identity, no keys), the headless Service that names the
-pods, a NetworkPolicy that admits only the job's own pods to the sidecar port, and the JobSet.
+pods, a NetworkPolicy that admits only the job's own pods to the sidecar port, and the JobSet;
+with `--pod-monitoring`, a PodMonitoring that has GKE's managed Prometheus scrape the sidecars.
 The token Secret is only referenced, never rendered: `secret_command` prints how to create it.
 """
 
@@ -12,11 +13,20 @@ from typing import Any
 import yaml
 
 from .options import DEFAULT_GSA, RenderOptions
-from .pod import controller_pod_template, host_pod_template, service_account, token_secret
+from .pod import (
+    METRICS_PATH,
+    METRICS_PORT_NAME,
+    controller_pod_template,
+    host_pod_template,
+    service_account,
+    token_secret,
+)
 
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
 JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"  # set by JobSet on every pod it creates
 EXCLUSIVE = "alpha.jobset.sigs.k8s.io/exclusive-topology"
+POD_MONITORING_API = "monitoring.googleapis.com/v1"
+SCRAPE_INTERVAL = "30s"
 
 
 def _labels(opts: RenderOptions) -> dict[str, str]:
@@ -124,9 +134,25 @@ def jobset(opts: RenderOptions) -> dict[str, Any]:
     }
 
 
+def pod_monitoring(opts: RenderOptions) -> dict[str, Any]:
+    """GKE's managed Prometheus scrapes the sidecar of every host pod (it ignores the
+    `prometheus.io/*` annotations, which a self-run Prometheus reads)."""
+    hosts = {JOBSET_NAME_LABEL: opts.name, "app.kubernetes.io/component": "host"}
+    endpoint = {"port": METRICS_PORT_NAME, "path": METRICS_PATH, "interval": SCRAPE_INTERVAL}
+    return {
+        "apiVersion": POD_MONITORING_API,
+        "kind": "PodMonitoring",
+        "metadata": _meta(opts, f"{opts.name}-colocar-sidecar"),
+        "spec": {"selector": {"matchLabels": hosts}, "endpoints": [endpoint]},
+    }
+
+
 def render(opts: RenderOptions) -> list[dict[str, Any]]:
     """The objects to apply, in apply order."""
-    return [service_account_object(opts), headless_service(opts), network_policy(opts), jobset(opts)]
+    objects = [service_account_object(opts), headless_service(opts), network_policy(opts), jobset(opts)]
+    if opts.pod_monitoring:
+        objects.append(pod_monitoring(opts))
+    return objects
 
 
 class _Dumper(yaml.SafeDumper):

@@ -2,7 +2,8 @@
 
 `python -m colocar.sidecar` or `colocar sidecar`. The bound address is written to
 `--ready-file` once the server accepts calls (port 0 picks a free port). SIGTERM drains
-in-flight calls for at most `--drain-seconds`, then removes the arena and exits 0.
+in-flight calls for at most `--drain-seconds`, then removes the arena and exits 0. With
+`--metrics-port`, Prometheus metrics are served over HTTP (docs/metrics.md).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc  # noqa: E402
 from colocar.cli_help import HelpFormatter  # noqa: E402
 from colocar.protocol import colocar_pb2_grpc as pb_grpc  # noqa: E402
 from colocar.protocol import link as link_protocol  # noqa: E402
+from colocar.protocol import versions  # noqa: E402
 from colocar.shm import context as shm_context  # noqa: E402
 from colocar.shm.arena import ShmUnavailableError  # noqa: E402
 from colocar.sizes import parse_size  # noqa: E402
@@ -39,6 +41,7 @@ from . import auth, cancels, logs  # noqa: E402
 from .blocks import SidecarArena  # noqa: E402
 from .grpc_servicer import GrpcServicer  # noqa: E402
 from .link_server import LinkServer  # noqa: E402
+from .metrics import MetricsEndpoint  # noqa: E402
 from .service import ServiceConfig, SidecarService  # noqa: E402
 from .workers import WorkerPool  # noqa: E402
 
@@ -96,6 +99,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-seconds", type=float, default=10.0, help="grace period on SIGTERM")
     p.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone")
     p.add_argument("--label", default=DEFAULT_LABEL, help="name part of the arena file and host in log lines")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve Prometheus metrics over HTTP on this port, at /metrics (0: any free port; "
+        "default: no metrics endpoint)",
+    )
+    p.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="address the metrics port binds (0.0.0.0: every interface, for a scraper on another machine)",
+    )
     return p
 
 
@@ -127,12 +141,35 @@ def _start_link(service: SidecarService, arena_path: str, token: str | None) -> 
     return link
 
 
+def _host_name(label: str) -> str:
+    """The host in log lines and metrics: `--label`, or the machine's name by default."""
+    return socket.gethostname() if label == DEFAULT_LABEL else label
+
+
+def _start_metrics(args: argparse.Namespace) -> MetricsEndpoint | None:
+    """The metrics endpoint, or None without `--metrics-port`. Bound first: a port in use ends
+    the start at once, before an arena exists."""
+    if args.metrics_port is None:
+        return None
+    if not 0 <= args.metrics_port <= 65535:
+        raise SystemExit(f"colocar sidecar: error: --metrics-port {args.metrics_port}: choose 0-65535")
+    try:
+        return MetricsEndpoint(
+            args.metrics_host, args.metrics_port, _host_name(args.label), versions.colocar_version()
+        )
+    except OSError as e:
+        raise SystemExit(
+            f"colocar sidecar: error: cannot serve metrics on {args.metrics_host}:{args.metrics_port} "
+            f"(--metrics-host, --metrics-port): {e.strerror or e}"
+        ) from None
+
+
 def _configure_logging(label: str) -> logging.Logger:
     """Log lines on stderr carry the host, pid and thread: `[host1 pid=123 MainThread]` (the
     host is `--label`, or the machine's name when that is left at its default). gRPC reports
     handler failures through logging; without a handler they would vanish. Undecodable requests
     are the client's fault and answered with an error: no traceback."""
-    host = socket.gethostname() if label == DEFAULT_LABEL else label
+    host = _host_name(label)
     logging.basicConfig(
         level=logging.WARNING,
         format=f"%(asctime)s [{host} pid=%(process)d %(threadName)s] %(name)s %(levelname)s: %(message)s",
@@ -219,15 +256,22 @@ def _stop_event(parent_pid: int) -> tuple[threading.Event, list[str]]:
     return stop, why
 
 
-def _announce(ready_file: str | None, bound: str, arena: SidecarArena) -> None:
+def _announce(
+    ready_file: str | None, bound: str, arena: SidecarArena, metrics: MetricsEndpoint | None
+) -> None:
     """Writes the ready file (atomically: a reader never sees half of it) and says on stderr
-    where it serves and which dead sidecars' arenas it removed."""
+    where it serves (calls, and metrics if on) and which dead sidecars' arenas it removed."""
+    info = {"address": bound, "pid": os.getpid(), "arena": arena.arena.path}
+    if metrics is not None:
+        info["metrics"] = metrics.address
     if ready_file:
         tmp = ready_file + ".tmp"
         with open(tmp, "w") as f:
-            json.dump({"address": bound, "pid": os.getpid(), "arena": arena.arena.path}, f)
+            json.dump(info, f)
         os.replace(tmp, ready_file)
     log.info("colocar sidecar serving on %s (arena %s)", bound, arena.arena.path)
+    if metrics is not None:
+        log.info("metrics on http://%s/metrics", metrics.address)
     for path in arena.stale_removed:
         log.info("removed the arena of a dead sidecar: %s", path)
 
@@ -274,16 +318,19 @@ def serve(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _configure_logging(args.label)
     token, credentials = _security(args)
+    metrics = _start_metrics(args)
     try:
         arena = SidecarArena(args.shm_dir, args.arena_size, dict(args.pool), label=args.label)
     except (OSError, ShmUnavailableError) as e:
         raise SystemExit(f"colocar sidecar: error: {e}") from None
     logs.install()
     service, workers = _start_service(args, arena)
+    if metrics is not None:
+        metrics.attach(service)
     link = _start_link(service, arena.arena.path, token)
     server, health_servicer, bound = _start_grpc(args, service, token, credentials, arena)
     stop, why = _stop_event(args.parent_pid)
-    _announce(args.ready_file, bound, arena)
+    _announce(args.ready_file, bound, arena, metrics)
     while not stop.wait(0.5):
         pass
     log.info(
@@ -292,6 +339,8 @@ def serve(argv: list[str] | None = None) -> int:
         args.drain_seconds,
     )
     _drain(args.drain_seconds, service, health_servicer, server, link)
+    if metrics is not None:  # scraped until the drain ended
+        metrics.close()
     if workers is not None:
         workers.close()
     arena.close()
