@@ -180,25 +180,26 @@ def _shutdown(sidecars: list[_Sidecar], workdir: str, persist: bool) -> None:
 class LocalCluster(Cluster):
     """A `Cluster` of sidecars this process started; `restart_host` brings a dead one back."""
 
-    _spawn: tuple[list[_Sidecar], list[str], dict[str, str], dict[str, Any]]
+    _spawn: tuple[list[_Sidecar], list[str], dict[str, str]]
 
-    def restart_host(self, host: int | str, timeout: float = 120.0) -> Host:
-        """Starts the sidecar of `host` (its index or name) again after it died, on the same
-        address with the same options, and connects to it: the host keeps its name, index and
-        devices, with a new connection (a new session; its old remote objects are gone). For
-        drills of a host coming back (`colocar.elastic` then scales back up). Raises
-        `ColocarError` if that sidecar still runs, or if the new one does not start."""
-        target = next((h for h in self.hosts if host in (h.name, h.index)), None)
-        if target is None:
-            raise ColocarError(f"no host {host!r} in {[h.name for h in self.hosts]}")
-        sidecars, argv, env, options = self._spawn
+    def restart_host(self, host: int | str, timeout: float = 120.0, *, address: str | None = None) -> Host:
+        """Starts the sidecar of `host` (its index or name) again after it died, with the same
+        options, on its address or on `address` (`"127.0.0.1:0"`: a free port, as a
+        replacement machine would have a new address), and connects to it: the host keeps its
+        name, index and devices, with a new connection (a new session; its old remote objects
+        are gone). For drills of a host coming back (`colocar.elastic` then scales back up).
+        Raises `ColocarError` if that sidecar still runs, or if the new one does not start."""
+        target = self.host(host)
+        sidecars, argv, env = self._spawn
         sidecar = sidecars[self.hosts.index(target)]
         if sidecar.process.poll() is None:
             raise ColocarError(
                 f"sidecar {target.name} (pid {sidecar.process.pid}) still runs: only a dead one is restarted"
             )
-        address = (sidecar.info or {}).get("address", "127.0.0.1:0")
-        target.connection.close()  # lost already: ends its threads, calls nobody
+        if address is None:
+            address = (sidecar.info or {}).get("address", "127.0.0.1:0")
+        old = target.connection
+        old.close()  # lost already: ends its threads, calls nobody
         sidecar.remove_files()  # a killed sidecar leaves its arena and link socket
         if os.path.exists(sidecar.ready_file):
             os.unlink(sidecar.ready_file)
@@ -208,9 +209,7 @@ class LocalCluster(Cluster):
         self.processes[self.hosts.index(target)] = sidecar.process  # type: ignore[attr-defined]
         _wait_ready([sidecar], timeout)
         assert sidecar.info is not None
-        target.connection = HostConnection(
-            sidecar.info["address"], target.name, process_status=sidecar.status, **options
-        )
+        target.connection = old.replacement(sidecar.info["address"], process_status=sidecar.status)
         return target
 
 
@@ -368,6 +367,5 @@ def local_cluster(
         raise
     cluster = _owned_cluster(connected, sidecars, (workdir, persist), str(arena_size))
     cluster.token_file = token_file  # type: ignore[attr-defined]
-    options = dict(token=token, shm=shm, lease_seconds=lease_seconds, heartbeat_seconds=heartbeat_seconds)
-    cluster._spawn = (sidecars, argv, _sidecar_env(env), {**options, "alloc_timeout": alloc_timeout})
+    cluster._spawn = (sidecars, argv, _sidecar_env(env))
     return cluster
