@@ -33,6 +33,7 @@ from colocar.sizes import parse_size
 
 from .cluster import Cluster, Host, split_devices
 from .connection import HostConnection
+from .exits import ExitWatch
 
 MiB = 1 << 20
 
@@ -76,6 +77,12 @@ class _Sidecar:
     def status(self) -> str | None:
         code = self.process.poll()
         return None if code is None else f"sidecar process exited with code {code}"
+
+    def watch_exit(self, exits: ExitWatch, connection: HostConnection) -> None:
+        """Marks `connection`'s session lost as soon as this process exits (bound to this
+        connection: a later one, after `restart_host`, is never marked by the old process)."""
+        session = connection.session
+        exits.watch(self.process.pid, lambda: session.mark_lost(self.status() or "sidecar process exited"))
 
     def terminate(self) -> None:
         """Asks the sidecar to drain and exit (SIGTERM, once); `stop` waits for it."""
@@ -181,6 +188,7 @@ class LocalCluster(Cluster):
     """A `Cluster` of sidecars this process started; `restart_host` brings a dead one back."""
 
     _spawn: tuple[list[_Sidecar], list[str], dict[str, str]]
+    _exits: ExitWatch
 
     def restart_host(self, host: int | str, timeout: float = 120.0, *, address: str | None = None) -> Host:
         """Starts the sidecar of `host` (its index or name) again after it died, with the same
@@ -210,6 +218,7 @@ class LocalCluster(Cluster):
         _wait_ready([sidecar], timeout)
         assert sidecar.info is not None
         target.connection = old.replacement(sidecar.info["address"], process_status=sidecar.status)
+        sidecar.watch_exit(self._exits, target.connection)
         return target
 
 
@@ -241,8 +250,17 @@ def _owned_cluster(
 ) -> LocalCluster:
     """A cluster of `sidecars` that stop on `close()`, or once nothing holds it any more (with
     a `ClusterDroppedWarning`). At interpreter exit nothing runs: `--parent-pid` stops them.
-    `files`: the work folder and `persist` (see `_shutdown`); `arena_size`: as in the flag."""
-    shutdown = functools.partial(_shutdown, sidecars, *files)
+    `files`: the work folder and `persist` (see `_shutdown`); `arena_size`: as in the flag.
+    A sidecar that dies marks its host lost at once (`ExitWatch`)."""
+    exits = ExitWatch()
+    for host, sidecar in zip(hosts, sidecars, strict=True):
+        sidecar.watch_exit(exits, host.connection)
+    stop_sidecars = functools.partial(_shutdown, sidecars, *files)
+
+    def shutdown() -> None:
+        exits.close()
+        stop_sidecars()
+
     what = f"a local_cluster of {len(hosts)} sidecar(s) with {parse_size(arena_size) // MiB} MiB arenas"
     doing = (
         "closing its connections (persist=True: its sidecars keep running)"
@@ -256,6 +274,7 @@ def _owned_cluster(
         shutdown()
 
     cluster = LocalCluster(hosts, on_close=on_close)
+    cluster._exits = exits
     dropped.append(weakref.finalize(cluster, _shutdown_dropped, hosts, shutdown, what, doing))
     dropped[0].atexit = False
     cluster.processes = [s.process for s in sidecars]  # type: ignore[attr-defined]
