@@ -26,7 +26,7 @@ from colocar.errors import SnapshotError
 from colocar.protocol.tokens import TOKEN_METADATA_KEY
 from colocar.shm import ArenaFullError
 
-from . import snap_restore, snap_save, snap_take
+from . import snap_multi, snap_restore, snap_save, snap_take
 from .keeper import SnapshotKeeper
 from .peers import PeerOptions, Target
 from .snap_commit import Committer
@@ -43,11 +43,6 @@ def _token(cluster: Any) -> str:
 
 
 def _check_args(hosts: int, replicas: int, keep: int) -> None:
-    if jax.process_count() > 1:
-        raise SnapshotError(
-            "Snapshots needs a single controller; with several JAX processes use the "
-            "CheckpointManager (multi-controller snapshots are not supported yet)"
-        )
     if not 0 <= replicas < hosts:
         raise ValueError(f"replicas must be between 0 and {hosts - 1} for {hosts} hosts, got {replicas}")
     if keep < 1:
@@ -63,7 +58,16 @@ class Snapshots:
     name of an earlier one (a restarted controller) finds its committed snapshots. `bandwidth`
     caps each host's replication rate (bytes/s). `token` and `tls_*` (PEM paths on the hosts)
     authenticate the sidecars to each other (default: the controller's token).
+
+    Under multi-controller JAX (`jax.process_count() > 1`) this makes a `MultiSnapshots`
+    (`snap_multi.py`): each process snapshots its own shards into its own sidecar (`cluster`:
+    `colocar.connect` with that one address; `address`: it as the other hosts reach it).
     """
+
+    def __new__(cls, cluster: Any, **options: Any) -> Any:
+        if jax.process_count() > 1:
+            return snap_multi.make(cluster, _token, **options)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -82,6 +86,7 @@ class Snapshots:
         replication_timeout: float = 600.0,
         idle_seconds: float = 2 * 3600.0,
         copy_threads: int = 4,
+        address: str | None = None,
     ):
         hosts = [h.index for h in cluster.hosts]
         _check_args(len(hosts), replicas, keep)

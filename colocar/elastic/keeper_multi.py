@@ -1,0 +1,156 @@
+"""The snapshot keeper of a multi-controller job (runs in the sidecar).
+
+With one JAX process per host, each process hands only its own shards to the keeper of its own
+sidecar, and no controller reaches another host's keeper: what crosses hosts goes keeper to
+keeper (`peers.py`). On top of `SnapshotKeeper` this keeper
+
+* takes replicas that arrive before its own process began the step (`receive` waits for
+  `begin`: the processes are not in lock-step);
+* hands its process's commit record to the peers holding its replicas (`share_record`), so a
+  replaced host's record survives with its shards;
+* reports what it holds per source host (`holdings_by_source`), reads only its own blocks
+  (`read_own`), and refills a peer from what it holds (`push`): the peer's own shards from the
+  replicas held here, or this host's shards as the peer's replicas again.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from .keeper import SnapshotKeeper, _copy_overlap, _flush, _Snap, key_of
+from .peers import PeerOptions, Target, send_chunks
+
+BEGIN_WAIT_SECONDS = 120.0  # how long a replica waits for its receiver's process to begin the step
+
+
+class MultiKeeper(SnapshotKeeper):
+    """One per host and multi-controller `Snapshots`, created detached by that host's process."""
+
+    def __init__(self, host: int, pool: str, peer_options: PeerOptions, idle_seconds: float = 7200.0):
+        super().__init__(host, pool, peer_options, idle_seconds)
+        self._peer_records: dict[tuple[int, int], tuple[str, bytes]] = {}  # (step, source) -> record
+
+    def receive(self, step: int, attempt: str, source: int, *args: Any) -> int:  # type: ignore[override]
+        """As `SnapshotKeeper.receive`, after waiting (at most BEGIN_WAIT_SECONDS) for this
+        host's process to begin the step's `attempt`."""
+        self._await_begin(step, attempt)
+        return super().receive(step, attempt, source, *args)
+
+    def _await_begin(self, step: int, attempt: str) -> None:
+        def begun() -> bool:
+            snap = self._snaps.get(step)
+            return self._closed or (snap is not None and snap.attempt == attempt)
+
+        with self._lock:
+            self._changed.wait_for(begun, BEGIN_WAIT_SECONDS)
+
+    def prepare(self, step: int, attempt: str, peers: list[Any]) -> None:
+        """Makes room for a refill of `step` (this `attempt`): a new empty snapshot unless one
+        of the same attempt is here; nothing else is dropped."""
+        self._touch()
+        with self._lock:
+            snap = self._snaps.get(step)
+            if snap is None or snap.attempt != attempt:
+                self._forget(step)
+                self._snaps[step] = _Snap(step, attempt, [Target(*p) for p in peers], state="replicated")
+            self._changed.notify_all()
+
+    def commit(self, step: int, attempt: str, record: bytes) -> None:
+        super().commit(step, attempt, record)
+        with self._lock:
+            snap = self._snap(step, attempt)
+            if snap.state != "failed":
+                snap.state = "replicated"
+
+    def share_record(self, step: int, attempt: str, record: bytes) -> None:
+        """Stores this host's record of `step` with the peers holding its replicas."""
+        self._touch()
+        with self._lock:
+            peers = list(self._snap(step, attempt).peers)
+        for target in peers:
+            self._peers._keeper(target).keep_record(step, attempt, self.host, record)
+
+    def keep_record(self, step: int, attempt: str, source: int, record: bytes) -> None:
+        """`source`'s record of `step` (this host's own when `source` is this host)."""
+        self._await_begin(step, attempt)
+        if source == self.host:
+            self.commit(step, attempt, record)
+            return
+        with self._lock:
+            self._snap(step, attempt)
+            self._peer_records[(step, source)] = (attempt, record)
+
+    def _forget(self, step: int) -> None:
+        super()._forget(step)
+        for key in [k for k in self._peer_records if k[0] == step]:
+            del self._peer_records[key]
+
+    def holdings_by_source(self) -> dict[int, dict[str, Any]]:
+        """step -> {"attempt", "state", "own": (record, keys), "replicas": {source: (record, keys)}}
+        with records as bytes (None when not here) and keys of the complete blocks."""
+        self._touch()
+        with self._lock:
+            out: dict[int, dict[str, Any]] = {}
+            for s in self._snaps.values():
+                replicas = {}
+                for source, blocks in s.replicas.items():
+                    attempt, record = self._peer_records.get((s.step, source), (s.attempt, None))
+                    replicas[source] = (record if attempt == s.attempt else None, sorted(blocks))
+                out[s.step] = {
+                    "attempt": s.attempt,
+                    "state": s.state,
+                    "own": (s.record, sorted(s.own)),
+                    "replicas": replicas,
+                }
+            return out
+
+    def read_own(self, step: int, attempt: str, requests: list[tuple[int, str, Any]]) -> list[np.ndarray]:
+        """[(leaf, dtype, bounds)] -> arena arrays cut from this host's own blocks of `step`."""
+        self._touch()
+        import ml_dtypes  # noqa: F401 - registers bfloat16 & co. with numpy
+
+        from colocar.shm import empty
+
+        with self._lock:
+            held = list(self._snap(step, attempt).own.items())
+        out = []
+        for leaf, dtype, bounds in requests:
+            want = key_of(leaf, bounds)
+            result = empty(tuple(b - a for a, b in want[1]), np.dtype(dtype))
+            covered = sum(
+                _copy_overlap(result, want[1], data, key[1]) for key, data in held if key[0] == want[0]
+            )
+            if covered != result.size:
+                raise KeyError(
+                    f"host {self.host} holds {covered} of {result.size} elements of leaf {leaf} "
+                    f"{[list(b) for b in want[1]]} in its own shards of step {step}"
+                )
+            out.append(result)
+        return out
+
+    def push(self, step: int, attempt: str, source: int, target: tuple) -> int:
+        """Sends `source`'s blocks of `step` held here (this host's own, or a replica) and its
+        record to `target`'s keeper, which must have `prepare`d the step; returns the bytes."""
+        self._touch()
+        started = time.monotonic()
+        with self._lock:
+            snap = self._snap(step, attempt)
+            blocks = snap.own if source == self.host else snap.replicas.get(source, {})
+            items = [(leaf, [list(b) for b in bounds], data) for (leaf, bounds), data in blocks.items()]
+            if source == self.host:
+                record = snap.record
+            else:
+                record = self._peer_records.get((step, source), (attempt, None))[1]
+        if record is None:
+            raise KeyError(f"host {self.host} holds no record of host {source}'s step {step}")
+        peer = self._peers._keeper(Target(*target))
+        sent = send_chunks(peer, step, attempt, source, items, bandwidth=self._peers.options.bandwidth)
+        peer.keep_record(step, attempt, source, record)
+        with self._lock:
+            snap.replicated_bytes += sent
+            snap.replication_seconds += time.monotonic() - started
+        _flush()
+        return sent

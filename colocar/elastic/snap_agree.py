@@ -1,0 +1,143 @@
+"""How the processes of a multi-controller job agree on snapshots (runs in the controller).
+
+Each process sees only its own sidecar's keeper. They exchange small JSON summaries through
+the key-value store of `jax.distributed` (`Exchange.allgather`): what each keeper holds, per
+source host and step, complete with its record. From the same summaries every process computes
+the same answers: the newest step complete everywhere (every process's shards held by itself or
+by a peer's replica, all of the same attempt), and which keeper refills which (`refills`).
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import threading
+from collections import defaultdict
+from typing import Any
+
+from colocar.errors import SnapshotError
+
+from .keeper import key_of
+
+Summary = dict[str, Any]  # {"own": {step: attempt}, "replicas": {source: {step: attempt}}}
+_made: dict[str, int] = defaultdict(int)  # per key prefix: instances made in this process
+_made_lock = threading.Lock()
+
+
+class Exchange:
+    """All-gathers strings among the JAX processes; every process must call it the same
+    number of times in the same order (as it takes and restores the same snapshots)."""
+
+    def __init__(self, prefix: str, timeout: float):
+        import jax
+
+        from colocar.jax_compat import distributed_client
+
+        self.process, self.processes = jax.process_index(), jax.process_count()
+        self.timeout = timeout
+        with _made_lock:
+            self.prefix = f"{prefix}/{_made[prefix]}"
+            _made[prefix] += 1
+        self.rounds = 0
+        self._client = distributed_client()
+        if self._client is None:
+            raise SnapshotError("multi-controller snapshots need jax.distributed.initialize() first")
+
+    def allgather(self, value: str, what: str) -> list[str]:
+        """Every process's `value` of this round, in process order. `what` names the round in
+        the error raised when a process does not come within `timeout`."""
+        key = f"{self.prefix}/{self.rounds}"
+        self.rounds += 1
+        self._client.key_value_set(f"{key}/{self.process}", value)
+        out = []
+        for q in range(self.processes):
+            if q == self.process:
+                out.append(value)
+                continue
+            try:
+                out.append(str(self._client.blocking_key_value_get(f"{key}/{q}", int(self.timeout * 1000))))
+            except Exception as e:
+                raise SnapshotError(
+                    f"snapshots ({what}): JAX process {q} did not come within {self.timeout:.0f} s "
+                    f"({e}); every process must take and restore the same snapshots in the same order"
+                ) from e
+        if self.rounds > 2:  # everyone read the round before last: this process's value can go
+            try:
+                self._client.key_value_delete(f"{self.prefix}/{self.rounds - 3}/{self.process}")
+            except Exception:  # noqa: BLE001 - a few bytes stay
+                pass
+        return out
+
+    def leader_value(self, value: str, what: str) -> str:
+        """Process 0's `value` (the others' are ignored)."""
+        return self.allgather(value, what)[0]
+
+
+def complete(record: bytes | None, keys: list[Any]) -> dict[str, Any] | None:
+    """The record (unpickled) when present and every shard it lists is among `keys`."""
+    if record is None:
+        return None
+    unpickled: dict[str, Any] = pickle.loads(record)
+    held = {key_of(*k) for k in keys}
+    if all(key_of(leaf, bounds) in held for leaf, bounds in unpickled["shards"]):
+        return unpickled
+    return None
+
+
+def summarize(holdings: dict[int, dict[str, Any]]) -> Summary:
+    """What a keeper holds complete (its `holdings_by_source`), as an exchangeable summary."""
+    own: dict[str, str] = {}
+    replicas: dict[str, dict[str, str]] = defaultdict(dict)
+    for step, info in holdings.items():
+        if complete(*info["own"]) is not None:
+            own[str(step)] = info["attempt"]
+        for source, held in info["replicas"].items():
+            if complete(*held) is not None:
+                replicas[str(source)][str(step)] = info["attempt"]
+    return {"own": own, "replicas": dict(replicas)}
+
+
+def gather(exchange: Exchange, summary: Summary) -> list[Summary]:
+    return [json.loads(s) for s in exchange.allgather(json.dumps(summary), "survey")]
+
+
+def holders(summaries: list[Summary], step: int, attempt: str, source: int) -> list[int]:
+    """The processes whose keepers hold `source`'s shards of (step, attempt): itself first."""
+    out = [source] if summaries[source]["own"].get(str(step)) == attempt else []
+    for r, summary in enumerate(summaries):
+        if r != source and summary["replicas"].get(str(source), {}).get(str(step)) == attempt:
+            out.append(r)
+    return out
+
+
+def agreed(summaries: list[Summary]) -> list[tuple[int, str]]:
+    """(step, attempt) of the snapshots complete everywhere, oldest first."""
+    candidates: set[tuple[int, str]] = set()
+    for summary in summaries:
+        candidates |= {(int(s), a) for s, a in summary["own"].items()}
+        for held in summary["replicas"].values():
+            candidates |= {(int(s), a) for s, a in held.items()}
+    found = {}
+    for step, attempt in sorted(candidates):
+        if all(holders(summaries, step, attempt, q) for q in range(len(summaries))):
+            found[step] = attempt  # the same step complete under two attempts: either will do
+    return sorted(found.items())
+
+
+def refills(
+    summaries: list[Summary], step: int, attempt: str, targets: dict[int, list[int]]
+) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+    """Two rounds of (sender, source, receiver): first each process missing its own shards
+    gets them from a holder of their replica; then each process's shards go again to the
+    peers (`targets`) that lost their replica."""
+    first, second = [], []
+    for q in range(len(summaries)):
+        found = holders(summaries, step, attempt, q)
+        if not found:
+            raise SnapshotError(f"snapshot step {step}: no process holds the shards of process {q}")
+        if found[0] != q:
+            first.append((found[0], q, q))
+        for t in targets.get(q, []):
+            if t not in found:
+                second.append((q, q, t))
+    return first, second

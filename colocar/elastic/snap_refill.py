@@ -1,0 +1,150 @@
+"""One process's part of a multi-controller snapshot: its pieces, and its restore (controller).
+
+`plan` lists this process's addressable shards, each distinct one once (replicated arrays too:
+every process then restores its own devices from its own host), and the record a restore
+needs. `refill` brings back what replaced sidecars lost, keeper to keeper: first each process's
+own shards from a peer's replica, then the replicas its peers should hold, each round ended by
+an exchange. `restore` reads this process's devices' slices from its own keeper and builds the
+global arrays from them.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from typing import Any
+
+import cloudpickle
+import jax
+import numpy as np
+
+from colocar.checkpoint import tree
+from colocar.checkpoint.save import Piece, shard_bounds
+from colocar.errors import SnapshotError
+
+from . import snap_agree
+
+
+def plan(step: int, attempt: str, state: Any, process: int, peers: list[int]) -> tuple[list[Piece], bytes]:
+    """This process's pieces of `state` and its record (pickled)."""
+    named, skeleton = tree.flatten(state)
+    pieces: list[Piece] = []
+    leaves: dict[str, dict[str, Any]] = {}
+    values: dict[str, Any] = {}
+    for index, (key, leaf) in enumerate(named):
+        if not isinstance(leaf, jax.Array):
+            values[key] = leaf
+            continue
+        if tree.is_prng_key(leaf):
+            raise SnapshotError(f"snapshot of step {step}: leaf {key} is a PRNG key; store its key_data")
+        shape = tuple(int(n) for n in leaf.shape)
+        dtype = np.dtype(leaf.dtype)
+        leaves[key] = {"index": index, "shape": list(shape), "dtype": dtype.name}
+        seen = set()
+        for shard in leaf.addressable_shards:
+            bounds = shard_bounds(shard.index, shape)
+            if str(bounds) in seen:
+                continue
+            seen.add(str(bounds))
+            local = tuple(slice(0, b - a) for a, b in bounds)
+            pieces.append(Piece(index, bounds, shard.data, local, tuple(b - a for a, b in bounds), dtype))
+    try:
+        pickled = cloudpickle.dumps(values)
+    except Exception as e:
+        raise SnapshotError(f"snapshot of step {step}: a plain leaf cannot be stored: {e}") from e
+    record = {
+        "step": step,
+        "attempt": attempt,
+        "time": time.time(),
+        "process": process,
+        "keys": [k for k, _ in named],
+        "tree": skeleton,
+        "leaves": leaves,
+        "values": pickled,
+        "shards": [(p.leaf, p.bounds) for p in pieces],
+        "replicas": peers,
+        "jax_version": jax.__version__,
+    }
+    return pieces, pickle.dumps(record)
+
+
+def refill(snaps: Any, step: int, attempt: str) -> int:
+    """Refills the keepers that lost their part of (step, attempt), as agreed from the last
+    survey (`snaps._summaries`); returns the bytes this process's keeper sent."""
+    first, second = snap_agree.refills(snaps._summaries, step, attempt, snaps.targets)
+    if not first and not second:
+        return 0
+    me = snaps.process
+    if any(receiver == me for _, _, receiver in first + second):
+        snaps.keeper.prepare(step, attempt, [tuple(t) for t in snaps._peers])
+    addresses = {t.host: t for t in snaps._peers}
+    sent = 0
+    for round_, moves in (("refill", first), ("re-replicate", second)):
+        error = ""
+        for sender, source, receiver in moves:
+            if sender != me:
+                continue
+            target = addresses.get(receiver) or _target_of(snaps, receiver)
+            try:
+                sent += snaps.keeper.push(step, attempt, source, tuple(target))
+            except Exception as e:  # noqa: BLE001 - every process hears of it below
+                error = error or f"process {me} sending host {source}'s shards to {receiver}: {e}"
+        said = snaps._exchange.allgather(error, f"{round_} of step {step}")
+        if any(said):
+            raise SnapshotError(f"snapshot step {step}: {round_} failed: {[s for s in said if s][0]}")
+    return sent
+
+
+def _target_of(snaps: Any, process: int) -> Any:
+    """The keeper of `process` (not among this process's peers: reached by its address)."""
+    from .peers import Target
+
+    address = snaps._addresses[process]
+    return Target(process, address, snaps._keeper_name(process))
+
+
+def restore(keeper: Any, step: int, attempt: str, target: Any) -> Any:
+    """This process's record's tree with each array built on its target sharding from the
+    slices of this process's devices, read from its own keeper."""
+    holdings = keeper.holdings_by_source()[step]
+    record = snap_agree.complete(*holdings["own"])
+    if record is None or holdings["attempt"] != attempt:
+        raise SnapshotError(f"snapshot step {step}: this process's sidecar lacks its shards after the refill")
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=lambda x: x is None)
+    values = pickle.loads(record["values"])
+    out: list[Any] = []
+    arrays: dict[int, tuple[str, Any, list[Any]]] = {}
+    requests: list[tuple[int, str, Any]] = []
+    for i, (path, wanted) in enumerate(leaves):
+        key = jax.tree_util.keystr(path)
+        if key in values:
+            out.append(values[key])
+            continue
+        saved = record["leaves"].get(key)
+        if saved is None:
+            raise SnapshotError(f"{key}: not in snapshot step {step} (it holds {record['keys'][:20]})")
+        sharding = getattr(wanted, "sharding", None)
+        if sharding is None or tuple(wanted.shape) != tuple(saved["shape"]):
+            raise SnapshotError(
+                f"{key}: the target needs the saved shape {saved['shape']} and a sharding "
+                f"(got {getattr(wanted, 'shape', None)}, {sharding})"
+            )
+        out.append(None)
+        devices = list(sharding.addressable_devices_indices_map(tuple(saved["shape"])).items())
+        arrays[i] = (key, sharding, [])
+        for device, index in devices:
+            arrays[i][2].append((device, len(requests)))
+            requests.append((saved["index"], saved["dtype"], shard_bounds(index, tuple(saved["shape"]))))
+    try:
+        got = keeper.read_own(step, attempt, requests)
+    except Exception as e:
+        raise SnapshotError(
+            f"snapshot step {step}: reading this process's slices failed ({e}); under multi-controller "
+            "JAX each process restores the slices it saved: give the target the saved layout"
+        ) from e
+    for i, (key, sharding, parts) in arrays.items():
+        shape = tuple(record["leaves"][key]["shape"])
+        dtype = np.dtype(record["leaves"][key]["dtype"])
+        singles = [jax.device_put(np.asarray(got[r], dtype), d) for d, r in parts]
+        out[i] = jax.make_array_from_single_device_arrays(shape, sharding, singles)
+    return jax.tree_util.tree_unflatten(treedef, out)

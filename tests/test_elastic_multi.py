@@ -1,0 +1,70 @@
+"""Multi-controller snapshots: two JAX processes (jax.distributed on CPU), each snapshotting its
+own shards into its own sidecar with a replica on the other's, are killed (SIGKILL) and started
+again: they find the sidecars still holding the snapshots, agree on the newest one complete
+everywhere and restore it from RAM, bit for bit; a sidecar replaced by an empty one meanwhile
+gets its shards back from the peer's replicas.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from checkpoint_helpers import MiB
+from multi_helpers import stop, two_processes
+
+
+def _train_then_kill(sidecars, directory: str) -> None:
+    """Both trainers snapshot steps 1-5 (4 waited for), then are killed mid-run."""
+    trainers = two_processes("snap_multi_trainer", sidecars, directory, "train")
+    try:
+        for t in trainers:
+            line = t.stdout.readline()
+            if not line.startswith("ready"):
+                stop(trainers)
+                raise AssertionError(line + t.communicate(timeout=60)[0][-3000:])
+            assert 4 in json.loads(line.split(" ", 1)[1]), line
+    finally:
+        stop(trainers)  # SIGKILL: no close(), the keepers stay with their snapshots
+
+
+def _resume(sidecars, directory: str) -> list[dict]:
+    trainers = two_processes("snap_multi_trainer", sidecars, directory, "resume")
+    try:
+        outputs = [t.communicate(timeout=120)[0] for t in trainers]
+    finally:
+        stop(trainers)
+    for t, out in zip(trainers, outputs, strict=True):
+        assert t.returncode == 0 and "OK" in out, out[-3000:]
+    return [json.loads(out.split("OK", 1)[1].strip().splitlines()[0]) for out in outputs]
+
+
+def test_killed_trainers_resume_from_the_sidecars_ram(make_cluster, tmp_path, cluster):
+    sidecars = make_cluster(hosts=2, arena_size=16 * MiB, persist=True)
+    directory = str(tmp_path / "unused")
+    try:
+        _train_then_kill(sidecars, directory)
+        results = _resume(sidecars, directory)
+        assert results[0]["step"] == results[1]["step"] in (4, 5)  # step 5 counts if both committed
+        assert [r["refilled_bytes"] for r in results] == [0, 0]  # nothing was lost: read in place
+        assert not os.path.exists(directory)  # no storage anywhere: it came from RAM
+    finally:
+        cluster.make_current()
+
+
+def test_a_replaced_sidecar_gets_its_shards_back_from_the_peer(make_cluster, tmp_path, cluster):
+    sidecars = make_cluster(hosts=2, arena_size=16 * MiB, persist=True)
+    directory = str(tmp_path / "unused")
+    try:
+        _train_then_kill(sidecars, directory)
+        sidecars.processes[1].kill()  # its host is replaced: a new, empty sidecar elsewhere
+        sidecars.processes[1].wait()
+        old = sidecars.hosts[1].address
+        sidecars.restart_host(1, address="127.0.0.1:0")
+        assert sidecars.hosts[1].address != old
+        results = _resume(sidecars, directory)
+        assert results[0]["step"] == results[1]["step"] in (4, 5)
+        # process 0's keeper sent process 1's shards back, and its own replicas again
+        assert results[0]["refilled_bytes"] > 0 and results[1]["refilled_bytes"] == 0
+    finally:
+        cluster.make_current()
