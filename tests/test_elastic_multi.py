@@ -40,7 +40,7 @@ def _resume(sidecars, directory: str) -> list[dict]:
 
 
 def test_killed_trainers_resume_from_the_sidecars_ram(make_cluster, tmp_path, cluster):
-    sidecars = make_cluster(hosts=2, arena_size=16 * MiB, persist=True)
+    sidecars = make_cluster(hosts=2, arena_size=16 * MiB, persist=True, lease_seconds=5)
     directory = str(tmp_path / "unused")
     try:
         _train_then_kill(sidecars, directory)
@@ -53,7 +53,7 @@ def test_killed_trainers_resume_from_the_sidecars_ram(make_cluster, tmp_path, cl
 
 
 def test_a_replaced_sidecar_gets_its_shards_back_from_the_peer(make_cluster, tmp_path, cluster):
-    sidecars = make_cluster(hosts=2, arena_size=16 * MiB, persist=True)
+    sidecars = make_cluster(hosts=2, arena_size=16 * MiB, persist=True, lease_seconds=5)
     directory = str(tmp_path / "unused")
     try:
         _train_then_kill(sidecars, directory)

@@ -45,8 +45,7 @@ def expected(step: int) -> dict:
 def make(step: int) -> dict:
     want = expected(step)
     out = {
-        k: jax.make_array_from_callback(want[k].shape, s, lambda i, k=k: want[k][i])
-        for k, s in SHARDINGS.items()
+        k: jax.make_array_from_callback(want[k].shape, s, want[k].__getitem__) for k, s in SHARDINGS.items()
     }
     return {**out, "step": step, "host": np.full(3, step)}
 
@@ -79,14 +78,15 @@ if mode == "train":
     print("ready", json.dumps(snaps.stats()["committed"]), flush=True)
     sys.stdin.readline()  # killed here
     sys.exit(3)
-target = {
+target: dict = {
     k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=SHARDINGS[k])
     for k, v in make(0).items()
     if k in SHARDINGS
 }
 target.update(step=None, host=None)
-step = snaps.latest()
-assert step is not None, "no snapshot complete everywhere"
+found = snaps.latest()
+assert found is not None, "no snapshot complete everywhere"
+step = found
 state = snaps.restore(step, target)
 check(state, step)
 refilled = snaps.stats()["refilled_bytes"]
