@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import socket
 import threading
 import time
 import uuid
@@ -77,7 +79,8 @@ class MultiSnapshots:
         setup = snap_agree.Exchange("colocar/snapshots", sync_timeout)
         self.name = name or setup.leader_value(uuid.uuid4().hex, "name")
         self._exchange = snap_agree.Exchange(f"colocar/snapshots/{self.name}", sync_timeout)
-        self._addresses = addresses = self._exchange.allgather(address or self.host.address, "addresses")
+        mine = own_address(address, self.host.address)
+        self._addresses = addresses = self._exchange.allgather(mine, "addresses")
         self.incarnation = self._exchange.leader_value(uuid.uuid4().hex, "incarnation")
         ring = snap_take.ring(list(range(self.processes)), replicas) if replicas else {}
         self.targets = {p: ring.get(p, []) for p in range(self.processes)}
@@ -257,6 +260,16 @@ class MultiSnapshots:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def own_address(address: str | None, connected: str) -> str:
+    """This host's sidecar as the other hosts reach it: `address`, else $COLOCAR_PEER_ADDRESS
+    (`{hostname}` in it becomes this machine's host name; `colocar k8s render` sets it to the
+    pod's DNS name), else the address this process connected to."""
+    if address:
+        return address
+    env = os.environ.get("COLOCAR_PEER_ADDRESS")
+    return env.format(hostname=socket.gethostname()) if env else connected
 
 
 def make(

@@ -66,6 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--tls-secret", help="Secret with tls.crt, tls.key, ca.crt: mutual TLS to the sidecar")
     r.add_argument("--max-restarts", type=int, default=3, help="JobSet restarts before it fails (default: 3)")
     r.add_argument(
+        "--trainer-restarts",
+        type=int,
+        default=0,
+        help="multi-controller: restart a failed trainer container in place up to N times per host, "
+        "keeping its pod, sidecar and arena (resume from snapshots in RAM); default: 0",
+    )
+    r.add_argument(
         "--metrics-port",
         type=int,
         default=9464,
@@ -102,6 +109,7 @@ def options_from_args(args: argparse.Namespace) -> RenderOptions:
         max_restarts=args.max_restarts,
         metrics_port=args.metrics_port,
         pod_monitoring=args.pod_monitoring,
+        trainer_restarts=args.trainer_restarts,
     )
 
 

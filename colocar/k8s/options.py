@@ -167,6 +167,7 @@ class RenderOptions:
     max_restarts: int = 3
     metrics_port: int = 9464  # the sidecar's Prometheus endpoint (0: none)
     pod_monitoring: bool = False  # also a PodMonitoring (GKE Managed Service for Prometheus)
+    trainer_restarts: int = 0  # in-place restarts of each host's trainer container (0: none)
 
     @property
     def bucket_name(self) -> str:
@@ -210,6 +211,18 @@ def _check_metrics(metrics_port: int, port: int, pod_monitoring: bool) -> None:
         raise RenderError(f"--metrics-port {metrics_port}: choose an unprivileged port, 1024-65535 (0: none)")
     if metrics_port == port:
         raise RenderError(f"--metrics-port {metrics_port} is the sidecar's --port too: choose another")
+
+
+def _check_trainer_restarts(trainer_restarts: int, variant: str) -> None:
+    """In-place trainer restarts: 0 or more, and only where the trainers hold the job's state
+    (multi-controller; a single controller runs in a pod of its own)."""
+    if trainer_restarts < 0:
+        raise RenderError(f"--trainer-restarts {trainer_restarts} must be 0 or more")
+    if trainer_restarts and variant != "multi-controller":
+        raise RenderError(
+            "--trainer-restarts restarts the per-host trainers in place (multi-controller); "
+            "drop it or use --variant multi-controller"
+        )
 
 
 def _parse_commands(trainer_command: str, controller_command: str) -> dict[str, tuple[str, ...]]:
@@ -268,6 +281,7 @@ def build_options(
     max_restarts: int = 3,
     metrics_port: int = 9464,
     pod_monitoring: bool = False,
+    trainer_restarts: int = 0,
 ) -> RenderOptions:
     """Validates raw inputs (as typed on the command line) into `RenderOptions`."""
     topo = _check_settings(topology, variant, port, namespace, tls_secret)
@@ -282,6 +296,7 @@ def build_options(
     )
     if max_restarts < 0:
         raise RenderError(f"--max-restarts {max_restarts} must be 0 or more")
+    _check_trainer_restarts(trainer_restarts, variant)
     bucket_name, prefix = check_bucket(bucket)
     return RenderOptions(
         topology=topo,
@@ -303,4 +318,5 @@ def build_options(
         max_restarts=max_restarts,
         metrics_port=metrics_port,
         pod_monitoring=pod_monitoring,
+        trainer_restarts=trainer_restarts,
     )

@@ -183,6 +183,8 @@ def trainer_container(opts: RenderOptions) -> dict[str, Any]:
         # process_id=JOB_COMPLETION_INDEX (set by the Indexed Job) yourself.
         env.append({"name": "JAX_COORDINATOR_ADDRESS", "value": f"{pod_hostname(opts, 0)}.{opts.name}:8476"})
         env.append({"name": "COLOCAR_NUM_HOSTS", "value": str(topo.hosts)})
+    if topo.hosts > 1:  # how the other hosts' sidecars reach this one (snapshot replicas): by DNS
+        env.append({"name": "COLOCAR_PEER_ADDRESS", "value": f"{{hostname}}.{opts.name}:{opts.port}"})
     chips = str(topo.chips_per_host)
     return {
         "name": TRAINER,
@@ -241,7 +243,9 @@ def _pod_spec(opts: RenderOptions, containers: list[dict[str, Any]], host: bool)
     spec: dict[str, Any] = {
         "serviceAccountName": service_account(opts),
         "automountServiceAccountToken": False,
-        "restartPolicy": "Never",
+        # With --trainer-restarts, a failed trainer restarts in place: the pod, its native
+        # sidecar and the arena volume (the snapshots in it) stay.
+        "restartPolicy": "OnFailure" if host and opts.trainer_restarts else "Never",
         "terminationGracePeriodSeconds": GRACE_SECONDS,
         # The Secret and the volumes become readable by group 10001, the sidecar's.
         "securityContext": {"fsGroup": UID, "fsGroupChangePolicy": "OnRootMismatch"},

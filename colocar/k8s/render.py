@@ -90,8 +90,11 @@ def network_policy(opts: RenderOptions) -> dict[str, Any]:
 
 
 def _replicated_job(
-    name: str, pods: int, template: dict[str, Any], annotations: dict[str, str]
+    name: str, pods: int, template: dict[str, Any], annotations: dict[str, str], restarts: int = 0
 ) -> dict[str, Any]:
+    """`restarts`: in-place container restarts of each pod (restartPolicy OnFailure), which
+    the Job counts against `backoffLimit` over all its pods; none: a lost host fails the slice
+    and the JobSet restarts it whole."""
     metadata = {"annotations": annotations} if annotations else {}
     job: dict[str, Any] = {
         "name": name,
@@ -102,7 +105,7 @@ def _replicated_job(
                 "parallelism": pods,
                 "completions": pods,
                 "completionMode": "Indexed",
-                "backoffLimit": 0,  # a lost host fails the slice; the JobSet restarts it whole
+                "backoffLimit": restarts * pods,
                 "template": template,
             },
         },
@@ -115,7 +118,8 @@ def jobset(opts: RenderOptions) -> dict[str, Any]:
     topo = opts.topology
     labels = _labels(opts)
     exclusive = {EXCLUSIVE: "cloud.google.com/gke-nodepool"} if topo.exclusive_node_pool else {}
-    workers = _replicated_job("workers", topo.hosts, host_pod_template(opts, labels), exclusive)
+    template = host_pod_template(opts, labels)
+    workers = _replicated_job("workers", topo.hosts, template, exclusive, opts.trainer_restarts)
     spec: dict[str, Any] = {
         "network": {"enableDNSHostnames": True, "subdomain": opts.name, "publishNotReadyAddresses": True},
         "failurePolicy": {"maxRestarts": opts.max_restarts},
