@@ -14,14 +14,15 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 
-def start() -> tuple[int, Any, str]:
-    """Joins jax.distributed and connects to this process's sidecar: (process, cluster, directory)."""
+def start(**options: Any) -> tuple[int, Any, str]:
+    """Joins jax.distributed and connects to this process's sidecar (`options` go to
+    `colocar.connect`): (process, cluster, directory)."""
     process, port = int(sys.argv[1]), sys.argv[2]
     address, token_file, directory = sys.argv[3:6]
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process)
     import colocar  # after jax.distributed.initialize, as in a training program
 
-    cluster = colocar.connect([address], token_file=token_file)
+    cluster = colocar.connect([address], token_file=token_file, **options)
     return process, cluster, directory
 
 

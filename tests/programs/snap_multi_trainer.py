@@ -21,7 +21,7 @@ from ckpt_processes import start  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-process, cluster, _ = start()
+process, cluster, _ = start(heartbeat_seconds=3.0)  # a busy test machine misses 1 s beats
 mode = sys.argv[6]
 
 from colocar.elastic.snapshots import Snapshots  # noqa: E402
