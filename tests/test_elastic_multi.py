@@ -11,6 +11,7 @@ import json
 import os
 
 from checkpoint_helpers import MiB
+from helpers import wait_for
 from multi_helpers import stop, two_processes
 
 
@@ -26,6 +27,10 @@ def _train_then_kill(sidecars, directory: str) -> None:
             assert 4 in json.loads(line.split(" ", 1)[1]), line
     finally:
         stop(trainers)  # SIGKILL: no close(), the keepers stay with their snapshots
+    for host in sidecars.hosts:  # the trainers' sessions lapse; the snapshot blocks stay
+        wait_for(lambda host=host: host.stats()["sessions"] == 1, "the killed trainers' sessions to lapse")
+        # each step: 7 shards of its own (w: 4, b: 1, v: 2) and 7 replicas of the peer's
+        assert host.stats()["pools"]["default"]["blocks"] >= 14, host.stats()
 
 
 def _resume(sidecars, directory: str) -> list[dict]:
