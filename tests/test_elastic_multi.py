@@ -28,7 +28,8 @@ def _train_then_kill(sidecars, directory: str) -> None:
     finally:
         stop(trainers)  # SIGKILL: no close(), the keepers stay with their snapshots
     for host in sidecars.hosts:  # the trainers' sessions lapse; the snapshot blocks stay
-        wait_for(lambda host=host: host.stats()["sessions"] == 1, "the killed trainers' sessions to lapse")
+        # left: this test's session and the one the peer's keeper opened to send its replicas
+        wait_for(lambda host=host: host.stats()["sessions"] == 2, "the killed trainers' sessions to lapse")
         # each step: 7 shards of its own (w: 4, b: 1, v: 2) and 7 replicas of the peer's
         assert host.stats()["pools"]["default"]["blocks"] >= 14, host.stats()
 
