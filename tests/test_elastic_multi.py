@@ -34,15 +34,37 @@ def _train_then_kill(sidecars, directory: str) -> None:
         assert host.stats()["pools"]["default"]["blocks"] >= 14, host.stats()
 
 
-def _resume(sidecars, directory: str) -> list[dict]:
-    trainers = two_processes("snap_multi_trainer", sidecars, directory, "resume")
+def _resume(sidecars, directory: str, mode: str = "resume") -> list[dict]:
+    """Both trainers restore (and, "resume", take the next step and end; "hold", are killed
+    once restored, leaving their keepers as the restore made them)."""
+    trainers = two_processes("snap_multi_trainer", sidecars, directory, mode)
     try:
-        outputs = [t.communicate(timeout=120)[0] for t in trainers]
+        if mode == "hold":
+            outputs = [_until_ok(t) for t in trainers]
+        else:
+            outputs = [t.communicate(timeout=120)[0] for t in trainers]
+            for t, out in zip(trainers, outputs, strict=True):
+                assert t.returncode == 0 and "OK" in out, out[-3000:]
     finally:
         stop(trainers)
-    for t, out in zip(trainers, outputs, strict=True):
-        assert t.returncode == 0 and "OK" in out, out[-3000:]
     return [json.loads(out.split("OK", 1)[1].strip().splitlines()[0]) for out in outputs]
+
+
+def _until_ok(trainer) -> str:
+    lines = []
+    while (line := trainer.stdout.readline()) and not line.startswith("OK"):
+        lines.append(line)
+    assert line, "".join(lines)[-3000:]
+    return line
+
+
+def _replace(sidecars, h: int) -> None:
+    """Host `h`'s sidecar is replaced: a new, empty one on another port."""
+    sidecars.processes[h].kill()
+    sidecars.processes[h].wait()
+    old = sidecars.hosts[h].address
+    sidecars.restart_host(h, address="127.0.0.1:0")
+    assert sidecars.hosts[h].address != old
 
 
 def test_killed_trainers_resume_from_the_sidecars_ram(make_cluster, tmp_path, cluster):
@@ -63,14 +85,16 @@ def test_a_replaced_sidecar_gets_its_shards_back_from_the_peer(make_cluster, tmp
     directory = str(tmp_path / "unused")
     try:
         _train_then_kill(sidecars, directory)
-        sidecars.processes[1].kill()  # its host is replaced: a new, empty sidecar elsewhere
-        sidecars.processes[1].wait()
-        old = sidecars.hosts[1].address
-        sidecars.restart_host(1, address="127.0.0.1:0")
-        assert sidecars.hosts[1].address != old
-        results = _resume(sidecars, directory)
-        assert results[0]["step"] == results[1]["step"] in (4, 5)
-        # process 0's keeper sent process 1's shards back, and its own replicas again
+        _replace(sidecars, 1)
+        results = _resume(sidecars, directory, "hold")
+        step = results[0]["step"]
+        assert step == results[1]["step"] in (4, 5)
+        # process 0's keeper sent process 1's shards back, and its own shards as replicas again
         assert results[0]["refilled_bytes"] > 0 and results[1]["refilled_bytes"] == 0
+        # so the next loss is covered: with host 0 replaced now, host 1 alone holds the step
+        _replace(sidecars, 0)
+        results = _resume(sidecars, directory)
+        assert [r["step"] for r in results] == [step, step]
+        assert results[0]["refilled_bytes"] == 0 and results[1]["refilled_bytes"] > 0
     finally:
         cluster.make_current()

@@ -3,8 +3,9 @@ were killed) restore from those sidecars' RAM.
 
 Run by test_elastic_multi.py; argv as in ckpt_processes.py (the directory unused), then the
 mode: "train" (snapshots of steps 1-5, step 4 waited for, prints "ready", then waits on stdin
-to be killed) or "resume" (restores the newest snapshot complete everywhere, checks it bit for
-bit, takes and waits for the next step, prints "OK <json>").
+to be killed), "resume" (restores the newest snapshot complete everywhere, checks it bit for
+bit, takes and waits for the next step, prints "OK <json>") or "hold" (restores and checks, prints
+"OK <json>", then waits on stdin to be killed: its keepers keep what the restore refilled).
 """
 
 import json
@@ -90,6 +91,10 @@ step = found
 state = snaps.restore(step, target)
 check(state, step)
 refilled = snaps.stats()["refilled_bytes"]
+if mode == "hold":
+    print("OK", json.dumps({"step": step, "refilled_bytes": refilled}), flush=True)
+    sys.stdin.readline()  # killed here
+    sys.exit(3)
 state = {
     **train_step({k: state[k] for k in SHARDINGS}, step + 1),
     "step": step + 1,
