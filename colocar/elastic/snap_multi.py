@@ -236,6 +236,13 @@ class MultiSnapshots:
             self._committed = sorted({*self._committed, step})[-self.keep :]
             return out
 
+    def save_to(self, manager: Any, step: int, *, metadata: dict[str, Any] | None = None) -> bool:
+        """Not under multi-controller JAX yet: save the state with `manager.save` instead."""
+        raise SnapshotError(
+            "saving a snapshot to storage (save_to) needs a single controller; with several JAX "
+            "processes save the state with CheckpointManager.save"
+        )
+
     def stats(self) -> dict[str, Any]:
         return {**self._stats, "committed": list(self._committed), "process": self.process}
 
