@@ -125,12 +125,16 @@ def test_ckpt_show_lists_the_array_paths(cluster, mngr, capsys):
 AWKWARD = ["a/b", "..", ".", "", "with space", "ünï✓", "%2F", "a%2Fb", "@", "x" * 300, "x" * 299 + "y"]
 
 
-def test_awkward_keys_get_distinct_directories_inside_the_arrays_root(cluster, mngr):
-    mesh = Mesh(np.array(jax.devices()), ("d",))
-    sharded = NamedSharding(mesh, P("d"))
+def _awkward_state(devices) -> dict:
+    """Leaf `['top'][k]` holds AWKWARD.index(k) eight times; `['a']['b']` holds 99. "a/b" must
+    not land where the nested a -> b does, nor ".." above the arrays root."""
+    sharded = NamedSharding(Mesh(np.array(devices), ("d",)), P("d"))
     awkward = {k: jax.device_put(np.full(8, i, np.int32), sharded) for i, k in enumerate(AWKWARD)}
-    # "a/b" must not land where the nested a -> b does, nor ".." above the arrays root.
-    state = {"top": awkward, "a": {"b": jax.device_put(np.full(8, 99, np.int32), sharded)}}
+    return {"top": awkward, "a": {"b": jax.device_put(np.full(8, 99, np.int32), sharded)}}
+
+
+def test_awkward_keys_get_distinct_directories_inside_the_arrays_root(cluster, mngr):
+    state = _awkward_state(jax.devices())
     mngr.save(3, state)
     mngr.wait()
     manifest = _manifest(mngr.directory, 3)
@@ -148,6 +152,29 @@ def test_awkward_keys_get_distinct_directories_inside_the_arrays_root(cluster, m
         stored = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": path}}).result()
         assert np.asarray(stored.read().result()).tolist() == [values[key]] * 8, key
     assert_same(mngr.restore(target=abstract(state)), state)
+
+
+def test_awkward_keys_round_trip_through_gcs(make_cluster, gcs_server):
+    """Escaped names through tensorstore's gcs kvstore and google-cloud-storage (fake server)."""
+    gcs_server.create_bucket("colocar-keypaths")
+    cluster = make_cluster(hosts=2, env=gcs_server.env)
+    state = _awkward_state(cluster.devices)
+    with CheckpointManager("gs://colocar-keypaths/run", cluster) as m:
+        m.save(1, state)
+        m.wait()
+        step, manifest = m.steps.committed_manifest(1)
+        root = layout.arrays_root(step, manifest)
+        for key, value in [("['top']['a/b']", 0), ("['top']['..']", 1), ("['top']['ünï✓']", 5)]:
+            spec = {
+                "driver": "zarr3",
+                "kvstore": m.storage.kvstore(f"{root}/{manifest['leaves'][key]['dir']}"),
+            }
+            assert np.asarray(ts.open(spec).result().read().result()).tolist() == [value] * 8, key
+        assert_same(m.restore(target=abstract(state)), state)
+        m.save(2, state)  # then step 1 goes: every escaped object under it with it
+        m.wait()
+        m.delete(1)
+        assert m.all_steps() == [2] and not m.storage.children(layout.step_dir(1))
 
 
 def test_escaping_is_reversible_and_unique():
