@@ -41,7 +41,8 @@ def escape(name: str) -> str:
 
 
 def decode_segment(segment: str) -> str | None:
-    """The key string `escape` made `segment` from; None for a shortened (hashed) one."""
+    """The key string `escape` made `segment` from; None for a shortened (hashed) one and for
+    ROOT (the manifest's `key` of that leaf says what it was)."""
     if segment == EMPTY:
         return ""
     if "@" in segment:
