@@ -185,6 +185,9 @@ def test_escaping_is_reversible_and_unique():
         assert "/" not in segment and segment not in ("", ".", "..") and len(segment) <= keypaths.MAX_SEGMENT
         assert keypaths.decode_segment(segment) == (None if len(name) >= 300 else name)
     assert keypaths.escape("kernel") == "kernel" and keypaths.escape("a b") == "a%20b"
+    assert tree.flatten(np.ones(3))[2] == {"": "@root"}  # a tree that is a single array
+    dirs = tree.flatten({"a": [np.ones(1), {"": np.ones(1)}], "v": 3})[2]
+    assert dirs == {"['a'][0]": "a/0", "['a'][1]['']": "a/1/@"}  # plain values have none
 
 
 class _Key:
@@ -198,6 +201,9 @@ class _Key:
 
     def __str__(self) -> str:
         return "same"
+
+    def __repr__(self) -> str:
+        return "K"  # the two leaves' keystr are equal too
 
     def __hash__(self) -> int:
         return self.n

@@ -73,9 +73,10 @@ def leaf_dirs(paths: list[tuple[str, tuple[Any, ...]]]) -> dict[str, str]:
     """[(keystr, key path)] -> {keystr: directory}; CheckpointError when two leaves would share
     a directory, or one leaf's directory would lie inside another's (keys whose `str` is equal,
     e.g. two distinct objects used as dict keys)."""
-    dirs = {key: leaf_dir(path) for key, path in paths}
+    dirs: dict[str, str] = {}
     owner: dict[str, str] = {}
-    for key, directory in dirs.items():
+    for key, path in paths:
+        directory = dirs[key] = leaf_dir(path)
         if directory in owner:
             raise CheckpointError(
                 f"{owner[directory]} and {key} would both be saved in arrays/{directory}; "
