@@ -71,8 +71,9 @@ def test_markers_are_checked() -> None:
     assert marker is not None and (marker.group, marker.subs) == ("g", [("16G", "64M")])
 
 
-def _substituted(block: Block, work: Path, shm: Path) -> str:
-    code = block.code
+def _substituted(code: str, block: Block, work: Path, shm: Path) -> str:
+    """`code` (of `block`, with its neighbours of a run) with the marker's substitutions made and
+    /tmp and /dev/shm moved into the test's directories."""
     assert block.marker is not None
     for old, new in block.marker.subs:
         assert old in code, f"{block.doc}:{block.line}: {old!r} is not in the block"
@@ -162,7 +163,8 @@ def _python_runs(unit: list[Block]) -> list[tuple[int, str]]:
 def test_block_runs(key: str, docs_env: dict[str, str], tmp_path: Path, shm_dir: str) -> None:
     unit = UNITS[key]
     work = tmp_path / "work"
-    shutil.copytree(REPO / "examples", work / "examples", ignore=shutil.ignore_patterns("data", "__pycache__"))
+    ignore = shutil.ignore_patterns("data", "__pycache__")
+    shutil.copytree(REPO / "examples", work / "examples", ignore=ignore)
     (work / "tmp").mkdir()
     shm = Path(tempfile.mkdtemp(dir=shm_dir, prefix="docs-"))
     env = {**docs_env, "COLOCAR_SHM_DIR": str(shm)}
@@ -170,7 +172,7 @@ def test_block_runs(key: str, docs_env: dict[str, str], tmp_path: Path, shm_dir:
         for i, code in _python_runs(unit):
             block = unit[i]
             assert block.marker is not None
-            code = _substituted(Block(block.doc, block.line, block.section, block.language, code, block.marker), work, shm)
+            code = _substituted(code, block, work, shm)
             before = set(work.rglob("*.yaml"))
             if block.language == "python":
                 _run_python(code, work, env)
