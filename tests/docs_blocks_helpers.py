@@ -4,13 +4,15 @@
 A marker is an HTML comment among the comment lines right above a block's fence:
 
     <!-- docs-test: skip (why it cannot run in a test) -->
-    <!-- docs-test: run [group=NAME] [prelude=NAME] [serve] [check=k8s] [OLD=>NEW ...] -->
+    <!-- docs-test: run [group=NAME] [prelude=NAME] [serve] [check=k8s] [emulator=URL] [OLD=>NEW ...] -->
 
 `group`: blocks of one document with the same group run in order in one directory, consecutive
 Python blocks as one program. `prelude`: test code run before the group's Python (and its
 teardown after), defining what a fragment takes from its surroundings. `serve`: a shell block
 that starts a server; it is stopped with SIGTERM once its `--ready-file` exists and must then
 exit 0. `check=k8s`: every YAML file the block writes must hold valid Kubernetes objects.
+`emulator=URL`: the block runs without the GCS emulator's variables (it must set them itself),
+URL standing for the suite's fake GCS server.
 `OLD=>NEW`: a substitution (no spaces), for sizes a test machine cannot hold.
 """
 
@@ -37,6 +39,7 @@ class Marker:
     prelude: str = ""
     serve: bool = False
     check: str = ""
+    emulator: str = ""
     subs: list[tuple[str, str]] = field(default_factory=list)
 
 
@@ -67,7 +70,7 @@ def parse_marker(text: str) -> Marker:
         if "=>" in word:
             old, _, new = word.partition("=>")
             marker.subs.append((old, new))
-        elif key in ("group", "prelude", "check") and value:
+        elif key in ("group", "prelude", "check", "emulator") and value:
             setattr(marker, key, value)
         elif word == "serve":
             marker.serve = True

@@ -89,6 +89,15 @@ def _run_python(code: str, work: Path, env: dict[str, str]) -> None:
     assert result.returncode == 0, f"{code}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
 
 
+def _without_emulator(code: str, url: str, env: dict[str, str]) -> tuple[str, dict[str, str]]:
+    """The block with `url` standing for the fake GCS server, and an environment without the
+    variables that point at it: the block must set them all itself."""
+    server = env["STORAGE_EMULATOR_HOST"]
+    kept = {k: v for k, v in env.items() if k not in ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL")}
+    kept.pop("GOOGLE_AUTH_TOKEN_FOR_TESTING", None)
+    return code.replace(url, server), kept
+
+
 def _run_shell(code: str, work: Path, env: dict[str, str]) -> None:
     result = subprocess.run(
         ["bash", "-e", "-o", "pipefail", "-c", code],
@@ -174,7 +183,10 @@ def test_block_runs(key: str, docs_env: dict[str, str], tmp_path: Path, shm_dir:
             assert block.marker is not None
             code = _substituted(code, block, work, shm)
             before = set(work.rglob("*.yaml"))
-            if block.language == "python":
+            if block.marker.emulator:
+                code, bare = _without_emulator(code, block.marker.emulator, env)
+                _run_shell(code, work, bare)
+            elif block.language == "python":
                 _run_python(code, work, env)
             elif block.marker.serve:
                 _serve(code, work, env)
