@@ -128,7 +128,7 @@ def units() -> dict[str, list[Block]]:
     for block in all_blocks():
         if block.marker is None or not block.marker.run:
             continue
-        key = f"{block.doc}:{block.marker.group or block.section}"
+        key = f"{block.doc}:{block.marker.group or re.sub(r'[^a-z0-9]+', '-', block.section.lower())}"
         if not block.marker.group and key in out:
             key = f"{key}:{block.line}"
         out.setdefault(key, []).append(block)
