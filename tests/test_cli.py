@@ -135,6 +135,7 @@ def test_version_and_unknown_command() -> None:
         (["sidecar", "--help"], "(default: 127.0.0.1:0)"),
         (["ckpt", "ls", "--help"], "(default: 30.0)"),
         (["k8s", "render", "--help"], "(default: 7070)"),
+        (["examples", "write-data", "--help"], "(default: 256)"),
     ],
 )
 def test_help_shows_defaults(args: list[str], default: str) -> None:
