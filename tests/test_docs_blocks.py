@@ -81,7 +81,7 @@ def _substituted(code: str, block: Block, work: Path, shm: Path) -> str:
     return code.replace("/tmp/", f"{work}/tmp/").replace("/dev/shm", str(shm))
 
 
-def _run_python(code: str, work: Path, env: dict[str, str]) -> None:
+def _run_python(code: str, env: dict[str, str], work: Path) -> None:
     (work / "docs_block.py").write_text(code)
     result = subprocess.run(
         [sys.executable, "docs_block.py"], cwd=work, env=env, capture_output=True, text=True, timeout=240
@@ -98,7 +98,7 @@ def _without_emulator(code: str, url: str, env: dict[str, str]) -> tuple[str, di
     return code.replace(url, server), kept
 
 
-def _run_shell(code: str, work: Path, env: dict[str, str]) -> None:
+def _run_shell(code: str, env: dict[str, str], work: Path) -> None:
     result = subprocess.run(
         ["bash", "-e", "-o", "pipefail", "-c", code],
         cwd=work,
@@ -110,7 +110,7 @@ def _run_shell(code: str, work: Path, env: dict[str, str]) -> None:
     assert result.returncode == 0, f"{code}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
 
 
-def _serve(code: str, work: Path, env: dict[str, str]) -> None:
+def _serve(code: str, env: dict[str, str], work: Path) -> None:
     """A server block: started, stopped with SIGTERM once ready; it must drain and exit 0."""
     ready = Path(code.split("--ready-file", 1)[1].split()[0])
     process = subprocess.Popen(
@@ -152,19 +152,21 @@ def _check_k8s(work: Path, before: set[Path]) -> None:
             assert path.read_text() == twin.read_text(), f"{twin} differs from its rendering"
 
 
-def _python_runs(unit: list[Block]) -> list[tuple[int, str]]:
-    """The unit's blocks with consecutive Python blocks joined, prelude and teardown added."""
-    runs: list[tuple[int, str]] = []
+def _runs(unit: list[Block], work: Path, shm: Path) -> list[tuple[Block, str]]:
+    """What to run, in order: (first block, code), each block's code substituted, consecutive
+    Python blocks joined into one program, the group's prelude and teardown around its first."""
+    runs: list[tuple[Block, str]] = []
     for i, block in enumerate(unit):
+        code = _substituted(block.code, block, work, shm)
         if block.language == "python" and i and unit[i - 1].language == "python":
-            runs[-1] = (runs[-1][0], runs[-1][1] + block.code)
+            runs[-1] = (runs[-1][0], runs[-1][1] + code)
         else:
-            runs.append((i, block.code))
+            runs.append((block, code))
     prelude = next((b.marker.prelude for b in unit if b.marker and b.marker.prelude), "")
     if prelude:
         setup, teardown = PRELUDES[prelude]
-        (i, code) = next(r for r in runs if unit[r[0]].language == "python")
-        runs[runs.index((i, code))] = (i, setup + code + teardown)
+        i = next(i for i, (block, _) in enumerate(runs) if block.language == "python")
+        runs[i] = (runs[i][0], setup + runs[i][1] + teardown)
     return runs
 
 
@@ -178,20 +180,17 @@ def test_block_runs(key: str, docs_env: dict[str, str], tmp_path: Path, shm_dir:
     shm = Path(tempfile.mkdtemp(dir=shm_dir, prefix="docs-"))
     env = {**docs_env, "COLOCAR_SHM_DIR": str(shm)}
     try:
-        for i, code in _python_runs(unit):
-            block = unit[i]
+        for block, code in _runs(unit, work, shm):
             assert block.marker is not None
-            code = _substituted(code, block, work, shm)
             before = set(work.rglob("*.yaml"))
-            if block.marker.emulator:
-                code, bare = _without_emulator(code, block.marker.emulator, env)
-                _run_shell(code, work, bare)
-            elif block.language == "python":
-                _run_python(code, work, env)
+            if block.language == "python":
+                _run_python(code, env, work)
             elif block.marker.serve:
-                _serve(code, work, env)
+                _serve(code, env, work)
+            elif block.marker.emulator:
+                _run_shell(*_without_emulator(code, block.marker.emulator, env), work=work)
             else:
-                _run_shell(code, work, env)
+                _run_shell(code, env, work)
             if block.marker.check == "k8s":
                 _check_k8s(work, before)
         assert os.listdir(shm) == [], "a block left shared memory behind"
