@@ -21,6 +21,7 @@ from colocar import loaders
 from colocar.elastic.data import start_batch
 from colocar.elastic.topology import ElasticError
 from colocar.loaders.config import ConfigError, load_config
+from colocar.loaders.orders import GrainOrder, _grain_internals
 from colocar.loaders.sampler import IndexSampler
 
 # IndexSampler(24, 8, seed=1234, num_epochs=2) before `shuffle_order` existed: batches 0..5.
@@ -74,6 +75,16 @@ def one_host():
 def test_the_sampler_gives_grains_order_epoch_after_epoch(n, seed):
     s = IndexSampler(n, 1, seed=seed, num_epochs=3, shuffle_order="grain")
     assert [s.epoch_order(e).tolist() for e in range(3)] == grain_epochs(n, seed, 3)
+
+
+def test_grains_internals_are_used_only_where_they_match_its_public_api(n=100, seed=3):
+    for fast in (True, False):  # grain's index_shuffle (checked) and grain's dataset itself
+        order = GrainOrder(n, seed, fast)
+        assert [order.take(e, 0, n).tolist() for e in range(3)] == grain_epochs(n, seed, 3)
+    ds = grain.MapDataset.source(range(n)).seed(seed).shuffle()
+    assert _grain_internals(ds, n) is not None  # the installed grain: the fast path
+    assert _grain_internals(ds, n + 1) is None  # internals that disagree with ds: refused
+    assert _grain_internals(ds.map(lambda i: i), n) is None  # no shuffle seed where expected
 
 
 def test_batches_and_host_rows_cut_grains_order(n=50, B=8, seed=99):

@@ -7,9 +7,11 @@ Runs anywhere (pure index math). The config's `shuffle` and `shuffle_order` pick
   made once per epoch (a table of n int64);
 - ``grain``: grain's order, ``grain.MapDataset.source(range(n)).seed(seed).shuffle()``, epoch e
   being grain's reshuffled epoch e of ``.repeat()`` (grain reseeds its shuffle with seed + e).
-  It is read through grain's public API, one position at a time (no table: a batch costs its
-  rows, a few microseconds each); grain is imported only here, on the first batch, so that a
-  sidecar that never uses this order does not pay for the import.
+  It is computed one position at a time (no table: a batch costs its rows) by grain's own
+  `index_shuffle` with the seed grain's shuffle holds, once both are checked against grain's
+  public API on a sample of positions; where this grain version lacks them or differs, by the
+  public API itself (several times slower: grain's per-element bookkeeping). grain is imported
+  only here, on the first batch, so that a sidecar that never uses this order does not pay for it.
 
 A saved iterator state names its order (`STATE_KEY`); states from before the key read as
 ``colocar``, the only order they could have had.
@@ -18,6 +20,7 @@ A saved iterator state names its order (`STATE_KEY`); states from before the key
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
@@ -60,24 +63,48 @@ class GrainOrder:
     """grain's `MapDataset.source(range(n)).seed(seed).shuffle()`, epochs as its `.repeat()`.
 
     grain's shuffle maps the global index e*n + p to epoch e's position p (reseeded per epoch),
-    so asking grain's dataset for that index gives the record, with grain's own code.
+    so grain's dataset, asked for that index, gives the record. `fast=False` always asks it.
     """
 
-    def __init__(self, num_records: int, seed: int):
+    def __init__(self, num_records: int, seed: int, fast: bool = True):
         self.num_records = num_records
         self.seed = seed
-        self._dataset: Any = None
+        self.fast = fast
+        self._index: Callable[[int], int] | None = None
 
-    def dataset(self) -> Any:
-        if self._dataset is None:
+    def index(self) -> Callable[[int], int]:
+        """Global index -> record: grain's own functions, checked, else its public API."""
+        if self._index is None:
             import grain  # lazily: ~1-2 s, only where this order is used
 
-            self._dataset = grain.MapDataset.source(range(self.num_records)).seed(self.seed).shuffle()
-        return self._dataset
+            ds = grain.MapDataset.source(range(self.num_records)).seed(self.seed).shuffle()
+            self._index = (_grain_internals(ds, self.num_records) if self.fast else None) or ds.__getitem__
+        return self._index
 
     def take(self, epoch: int, lo: int, hi: int) -> np.ndarray:
-        ds, first = self.dataset(), epoch * self.num_records
-        return np.fromiter((ds[first + p] for p in range(lo, hi)), dtype=np.int64, count=hi - lo)
+        index, first = self.index(), epoch * self.num_records
+        return np.fromiter((index(first + p) for p in range(lo, hi)), dtype=np.int64, count=hi - lo)
+
+
+def _grain_internals(ds: Any, n: int) -> Callable[[int], int] | None:
+    """`ds`'s order from grain's `index_shuffle` and the seed its shuffle holds (what its
+    `_shuffled_index` does, without the per-element bookkeeping), if they give what `ds` gives
+    on a sample of positions over three epochs; None where this grain version differs."""
+    try:
+        from grain._src.python.experimental.index_shuffle.python import index_shuffle_module
+
+        shuffle, seed = index_shuffle_module.index_shuffle, int(ds._seed)
+
+        def index(i: int) -> int:
+            epoch, p = divmod(i, n)
+            return int(shuffle(p, max_index=n - 1, seed=(seed + epoch) % 2**32, rounds=4))
+
+        sample = [e * n + p for e in (0, 1, 9) for p in range(min(n, 48))]
+        if all(index(i) == ds[i] for i in sample):
+            return index
+    except Exception:  # noqa: BLE001 - another grain version: its public API instead
+        pass
+    return None
 
 
 def epoch_order(num_records: int, seed: int, shuffle: bool, kind: str = DEFAULT) -> EpochOrder:
