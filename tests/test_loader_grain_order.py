@@ -10,6 +10,8 @@ option existed, so existing record streams and checkpoints stay the same.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import grain
 import numpy as np
@@ -85,6 +87,17 @@ def test_grains_internals_are_used_only_where_they_match_its_public_api(n=100, s
     assert _grain_internals(ds, n) is not None  # the installed grain: the fast path
     assert _grain_internals(ds, n + 1) is None  # internals that disagree with ds: refused
     assert _grain_internals(ds.map(lambda i: i), n) is None  # no shuffle seed where expected
+
+
+def test_grain_is_imported_only_when_a_batch_needs_its_order():
+    """The sidecar builds a sampler for the batch count: that must not pay for importing grain."""
+    code = (
+        "import sys; from colocar.loaders.sampler import IndexSampler\n"
+        "s = IndexSampler(10, 2, seed=1, shuffle_order='grain'); s.num_batches\n"
+        "assert 'grain' not in sys.modules, 'imported too early'\n"
+        "s.batch_indices(0); assert 'grain' in sys.modules, 'never imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 def test_batches_and_host_rows_cut_grains_order(n=50, B=8, seed=99):
