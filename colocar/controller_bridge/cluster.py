@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from colocar.errors import ColocarError
+from colocar.protocol.tls import channel_credentials
 
 from .connection import HostConnection
 from .remote import RemoteObject, find_detached
@@ -261,21 +262,6 @@ def _token_from_env(token: str | None, token_file: str | None) -> str | None:
     return os.environ.get("COLOCAR_TOKEN") or None
 
 
-def _tls_credentials(tls_ca: str | None, tls_cert: str | None, tls_key: str | None) -> Any:
-    """gRPC channel credentials from PEM files, or None without TLS."""
-    if not (tls_ca or tls_cert):
-        return None
-    import grpc
-
-    def read(path: str | None) -> bytes | None:
-        if path is None:
-            return None
-        with open(path, "rb") as f:
-            return f.read()
-
-    return grpc.ssl_channel_credentials(read(tls_ca), read(tls_key), read(tls_cert))
-
-
 def connect(
     addresses: str | Sequence[str] | None = None,
     *,
@@ -310,7 +296,7 @@ def connect(
         if devices is not None
         else split_devices(jax.local_devices(), len(addresses))
     )
-    credentials = _tls_credentials(tls_ca, tls_cert, tls_key)
+    credentials = channel_credentials(tls_ca, tls_cert, tls_key)
     hosts = []
     try:
         for i, address in enumerate(addresses):
