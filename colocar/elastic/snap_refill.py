@@ -27,7 +27,7 @@ from . import snap_agree
 
 def plan(step: int, attempt: str, state: Any, process: int, peers: list[int]) -> tuple[list[Piece], bytes]:
     """This process's pieces of `state` and its record (pickled)."""
-    named, skeleton = tree.flatten(state)
+    named, skeleton, _ = tree.flatten(state)
     pieces: list[Piece] = []
     leaves: dict[str, dict[str, Any]] = {}
     values: dict[str, Any] = {}
