@@ -46,7 +46,18 @@ from .service import ServiceConfig, SidecarService  # noqa: E402
 from .workers import WorkerPool  # noqa: E402
 
 SERVICE_NAME = "colocar.v1.Sidecar"
-FORKSERVER_PRELOAD = ["numpy", "colocar.sidecar.worker_main", "colocar.loaders.worker", "grain"]
+# What every worker needs, and nothing heavier: grain (it imports JAX, seconds) is imported by
+# the shipped code that uses it, not by every worker a pipeline or the call pool starts.
+FORKSERVER_PRELOAD = [
+    "numpy",
+    "cloudpickle",
+    "colocar.sidecar.worker_main",
+    "colocar.loaders.worker",
+    "colocar.loaders.config",
+    "colocar.loaders.records",
+    "colocar.loaders.sources",
+    "array_record.python.array_record_data_source",
+]
 MiB = 1 << 20
 DEFAULT_LABEL = "sidecar"
 log = logging.getLogger("colocar.sidecar")
@@ -194,7 +205,7 @@ def _start_service(args: argparse.Namespace, arena: SidecarArena) -> tuple[Sidec
         lambda shape, dtype, pool: arena.empty(shape, dtype, pool, timeout, cancels.current()), arena
     )
     # Every worker process (call workers, pipeline workers) forks from one forkserver, started on
-    # first use; what it preloads, each worker has at once (grain alone takes a second to import).
+    # first use; what it preloads, each worker has at once.
     multiprocess.get_context("forkserver").set_forkserver_preload(FORKSERVER_PRELOAD)
     workers = WorkerPool(args.processes, arena) if args.processes > 0 else None
     return SidecarService(arena, workers, config), workers
