@@ -49,3 +49,23 @@ def test_array_record_pipeline_imports_neither_jax_nor_grain_on_the_sidecar(ar_p
         assert loaded.on(cluster.hosts[0])() == []
     assert np.asarray(batch["heavy"]).tolist() == [0] * 8  # the pipeline worker: neither
     assert np.asarray(batch["x"])[:, 0].tolist() == list(range(8))  # records 0-7, read
+
+
+def test_the_controller_imports_no_sidecar_side_modules() -> None:
+    """A training script that starts a cluster, a loader and a checkpoint manager imports
+    neither the sidecar's metrics (prometheus_client) nor the pipeline's pump: they run on
+    the sidecar, and each costs the training process start time and memory."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, colocar; colocar.local_cluster\n"
+        "from colocar import loaders; loaders.load; loaders.DataIterator\n"
+        "from colocar.checkpoint import CheckpointManager, abstract\n"
+        "import colocar.loaders.feed, colocar.loaders.host_backend\n"
+        "heavy = ('prometheus_client', 'colocar.sidecar.metrics', 'colocar.loaders.pump', 'grain')\n"
+        "print(sorted(m for m in heavy if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"

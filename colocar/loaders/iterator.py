@@ -48,7 +48,7 @@ RemoteLoaderHost = colocated_class(LoaderHost)
 @colocated
 def _probe_fields(config: PipelineConfig) -> dict[str, tuple[tuple[int, ...], str]]:
     """Runs on a sidecar: the fields of the first record the pipeline keeps."""
-    from colocar.loaders.pump import PipelineError
+    from colocar.loaders.errors import PipelineError
     from colocar.loaders.worker import _record_pipeline, check_dict
 
     pipeline = _record_pipeline(config)

@@ -166,7 +166,7 @@ class ArrayRecordSource:
 
 
 def _pipeline_error(message: str) -> Exception:
-    from .pump import PipelineError
+    from .errors import PipelineError
 
     return PipelineError(message)
 
