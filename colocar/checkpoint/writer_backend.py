@@ -40,6 +40,7 @@ def _metrics() -> Any:
 
     return metrics
 
+
 TERMINAL = ("committed", "done", "failed")
 _BEGUN: weakref.WeakValueDictionary[tuple[int, str], CheckpointWriter] = weakref.WeakValueDictionary()
 
