@@ -11,15 +11,11 @@ with a `ClusterDroppedWarning`.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
-import time
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -33,73 +29,9 @@ from colocar.sizes import parse_size
 
 from .cluster import Cluster, Host, split_devices
 from .connection import HostConnection
+from .local_sidecars import Sidecar, wait_ready
 
 MiB = 1 << 20
-
-
-class _Sidecar:
-    """One spawned sidecar process and its files."""
-
-    def __init__(self, index: int, workdir: str, argv: list[str], env: dict[str, str], persist: bool):
-        self.index = index
-        self.ready_file = os.path.join(workdir, f"host{index}.ready")
-        self.log_file = os.path.join(workdir, f"host{index}.log")
-        self.spawn(argv, env, persist)
-
-    def spawn(self, argv: list[str], env: dict[str, str], persist: bool) -> None:
-        """Starts the process (again, after `restart_host`: its log is appended to)."""
-        self.info: dict[str, Any] | None = None
-        self.terminated = False
-        with open(self.log_file, "ab") as log:
-            self.process = subprocess.Popen(
-                [*argv, "--ready-file", self.ready_file, "--label", f"host{self.index}"],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=persist,
-            )
-
-    def poll_ready(self) -> bool:
-        if self.info is None and os.path.exists(self.ready_file):
-            with open(self.ready_file) as f:
-                self.info = json.load(f)
-        return self.info is not None
-
-    def log_tail(self, lines: int = 30) -> str:
-        try:
-            with open(self.log_file, errors="replace") as f:
-                return "".join(f.readlines()[-lines:])
-        except OSError:
-            return ""
-
-    def status(self) -> str | None:
-        code = self.process.poll()
-        return None if code is None else f"sidecar process exited with code {code}"
-
-    def terminate(self) -> None:
-        """Asks the sidecar to drain and exit (SIGTERM, once); `stop` waits for it."""
-        if self.process.poll() is None and not self.terminated:
-            self.process.send_signal(signal.SIGTERM)
-            self.terminated = True
-
-    def stop(self, grace: float) -> None:
-        if self.process.poll() is None:
-            self.terminate()
-            try:
-                self.process.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
-        self.remove_files()
-
-    def remove_files(self) -> None:
-        """The arena and link socket of a sidecar killed before it could remove them."""
-        arena = (self.info or {}).get("arena")
-        if arena:
-            for path in (arena, arena.removesuffix(".arena") + ".sock"):
-                if os.path.exists(path):
-                    os.unlink(path)
 
 
 def _workdir_with_token() -> tuple[str, str, str]:
@@ -123,7 +55,7 @@ def _sidecar_argv(
     threads: int,
     alloc_timeout: float,
 ) -> list[str]:
-    """The command line every sidecar of a local cluster shares (each adds its ready file and
+    """The command line every sidecar of a local cluster shares (each adds its ready pipe and
     label); without `persist`, the sidecars exit when this process dies (`--parent-pid`)."""
     argv = [
         sys.executable,
@@ -162,7 +94,7 @@ def _sidecar_env(env: dict[str, str] | None) -> dict[str, str]:
     return child_env
 
 
-def _shutdown(sidecars: list[_Sidecar], workdir: str, persist: bool) -> None:
+def _shutdown(sidecars: list[Sidecar], workdir: str, persist: bool) -> None:
     """Stops the sidecars and removes the work folder; with `persist` they outlive us, but the
     files of those already killed are removed (nobody else would)."""
     if persist:
@@ -180,7 +112,7 @@ def _shutdown(sidecars: list[_Sidecar], workdir: str, persist: bool) -> None:
 class LocalCluster(Cluster):
     """A `Cluster` of sidecars this process started; `restart_host` brings a dead one back."""
 
-    _spawn: tuple[list[_Sidecar], list[str], dict[str, str], dict[str, Any]]
+    _spawn: tuple[list[Sidecar], list[str], dict[str, str], dict[str, Any]]
 
     def restart_host(self, host: int | str, timeout: float = 120.0) -> Host:
         """Starts the sidecar of `host` (its index or name) again after it died, on the same
@@ -200,13 +132,11 @@ class LocalCluster(Cluster):
         address = (sidecar.info or {}).get("address", "127.0.0.1:0")
         target.connection.close()  # lost already: ends its threads, calls nobody
         sidecar.remove_files()  # a killed sidecar leaves its arena and link socket
-        if os.path.exists(sidecar.ready_file):
-            os.unlink(sidecar.ready_file)
         argv = list(argv)
         argv[argv.index("--address") + 1] = address
         sidecar.spawn(argv, env, persist="--parent-pid" not in argv)
         self.processes[self.hosts.index(target)] = sidecar.process  # type: ignore[attr-defined]
-        _wait_ready([sidecar], timeout)
+        wait_ready([sidecar], timeout)
         assert sidecar.info is not None
         target.connection = HostConnection(
             sidecar.info["address"], target.name, process_status=sidecar.status, **options
@@ -238,7 +168,7 @@ def _shutdown_dropped(hosts: list[Host], shutdown: Callable[[], None], what: str
 
 
 def _owned_cluster(
-    hosts: list[Host], sidecars: list[_Sidecar], files: tuple[str, bool], arena_size: str
+    hosts: list[Host], sidecars: list[Sidecar], files: tuple[str, bool], arena_size: str
 ) -> LocalCluster:
     """A cluster of `sidecars` that stop on `close()`, or once nothing holds it any more (with
     a `ClusterDroppedWarning`). At interpreter exit nothing runs: `--parent-pid` stops them.
@@ -264,20 +194,8 @@ def _owned_cluster(
     return cluster
 
 
-def _wait_ready(sidecars: list[_Sidecar], startup_timeout: float) -> None:
-    """Waits until every sidecar wrote its ready file; fails at once if one exited."""
-    deadline = time.monotonic() + startup_timeout
-    while not all(s.poll_ready() for s in sidecars):
-        for s in sidecars:
-            if s.status() is not None:
-                raise ColocarError(f"sidecar host{s.index} failed to start:\n{s.log_tail()}")
-        if time.monotonic() > deadline:
-            raise ColocarError(f"sidecars did not start within {startup_timeout} s")
-        time.sleep(0.02)
-
-
 def _connect(
-    sidecars: list[_Sidecar],
+    sidecars: list[Sidecar],
     groups: list[list[Any]],
     token: str,
     *,
@@ -292,7 +210,7 @@ def _connect(
     connected: list[Host] = []
     options = dict(shm=shm, lease_seconds=lease_seconds, heartbeat_seconds=heartbeat_seconds)
     try:
-        _wait_ready(sidecars, startup_timeout)
+        wait_ready(sidecars, startup_timeout)
         for s, group in zip(sidecars, groups, strict=True):
             assert s.info is not None
             conn = HostConnection(
@@ -351,7 +269,7 @@ def local_cluster(
         threads=threads,
         alloc_timeout=alloc_timeout,
     )
-    sidecars = [_Sidecar(i, workdir, argv, _sidecar_env(env), persist) for i in range(hosts)]
+    sidecars = [Sidecar(i, workdir, argv, _sidecar_env(env), persist) for i in range(hosts)]
     try:
         connected = _connect(
             sidecars,

@@ -85,6 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="colocar sidecar", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--address", default="127.0.0.1:0", help="host:port to bind (port 0: any)")
     p.add_argument("--ready-file", help="write the bound address and pid here as JSON when ready")
+    p.add_argument(
+        "--ready-fd",
+        type=int,
+        help="write the same JSON, one line, to this inherited file descriptor when ready, then "
+        "close it (a parent that started the sidecar waits on a pipe instead of polling a file)",
+    )
     p.add_argument("--shm-dir", default="/dev/shm", help="directory of the arena (tmpfs)")
     p.add_argument("--arena-size", type=_size, default="1G", help="arena bytes (e.g. 4G, 16Gi)")
     p.add_argument(
@@ -268,18 +274,25 @@ def _stop_event(parent_pid: int) -> tuple[threading.Event, list[str]]:
 
 
 def _announce(
-    ready_file: str | None, bound: str, arena: SidecarArena, metrics: MetricsEndpoint | None
+    args: argparse.Namespace, bound: str, arena: SidecarArena, metrics: MetricsEndpoint | None
 ) -> None:
-    """Writes the ready file (atomically: a reader never sees half of it) and says on stderr
-    where it serves (calls, and metrics if on) and which dead sidecars' arenas it removed."""
+    """Writes the ready file (atomically: a reader never sees half of it) and the ready fd,
+    and says on stderr where it serves (calls, and metrics if on) and which dead sidecars'
+    arenas it removed."""
     info = {"address": bound, "pid": os.getpid(), "arena": arena.arena.path}
     if metrics is not None:
         info["metrics"] = metrics.address
-    if ready_file:
-        tmp = ready_file + ".tmp"
+    if args.ready_file:
+        tmp = args.ready_file + ".tmp"
         with open(tmp, "w") as f:
             json.dump(info, f)
-        os.replace(tmp, ready_file)
+        os.replace(tmp, args.ready_file)
+    if args.ready_fd is not None:
+        try:
+            with open(args.ready_fd, "w", closefd=True) as f:
+                f.write(json.dumps(info) + "\n")
+        except OSError as e:  # the parent went away: it no longer waits for us
+            log.warning("cannot write to --ready-fd %d: %s", args.ready_fd, e)
     log.info("colocar sidecar serving on %s (arena %s)", bound, arena.arena.path)
     if metrics is not None:
         log.info("metrics on http://%s/metrics", metrics.address)
@@ -327,6 +340,8 @@ def _security(args: argparse.Namespace) -> tuple[str | None, grpc.ServerCredenti
 def serve(argv: list[str] | None = None) -> int:
     """Runs a sidecar until SIGTERM, SIGINT or its parent's end, then drains and exits 0."""
     args = build_parser().parse_args(argv)
+    if args.ready_fd is not None:  # for us alone: no child process (the forkserver) inherits it
+        os.set_inheritable(args.ready_fd, False)
     _configure_logging(args.label)
     token, credentials = _security(args)
     metrics = _start_metrics(args)
@@ -341,7 +356,7 @@ def serve(argv: list[str] | None = None) -> int:
     link = _start_link(service, arena.arena.path, token)
     server, health_servicer, bound = _start_grpc(args, service, token, credentials, arena)
     stop, why = _stop_event(args.parent_pid)
-    _announce(args.ready_file, bound, arena, metrics)
+    _announce(args, bound, arena, metrics)
     while not stop.wait(0.5):
         pass
     log.info(
