@@ -19,6 +19,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -205,27 +206,33 @@ def _connect(
     heartbeat_seconds: float,
     alloc_timeout: float,
 ) -> list[Host]:
-    """Waits for the sidecars to be ready, then connects to each (sidecar i gets device group
-    i); on a failure, closes the connections made so far and raises."""
-    connected: list[Host] = []
+    """Waits for the sidecars to be ready, then connects to all at once (sidecar i gets device
+    group i); on a failure, closes the connections that were made and raises the first."""
     options = dict(shm=shm, lease_seconds=lease_seconds, heartbeat_seconds=heartbeat_seconds)
-    try:
-        wait_ready(sidecars, startup_timeout)
-        for s, group in zip(sidecars, groups, strict=True):
-            assert s.info is not None
-            conn = HostConnection(
-                s.info["address"],
-                f"host{s.index}",
-                token,
-                alloc_timeout=alloc_timeout,
-                process_status=s.status,
-                **options,  # type: ignore[arg-type]
-            )
-            connected.append(Host(s.index, conn, group))
-    except BaseException:
+
+    def connect(s: Sidecar, group: list[Any]) -> Host:
+        assert s.info is not None
+        conn = HostConnection(
+            s.info["address"],
+            f"host{s.index}",
+            token,
+            alloc_timeout=alloc_timeout,
+            process_status=s.status,
+            **options,  # type: ignore[arg-type]
+        )
+        return Host(s.index, conn, group)
+
+    wait_ready(sidecars, startup_timeout)
+    # All at once: each connection's session, link and arena mapping take a few round trips.
+    with ThreadPoolExecutor(len(sidecars), thread_name_prefix="colocar-connect") as pool:
+        futures = [pool.submit(connect, s, group) for s, group in zip(sidecars, groups, strict=True)]
+        outcomes = [f.exception() or f.result() for f in futures]
+    connected = [o for o in outcomes if isinstance(o, Host)]
+    failures = [o for o in outcomes if isinstance(o, BaseException)]
+    if failures:
         for host in connected:
             host.connection.close()
-        raise
+        raise failures[0]
     return connected
 
 
