@@ -88,8 +88,9 @@ def _colocar(directory: str, mode: str, marks: dict[str, float]) -> Any:
     mngr = CheckpointManager(os.path.join(directory, "colocar-ckpt"), cluster)
     if mode == "resume":
         restored = mngr.restore(target={"state": abstract(state(mesh)), "data": None})
-        it.set_state(restored["data"])
         marks["restored"] = time.time()
+        it.set_state(restored["data"])
+        marks["state_set"] = time.time()
     batch = next(it)
     if mode == "save":
         for _ in range(SAVED_STEP - 1):
@@ -132,8 +133,9 @@ def _grain(directory: str, mode: str, marks: dict[str, float]) -> Any:
         target = jax.tree.map(ocp.utils.to_shape_dtype_struct, state(mesh))
         args = ocp.args.Composite(state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore())
         restored = mngr.restore(mngr.latest_step(), args=args)
-        it.set_state(restored["data"])
         marks["restored"] = time.time()
+        it.set_state(restored["data"])
+        marks["state_set"] = time.time()
     batch = jax.block_until_ready(jax.device_put(next(it), shardings))
     if mode == "save":
         for _ in range(SAVED_STEP - 1):
