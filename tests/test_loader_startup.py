@@ -69,3 +69,36 @@ def test_the_controller_imports_no_sidecar_side_modules() -> None:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def _pipeline_workers(sidecar_pid: int) -> list:
+    """The sidecar's pipeline workers: the children of its forkserver."""
+    import psutil
+
+    forkservers = [p for p in psutil.Process(sidecar_pid).children() if "forkserver" in " ".join(p.cmdline())]
+    return [child for f in forkservers for child in f.children()]
+
+
+def test_a_host_that_fails_to_start_stops_the_hosts_that_started() -> None:
+    """The hosts' pipelines start in parallel; when one fails (host1 cannot open the source),
+    load raises that failure and the pipeline that did start (host0's) is stopped: no worker
+    is left running."""
+    import time
+
+    config = {
+        "source": {"kind": "callable", "callable": "loaders_helpers:source_failing_on_host1"},
+        "global_batch_size": 8,
+        "workers_per_host": 2,
+    }
+    with colocar.local_cluster(hosts=2, arena_size=16 << 20, processes=0) as cluster:
+        with pytest.raises(Exception, match="host1 cannot open the source"):
+            loaders.load(config, cluster)
+        deadline = time.monotonic() + 30
+        while _pipeline_workers(cluster.processes[0].pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _pipeline_workers(cluster.processes[0].pid) == []
+        it = loaders.load({**config, "source": {"kind": "range", "n": 64}}, cluster)
+        try:
+            assert np.asarray(next(it)["index"]).shape == (8,)  # the cluster still loads
+        finally:
+            it.close()
