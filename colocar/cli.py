@@ -1,4 +1,5 @@
-"""The `colocar` command: `sidecar`, `demo`, `bench`, `ckpt` (inspect checkpoints), `k8s` (render manifests).
+"""The `colocar` command: `sidecar`, `demo`, `bench`, `ckpt` (inspect checkpoints), `k8s` (render manifests),
+`examples` (write the example pipeline's data).
 
 A user's mistake (a missing file, a bucket that does not exist, storage that does not answer)
 ends the command with one line on stderr naming what failed, and exit status 1; a traceback
@@ -10,13 +11,14 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-USAGE = """usage: colocar [--version] {sidecar,demo,bench,ckpt,k8s} ...
+USAGE = """usage: colocar [--version] {sidecar,demo,bench,ckpt,k8s,examples} ...
 
   sidecar   run a sidecar (colocar sidecar --help)
   demo      train on a local cluster, lose a host, recover from RAM (colocar demo --help)
   bench     run a benchmark: colocar bench {rpc,transfer,loader,ckpt} [--json] [--quick]
   ckpt      list and inspect checkpoints: colocar ckpt {ls PATH,show PATH STEP} [--timeout S]
   k8s       render Kubernetes manifests: colocar k8s render --topology T --image I --bucket B
+  examples  write the data examples/pipeline.yaml reads: colocar examples write-data examples/data
 
 Each command's --help lists its flags and their defaults. Sizes are written one way everywhere:
 bytes, or a number with K, M, G or T (binary: 16G = 16Gi = 16GiB)."""
@@ -54,6 +56,10 @@ def _command(name: str) -> Callable[[list[str]], object] | None:
         from colocar.k8s.cli import main as k8s_main
 
         return k8s_main
+    if name == "examples":
+        from colocar.loaders.example_data import main as examples_main
+
+        return examples_main
     return None
 
 
@@ -70,7 +76,8 @@ def main(argv: list[str] | None = None) -> None:
     command, rest = argv[0], argv[1:]
     run = _command(command)
     if run is None:
-        print(f"colocar: unknown command {command!r} (sidecar, demo, bench, ckpt, k8s)", file=sys.stderr)
+        known = "sidecar, demo, bench, ckpt, k8s, examples"
+        print(f"colocar: unknown command {command!r} ({known})", file=sys.stderr)
         sys.exit(2)
     try:
         run(rest)

@@ -4,7 +4,8 @@ Each record of the example ArrayRecord files is raw bytes: a 224x224x3 uint8 ima
 little-endian int32 label (see `encode`). The config names these functions as
 ``pipeline_transforms:decode`` etc., so this module must be importable by that name in the
 controller and on the sidecars (which run with the controller's sys.path): put ``examples/`` on
-``PYTHONPATH`` or ``sys.path``, or install your own transforms as a package.
+``PYTHONPATH`` or ``sys.path``, or install your own transforms as a package. The example data
+(`data/*.array_record` next to the config) comes from ``colocar examples write-data examples/data``.
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import jsonschema
+import kubernetes_validate
 import pytest
 import yaml
 
@@ -63,3 +65,44 @@ def env_of(container: dict[str, Any]) -> dict[str, str]:
     """A container's environment; a token never comes from a `valueFrom`."""
     assert all("valueFrom" not in e for e in container["env"] if "TOKEN" in e["name"])
     return {e["name"]: e["value"] for e in container["env"]}
+
+
+def load_jobset_schema() -> dict[str, Any]:
+    """The JobSet CRD's v1alpha2 openAPIV3Schema (a copy in tests/data/schemas, see its README)."""
+    with open(REPO / "tests" / "data" / "schemas" / CRD_NAME) as f:
+        crd = yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1alpha2"]
+    return version["schema"]["openAPIV3Schema"]
+
+
+def unknown_fields(value: Any, schema: dict[str, Any], path: str = "") -> list[str]:
+    """Fields the API server would prune: keys a structural schema does not declare."""
+    found: list[str] = []
+    if isinstance(value, dict):
+        props = schema.get("properties")
+        extra = schema.get("additionalProperties")
+        for key, item in value.items():
+            if props is not None and key in props:
+                found += unknown_fields(item, props[key], f"{path}.{key}")
+            elif isinstance(extra, dict):
+                found += unknown_fields(item, extra, f"{path}.{key}")
+            elif props is not None and not schema.get("x-kubernetes-preserve-unknown-fields"):
+                found.append(f"{path}.{key}")
+    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+        for i, item in enumerate(value):
+            found += unknown_fields(item, schema["items"], f"{path}[{i}]")
+    return found
+
+
+def validate_manifests(objects: list[dict[str, Any]], jobset_schema: dict[str, Any]) -> None:
+    """Rendered objects as an API server would take them: core objects and each JobSet's pod
+    templates strictly (kubernetes-validate), JobSets against the CRD, with no unknown field."""
+    core = [o for o in objects if o["kind"] != "JobSet"]
+    for jobset in of_kind(objects, "JobSet"):
+        jsonschema.validators.validator_for(jobset_schema)(jobset_schema).validate(jobset)
+        assert unknown_fields(jobset, jobset_schema) == []
+        for name, template in pod_templates(jobset).items():
+            meta = {"name": f"{jobset['metadata']['name']}-{name}-0-0", **template["metadata"]}
+            core.append({"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": template["spec"]})
+    for obj in core:
+        assert kubernetes_validate.validate(obj, K8S_VERSION, strict=True) == K8S_VERSION

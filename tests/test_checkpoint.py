@@ -193,8 +193,9 @@ def test_flipped_byte_and_missing_chunk_give_clear_errors(cluster, mngr):
     state = make_state(7)
     mngr.save(1, state)
     mngr.wait()
-    leaf = json.load(open(os.path.join(attempt_path(mngr.directory, 1), "manifest.json")))["leaves"]
-    array = os.path.join(attempt_path(mngr.directory, 1), layout.array_dir(leaf["['params']['w']"]["index"]))
+    manifest = json.load(open(os.path.join(attempt_path(mngr.directory, 1), "manifest.json")))
+    array = os.path.join(attempt_path(mngr.directory, 1), "arrays", "params", "w")
+    assert layout.array_dir(manifest, manifest["leaves"]["['params']['w']"]) == "arrays/params/w"
     chunk = os.path.join(array, "c", "0", "0")
     data = bytearray(open(chunk, "rb").read())
     data[10] ^= 0x40

@@ -30,8 +30,8 @@ def _used(cluster) -> list[int]:
 def _flip_a_byte(directory: str, step: int, key: str) -> None:
     """Corrupts the first chunk of `key` in `step` (its checksum no longer matches)."""
     attempt = attempt_path(directory, step)
-    leaves = json.load(open(os.path.join(attempt, layout.MANIFEST)))["leaves"]
-    array = os.path.join(attempt, layout.array_dir(leaves[key]["index"]))
+    manifest = json.load(open(os.path.join(attempt, layout.MANIFEST)))
+    array = os.path.join(attempt, layout.array_dir(manifest, manifest["leaves"][key]))
     chunk = os.path.join(array, "c", "0", "0")
     data = bytearray(open(chunk, "rb").read())
     data[10] ^= 0x40

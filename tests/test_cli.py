@@ -99,6 +99,30 @@ def test_k8s_render_upper_case_bucket_is_a_clear_error() -> None:
     assert dotted.returncode == 0 and "sizeLimit: 32Gi" in dotted.stdout, dotted.stderr
 
 
+def test_examples_write_data_writes_what_the_example_transforms_read(tmp_path: Path) -> None:
+    """`colocar examples write-data` writes records `examples/pipeline_transforms.py` decodes
+    (some unlabelled, for the config's filter); bad counts are one line."""
+    from array_record.python.array_record_module import ArrayRecordReader
+
+    result = colocar("examples", "write-data", str(tmp_path / "data"), "--records", "40", "--shards", "2")
+    assert result.returncode == 0 and "wrote 40 records to 2 files" in result.stderr, result
+    names = sorted(os.listdir(tmp_path / "data"))
+    assert names == ["train-00000.array_record", "train-00001.array_record"]
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import pipeline_transforms as transforms
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    records = []
+    for name in names:
+        reader = ArrayRecordReader(str(tmp_path / "data" / name))
+        records += [transforms.decode(r) for r in reader.read_all()]
+        reader.close()
+    assert len(records) == 40 and records[0]["image"].shape == (224, 224, 3)
+    assert [transforms.has_label(r) for r in records].count(False) == 2  # records 15 and 31
+    assert_user_error(colocar("examples", "write-data", str(tmp_path / "x"), "--shards", "0"), "shards")
+
+
 def test_version_and_unknown_command() -> None:
     result = colocar("--version")
     assert result.returncode == 0 and result.stdout.startswith("colocar ")
@@ -111,6 +135,7 @@ def test_version_and_unknown_command() -> None:
         (["sidecar", "--help"], "(default: 127.0.0.1:0)"),
         (["ckpt", "ls", "--help"], "(default: 30.0)"),
         (["k8s", "render", "--help"], "(default: 7070)"),
+        (["examples", "write-data", "--help"], "(default: 256)"),
     ],
 )
 def test_help_shows_defaults(args: list[str], default: str) -> None:

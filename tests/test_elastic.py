@@ -165,6 +165,42 @@ def test_recovery_comes_from_the_newest_snapshot_in_ram(shm_dir, tmp_path, every
             el.close()
 
 
+def test_a_shard_and_its_only_replica_lost_falls_back_to_storage_and_says_so(shm_dir, tmp_path):
+    """replicas=1 and two hosts of four lost at once, one holding the other's only replica (the
+    state is replicated: host0 snapshots it, host1 holds the replica): no snapshot is
+    recoverable, the run resumes from the storage step, bit-exactly, and a "fallback" event (a
+    warning) names the snapshot and why it is unusable."""
+    cfg = config(global_batch_size=24)
+    with three_hosts(shm_dir, hosts=4) as (c, started):
+        reference, ref_ids, _ = plain_run(c.devices, init(mesh_of(c.devices)), 0, STEPS, 24)
+        mngr = CheckpointManager(str(tmp_path / "ckpt"), c)
+        el = Manager(c, mngr, save_every=4, snapshot_every=2, replicas=1)
+        step = el.step
+
+        def step_then_kill(s, tree):  # after step 5: step 4's save committed, then both killed
+            step(s, tree)
+            if s == 5 and el.attempt == 1:
+                el.checkpoints.wait(timeout=120)
+                for host in (0, 1):
+                    faults.inject(c, faults.kill(host))
+
+        el.step = step_then_kill
+        log = Log()
+        try:
+            final = el.run(min_hosts=2)(make_train(el, log, STEPS, cfg=lambda devices: cfg))()
+            started += log.processes
+            attempt, restored, state = log.restored[-1]
+            assert el.restored_from == "storage" and restored == 4, (el.restored_from, restored)
+            assert_bitwise(state, reference[restored])
+            assert log.trained_on() == ref_ids
+            fell = [e for e in el.stats()["events"] if e["kind"] == "fallback"]
+            assert fell and "storage step 4" in fell[-1]["detail"], el.stats()["events"]
+            assert "not recoverable" in fell[-1]["detail"] or "not committed" in fell[-1]["detail"]
+            del final
+        finally:
+            el.close()
+
+
 def test_stopped_host_and_the_per_device_batch_rule_lose_and_repeat_no_record(shm_dir, tmp_path):
     """A hung sidecar (SIGSTOP) is a loss too. After it the global batch follows the devices
     (2 per device: 12, then 8); the position is in records, so the records trained on are the

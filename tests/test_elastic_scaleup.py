@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import time
 
 import jax
 import psutil
@@ -28,10 +29,11 @@ from elastic_helpers import (
     plain_run,
     replicated,
 )
+from security_helpers import running_sidecar
 
 from colocar.checkpoint import CheckpointManager
 from colocar.elastic import Manager, faults
-from colocar.errors import ColocarError
+from colocar.errors import ColocarError, HostLostError
 
 STEPS = 18
 
@@ -79,13 +81,19 @@ def _check_exact(c, log: Log, final, remeshed: int, ref_ids: list) -> None:
 
 
 @pytest.mark.parametrize(
-    "snapshots", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["snapshots", "storage"]
+    "snapshots, address",
+    [(True, None), (True, "127.0.0.1:0"), pytest.param(False, None, marks=pytest.mark.slow)],
+    ids=["snapshots", "new-address", "storage"],
 )
-def test_a_restarted_host_rejoins_bit_exactly_and_leaves_nothing_behind(snapshots, shm_dir, tmp_path):
-    kill, back = faults.kill("host2", at_step=3), faults.restart("host2", at_step=9)
+def test_a_restarted_host_rejoins_bit_exactly_and_leaves_nothing_behind(
+    snapshots, address, shm_dir, tmp_path
+):
+    """`address`: the sidecar comes back on a new port, as a replacement machine would."""
+    kill, back = faults.kill("host2", at_step=3), faults.restart("host2", at_step=9, address=address)
     with elastic_cluster(shm_dir) as (c, started):
         arenas = set(_arenas(shm_dir))
         reference, ref_ids, _ = plain_run(c.devices, init(mesh_of(c.devices)), 0, STEPS)
+        old_address = c.hosts[2].address
         mngr = CheckpointManager(str(tmp_path / "ckpt"), c)
         el = Manager(c, mngr, save_every=4, snapshot_every=2, snapshots=None if snapshots else False)
         el.faults.add(kill)
@@ -99,6 +107,7 @@ def test_a_restarted_host_rejoins_bit_exactly_and_leaves_nothing_behind(snapshot
             scale_up = next(e for e in stats["events"] if e["kind"] == "scale_up")
             assert scale_up["step"] == back.at_step + 1 and scale_up["hosts"] == ["host0", "host1", "host2"]
             assert el.restored_from == "scale_up"
+            assert (c.hosts[2].address == old_address) == (address is None)
             _check_exact(c, log, final, back.at_step + 1, ref_ids)
             # the old configurations' loaders: every worker gone; the killed sidecar's arena too
             for old in (1, 2):
@@ -131,6 +140,35 @@ def test_restart_host_brings_a_dead_sidecar_back_on_its_address(make_cluster, sh
     assert not os.path.exists(arena)  # the killed one's arena is gone
     with pytest.raises(ColocarError, match="no host 'host7'"):
         c.restart_host("host7")
+    faults.inject(c, faults.kill(1))
+    c.processes[1].wait(timeout=30)
+    assert c.restart_host(1, address="127.0.0.1:0") is host  # a free port: a new address
+    assert host.address != address and host.stats()["sessions"] >= 1
+
+
+def test_replace_host_points_a_lost_host_at_a_new_sidecar(make_cluster, tmp_path):
+    """A real cluster's way back: a replacement sidecar (same token) started elsewhere is given
+    to the cluster. A live host is never replaced; an address where nothing answers leaves the
+    host lost as it was."""
+    c = make_cluster(hosts=2, processes=0)
+    host = c.hosts[1]
+    with pytest.raises(ColocarError, match="host1 .* is not lost"):
+        c.replace_host("host1", "127.0.0.1:1")
+    faults.inject(c, faults.kill(1))
+    c.processes[1].wait(timeout=30)
+    deadline = time.monotonic() + 60
+    while host.connection.session.lost is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert host.connection.session.lost is not None
+    lost = host.connection
+    with pytest.raises(HostLostError, match="127.0.0.1:1"):
+        c.replace_host(1, "127.0.0.1:1", timeout=1)
+    assert host.connection is lost
+    with running_sidecar(tmp_path, token=open(c.token_file).read().strip()) as sidecar:
+        assert c.replace_host(1, sidecar.address) is host
+        assert host.address == sidecar.address and host.connection.session.lost is None
+        assert host.stats()["sessions"] >= 1
+        host.connection.close()
 
 
 @pytest.mark.parametrize("lease", [30, pytest.param(2, marks=pytest.mark.slow)])

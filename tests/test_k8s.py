@@ -14,16 +14,15 @@ from typing import Any
 import jsonschema
 import kubernetes_validate
 import pytest
-import yaml
 from k8s_helpers import (
     ALL,
-    CRD_NAME,
     K8S_VERSION,
-    REPO,
     containers_of,
+    load_jobset_schema,
     of_kind,
     pod_templates,
     render_case,
+    unknown_fields,
 )
 
 from colocar.k8s import TOPOLOGIES
@@ -36,30 +35,7 @@ from colocar.sidecar.server import SERVICE_NAME, build_parser
 
 @pytest.fixture(scope="module")
 def jobset_schema() -> dict[str, Any]:
-    """The JobSet CRD's v1alpha2 openAPIV3Schema (a copy in tests/data/schemas, see its README)."""
-    with open(REPO / "tests" / "data" / "schemas" / CRD_NAME) as f:
-        crd = yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
-    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1alpha2"]
-    return version["schema"]["openAPIV3Schema"]
-
-
-def _unknown_fields(value: Any, schema: dict[str, Any], path: str = "") -> list[str]:
-    """Fields the API server would prune: keys a structural schema does not declare."""
-    found: list[str] = []
-    if isinstance(value, dict):
-        props = schema.get("properties")
-        extra = schema.get("additionalProperties")
-        for key, item in value.items():
-            if props is not None and key in props:
-                found += _unknown_fields(item, props[key], f"{path}.{key}")
-            elif isinstance(extra, dict):
-                found += _unknown_fields(item, extra, f"{path}.{key}")
-            elif props is not None and not schema.get("x-kubernetes-preserve-unknown-fields"):
-                found.append(f"{path}.{key}")
-    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
-        for i, item in enumerate(value):
-            found += _unknown_fields(item, schema["items"], f"{path}[{i}]")
-    return found
+    return load_jobset_schema()
 
 
 @pytest.mark.parametrize("topology,variant,extra", ALL)
@@ -96,7 +72,7 @@ def test_jobset_validates_against_crd(
 ) -> None:
     (jobset,) = of_kind(render_case(topology, variant, *extra), "JobSet")
     jsonschema.validators.validator_for(jobset_schema)(jobset_schema).validate(jobset)
-    assert _unknown_fields(jobset, jobset_schema) == []
+    assert unknown_fields(jobset, jobset_schema) == []
 
 
 def test_crd_checks_catch_mistakes(jobset_schema: dict[str, Any]) -> None:
@@ -107,7 +83,7 @@ def test_crd_checks_catch_mistakes(jobset_schema: dict[str, Any]) -> None:
         jsonschema.validate(jobset, jobset_schema)
     job_spec["parallelism"] = 4
     job_spec["template"]["spec"]["containers"][0]["imagePullPolicyy"] = "Always"
-    assert _unknown_fields(jobset, jobset_schema) == [
+    assert unknown_fields(jobset, jobset_schema) == [
         ".spec.replicatedJobs[0].template.spec.template.spec.containers[0].imagePullPolicyy"
     ]
 

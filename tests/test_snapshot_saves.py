@@ -99,6 +99,7 @@ def test_a_snapshot_saved_to_storage_restores_bit_exactly(
         assert mngr.all_steps() == [4, 5] and mngr.metadata(5) == {"note": "from RAM"}
         from_devices, from_snapshot = _manifest(mngr, 4), _manifest(mngr, 5)
         assert from_snapshot["leaves"] == from_devices["leaves"]
+        assert from_snapshot["leaves"]["['params']['w']"]["dir"] == "params/w"  # its key path
         assert where != "local" or from_snapshot["leaves"]["['params']['w']"]["chunks"] == [1, 8]
         assert from_snapshot["tree"] == from_devices["tree"]
     _check_restore(url, cluster, 5, _state(cluster, seed=3, rows=rows), expected)

@@ -16,7 +16,9 @@ import time
 from typing import Any
 
 from colocar.cli_help import HelpFormatter
+from colocar.errors import CheckpointError
 
+from . import layout
 from .steps import ManifestError, StepDirs
 from .storage import DEFAULT_TIMEOUT, LocalStorage, Storage, StorageError, open_storage
 
@@ -116,19 +118,35 @@ def _check_exists(storage: Storage) -> None:
         raise ValueError(f"{storage.url} does not exist (no object under it)")
 
 
+def array_names(manifest: dict[str, Any]) -> dict[str, str]:
+    """Each array leaf's directory under the step's arrays root, by key (`layout.array_name`:
+    its escaped key path, or its index in a format-2 step); ValueError for an unknown layout."""
+    try:
+        leaves = manifest.get("leaves", {}).items()
+        return {k: layout.array_name(manifest, e) for k, e in leaves if e["kind"] != "value"}
+    except CheckpointError as e:
+        raise ValueError(str(e)) from None
+
+
 def _show(storage: Storage, steps: StepDirs, step: int, as_json: bool) -> None:
-    """`show`: one step's tree (keys, dtypes, shapes, shardings), or its manifest as JSON."""
+    """`show`: one step's tree (keys, dtypes, shapes, shardings, each array's directory), or its
+    manifest as JSON (plus `arrays_root` and `arrays`: each array's directory by key)."""
     manifest = steps.read_manifest(step)
     if manifest is None:
         raise ValueError(f"no step {step} in {storage.url} (colocar ckpt ls {storage.url} lists them)")
     status = steps.status(step)
+    names = array_names(manifest)
+    root = layout.arrays_root(step, manifest)
     if as_json:
-        print(json.dumps({"path": storage.url, "status": status, **manifest}))
+        shown = {"path": storage.url, "status": status, **manifest, "arrays_root": root, "arrays": names}
+        print(json.dumps(shown))
         return
     saved = _when(manifest.get("time"))
     print(f"{storage.url} step {step}: {status}, saved {saved}, hosts {manifest.get('hosts')}")
     if manifest.get("metadata"):
         print(f"metadata: {json.dumps(manifest['metadata'])}")
+    if names:
+        print(f"arrays (one zarr3 array each) under {root}/")
     for key, e in sorted(manifest["leaves"].items()):
         if e["kind"] == "value":
             print(f"  {key:<40} = {json.dumps(e['value'])[:60]}")
@@ -136,7 +154,7 @@ def _show(storage: Storage, steps: StepDirs, step: int, as_json: bool) -> None:
         dtype = f"key<{e['impl']}>" if e["kind"] == "prng_key" else e["dtype"]
         sharding = e.get("sharding") or {}
         where = sharding.get("spec", sharding.get("type", "host"))
-        print(f"  {key:<40} {dtype}{e['shape']}  sharding {where}  chunks {e['chunks']}")
+        print(f"  {key:<40} {dtype}{e['shape']}  sharding {where}  chunks {e['chunks']}  {names[key]}/")
 
 
 def _storage_failure(error: Exception, url: str) -> str | None:

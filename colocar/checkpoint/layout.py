@@ -8,14 +8,18 @@ JAX. One directory per step:
     ROOT/step_<N>/HEARTBEAT           rewritten while a save of the step is in flight
     ROOT/step_<N>/COMMITTED           written last, create-only: names the attempt restored
     ROOT/step_<N>/attempt_<A>/manifest.json   tree, leaves, shapes, shardings, plan, metadata
-    ROOT/step_<N>/attempt_<A>/arrays/<i>/...  one zarr3 array per array leaf (tensorstore)
+    ROOT/step_<N>/attempt_<A>/arrays/<dir>/...  one zarr3 array per array leaf (tensorstore),
+                                      <dir> its escaped key path: params/dense/kernel
     ROOT/step_<N>/attempt_<A>/done/host_<h>.json    host h's part is durable
     ROOT/step_<N>/attempt_<A>/failed/host_<h>.json  host h's part failed (never committed)
 
 Everything a save writes lies under its `attempt` (an id shared by every process of the save,
 new for every save), so writers of a crashed earlier save of the step that still run can
 never touch this save's objects, and COMMITTED covers exactly the objects of the attempt it
-names. Format 1 (read only) kept the manifest, markers and arrays directly in the step.
+names. The manifest records each array leaf's directory (`dir`, see `keypaths`) and says so
+with `"array_layout": "keypath"`. Read only: format 2 named each array's directory by the
+leaf's index (`arrays/5`, the "index" layout); format 1 also kept the manifest, markers and
+arrays directly in the step.
 """
 
 from __future__ import annotations
@@ -26,8 +30,15 @@ import re
 import time
 from typing import Any
 
-FORMAT = "colocar-checkpoint/2"
+from colocar.errors import CheckpointError
+
+FORMAT = "colocar-checkpoint/3"
+FORMAT_2 = "colocar-checkpoint/2"  # arrays/<leaf index> (read only)
 FORMAT_1 = "colocar-checkpoint/1"  # everything directly in the step directory (read only)
+READABLE_FORMATS = (FORMAT, FORMAT_2, FORMAT_1)
+KEYPATH_LAYOUT = "keypath"  # arrays/<the entry's "dir">: the leaf's escaped key path
+INDEX_LAYOUT = "index"  # arrays/<the entry's "index"> (formats 1 and 2)
+FORMAT_FIELDS = {"format": FORMAT, "array_layout": KEYPATH_LAYOUT}  # what a save's manifest says
 WRITER_LEASE = "writer.json"
 MANIFEST = "manifest.json"
 HEARTBEAT = "HEARTBEAT"
@@ -93,8 +104,32 @@ def marker_of(storage: Any, name: str, attempt: str) -> dict[str, Any] | None:
     return body if isinstance(body, dict) and body.get("attempt") == attempt else None
 
 
-def array_dir(leaf_index: int) -> str:
-    return f"{ARRAYS_DIR}/{leaf_index}"
+def array_layout(manifest: dict[str, Any]) -> str:
+    """How the manifest's arrays are named: KEYPATH_LAYOUT or INDEX_LAYOUT (formats 1 and 2,
+    which say nothing); CheckpointError for any other."""
+    name = manifest.get("array_layout")
+    if name is None and manifest.get("format") in (FORMAT_1, FORMAT_2):
+        name = INDEX_LAYOUT
+    if name not in (KEYPATH_LAYOUT, INDEX_LAYOUT):
+        raise CheckpointError(
+            f"step {manifest.get('step')}: unknown array layout {name!r} (format "
+            f"{manifest.get('format')!r}); this colocar reads {KEYPATH_LAYOUT!r} and {INDEX_LAYOUT!r}"
+        )
+    return name
+
+
+def array_name(manifest: dict[str, Any], entry: dict[str, Any]) -> str:
+    """The directory of an array leaf's entry, under `arrays_root`: its key path or its index."""
+    if array_layout(manifest) == INDEX_LAYOUT:
+        return str(entry["index"])
+    if not entry.get("dir"):
+        raise CheckpointError(f"step {manifest.get('step')}: {entry.get('key')} has no array directory")
+    return str(entry["dir"])
+
+
+def array_dir(manifest: dict[str, Any], entry: dict[str, Any]) -> str:
+    """`arrays/<array_name>`: relative to the save's attempt (format 1: to the step)."""
+    return f"{ARRAYS_DIR}/{array_name(manifest, entry)}"
 
 
 def _smallest_factor(n: int) -> int:

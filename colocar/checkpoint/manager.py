@@ -221,12 +221,12 @@ class CheckpointManager:
         if isinstance(state, from_blocks.Held):
             plan, skeleton = state.plan(self.cluster, self._chunk_bytes())
         else:
-            named, skeleton = tree.flatten(state)
-            plan = save.plan(named, self.cluster, self._chunk_bytes(), host_data=self.topology.leader)
+            named, skeleton, dirs = tree.flatten(state)
+            plan = save.plan(named, dirs, self.cluster, self._chunk_bytes(), host_data=self.topology.leader)
         pieces = {self.topology.storage_id(h): p for h, p in plan.pieces.items()}  # this process's hosts
         hosts = self.topology.save_hosts(list(pieces))
         manifest = {
-            "format": layout.FORMAT,
+            **layout.FORMAT_FIELDS,  # format and array_layout
             "step": step,
             "attempt": attempt,
             "time": time.time(),

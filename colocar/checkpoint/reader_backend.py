@@ -33,30 +33,30 @@ def bytes_read() -> int:
 
 
 def read_slices(
-    url: str, arrays: str, requests: list[tuple[int, str, list[list[int]]]], storage_timeout: float
+    url: str, arrays: str, requests: list[tuple[str, str, list[list[int]]]], storage_timeout: float
 ) -> tuple[list[np.ndarray], int]:
-    """[(leaf index, stored dtype, [[start, stop], ...])] of the arrays under `arrays` (see
-    `layout.arrays_root`) -> (arena arrays, bytes read)."""
+    """[(array name, stored dtype, [[start, stop], ...])] of the arrays under `arrays` (see
+    `layout.arrays_root` and `layout.array_name`) -> (arena arrays, bytes read)."""
     import tensorstore as ts
 
     storage = open_storage(url, storage_timeout)
     context = ts.Context(storage.context_spec())
     opened = {
-        leaf: ts.open(
-            layout.read_spec(storage.kvstore(f"{arrays}/{leaf}")),
+        name: ts.open(
+            layout.read_spec(storage.kvstore(f"{arrays}/{name}")),
             context=context,
             open=True,
         )
-        for leaf in {r[0] for r in requests}
+        for name in {r[0] for r in requests}
     }
-    stores = {leaf: future.result() for leaf, future in opened.items()}
+    stores = {name: future.result() for name, future in opened.items()}
     before = bytes_read()
     outputs, pending = [], []
     try:
-        for leaf, dtype, bounds in requests:
+        for name, dtype, bounds in requests:
             out = empty(tuple(b - a for a, b in bounds), np.dtype(dtype))
             target = ts.array(out, copy=False, write=True)
-            pending.append(target.write(stores[leaf][layout.slices_of(bounds)]))
+            pending.append(target.write(stores[name][layout.slices_of(bounds)]))
             outputs.append(out)
     except BaseException:
         _settle(pending, raise_first=False)

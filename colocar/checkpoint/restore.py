@@ -82,6 +82,7 @@ def _target_leaf(key: str, entry: dict[str, Any], target: Any, devices: list[Any
 
 
 Requests = dict[int, list[tuple[int, str, list[list[int]]]]]  # host -> [(leaf index, dtype, bounds)]
+Reads = dict[int, list[tuple[str, str, list[list[int]]]]]  # the same, by array name (`layout.array_name`)
 Where = dict[tuple[str, int, str], int]  # (key, host, bounds) -> request number on that host
 
 
@@ -166,11 +167,18 @@ def _plan(leaves: list[_Leaf], cluster: Any, stats: RestoreStats) -> tuple[Reque
     return requests, where
 
 
+def _by_name(manifest: dict[str, Any], requests: Requests) -> Reads:
+    """The requests naming each leaf's array by its directory under the arrays root."""
+    leaves = manifest["leaves"].values()
+    names = {e["index"]: layout.array_name(manifest, e) for e in leaves if e["kind"] != "value"}
+    return {h: [(names[i], dtype, bounds) for i, dtype, bounds in r] for h, r in requests.items()}
+
+
 def _read_all(
     url: str,
     root: str,
     step: int,
-    requests: Requests,
+    requests: Reads,
     cluster: Any,
     storage_timeout: float,
     stats: RestoreStats,
@@ -222,7 +230,7 @@ def restore_leaves(
     stats = RestoreStats()
     requests, where = _plan(leaves, cluster, stats)
     root = layout.arrays_root(step, manifest)
-    results = _read_all(url, root, step, requests, cluster, storage_timeout, stats)
+    results = _read_all(url, root, step, _by_name(manifest, requests), cluster, storage_timeout, stats)
     for leaf in leaves:
         values[leaf.key] = _assemble(leaf, cluster, where, results)
     return _subtrees(manifest, targets, values), stats

@@ -68,10 +68,32 @@ def _chunk_grid(bounds: list[list[int]], chunk: tuple[int, ...]) -> Iterator[lis
         yield [list(r) for r in combo]
 
 
-def plan(named: list[tuple[str, Any]], cluster: Any, max_chunk_bytes: int, host_data: bool = True) -> Plan:
+def _array_entry(index: int, key: str, leaf: Any, directory: str) -> tuple[dict[str, Any], Any]:
+    """An array leaf's first manifest fields (its kind and shape) and the array stored for it
+    (a PRNG key's key data)."""
+    entry: dict[str, Any] = {"index": index, "key": key, "dir": directory}
+    if tree.is_prng_key(leaf):
+        entry.update(kind="prng_key", impl=str(jax.random.key_impl(leaf)), shape=list(leaf.shape))
+        return entry, jax.random.key_data(leaf)
+    if isinstance(leaf, jax.Array):
+        entry.update(kind="array", shape=list(leaf.shape))
+        return entry, leaf
+    data = np.asarray(leaf)
+    entry.update(kind="numpy", shape=list(data.shape))
+    return entry, data
+
+
+def plan(
+    named: list[tuple[str, Any]],
+    dirs: dict[str, str],
+    cluster: Any,
+    max_chunk_bytes: int,
+    host_data: bool = True,
+) -> Plan:
     """Manifest entries for every leaf and the pieces each host of `cluster` writes: the
     addressable replica-0 shards of JAX arrays, and numpy leaves when `host_data` (only one
-    process of a multi-controller job writes those)."""
+    process of a multi-controller job writes those). `dirs`: each array leaf's directory under
+    `arrays/` by key (`tree.flatten`)."""
     result = Plan()
     primary = cluster.hosts[0].index
     for index, (key, leaf) in enumerate(named):
@@ -83,17 +105,7 @@ def plan(named: list[tuple[str, Any]], cluster: Any, max_chunk_bytes: int, host_
                 "value": tree.json_value(key, leaf),
             }
             continue
-        entry: dict[str, Any] = {"index": index, "key": key}
-        data: Any
-        if tree.is_prng_key(leaf):
-            entry.update(kind="prng_key", impl=str(jax.random.key_impl(leaf)), shape=list(leaf.shape))
-            data = jax.random.key_data(leaf)
-        elif isinstance(leaf, jax.Array):
-            entry.update(kind="array", shape=list(leaf.shape))
-            data = leaf
-        else:
-            data = np.asarray(leaf)
-            entry.update(kind="numpy", shape=list(data.shape))
+        entry, data = _array_entry(index, key, leaf, dirs[key])
         dtype = np.dtype(data.dtype)
         shape = tuple(int(n) for n in data.shape)
         entry.update(

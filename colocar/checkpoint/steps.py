@@ -108,8 +108,9 @@ class StepDirs:
             raise CheckpointError(f"{e}{self.older_than(step) if latest else ''}") from None
         if manifest is None:
             raise CheckpointError(f"step {step} in {self.storage.url} has no manifest (corrupted)")
-        if manifest.get("format") not in (layout.FORMAT, layout.FORMAT_1):
+        if manifest.get("format") not in layout.READABLE_FORMATS:
             raise CheckpointError(f"step {step}: unknown format {manifest.get('format')!r}")
+        layout.array_layout(manifest)  # an unknown one fails here, before anything is read
         return step, manifest
 
     def older_than(self, step: int) -> str:

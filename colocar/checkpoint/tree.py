@@ -1,8 +1,9 @@
 """Pytrees to manifest entries and back (runs in the controller).
 
 Leaves are named by `jax.tree_util.keystr` of their path (`['params']['w']`); the manifest
-records each leaf by that name, plus a JSON skeleton of dicts and lists so that a restore
-without a target can rebuild a tree of plain containers. Arrays (`jax.Array`, numpy arrays,
+records each leaf by that name (an array leaf also with its directory: `keypaths`), plus a
+JSON skeleton of dicts and lists so that a restore without a target can rebuild a tree of
+plain containers. Arrays (`jax.Array`, numpy arrays,
 typed PRNG keys, stored as their key data) are written by the sidecars; everything else
 (numbers, strings, booleans, None, the data iterator's state) is stored in the manifest. An
 object with `get_state()` (a data iterator) is saved as its state.
@@ -20,6 +21,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 from colocar.controller_bridge.specs import spec_of
 from colocar.errors import CheckpointError
 
+from . import keypaths
+
 
 def is_array(x: Any) -> bool:
     return isinstance(x, jax.Array | np.ndarray | np.generic)
@@ -30,12 +33,14 @@ def is_prng_key(x: Any) -> bool:
     return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
-def flatten(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
-    """[(key, leaf)] in tree order, and the JSON skeleton of the tree."""
+def flatten(tree: Any) -> tuple[list[tuple[str, Any]], Any, dict[str, str]]:
+    """[(key, leaf)] in tree order, the JSON skeleton of the tree, and the directory of each
+    array leaf under `arrays/` by key (`keypaths.leaf_dirs`: its escaped key path)."""
     tree = jax.tree.map(_state_of, tree, is_leaf=_is_none)
     leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_none)
     named = [(jax.tree_util.keystr(path), leaf) for path, leaf in leaves]
-    return named, _skeleton(tree)
+    paths = [(jax.tree_util.keystr(path), path) for path, leaf in leaves if is_array(leaf)]
+    return named, _skeleton(tree), keypaths.leaf_dirs(paths)
 
 
 def _is_none(x: Any) -> bool:

@@ -140,6 +140,8 @@ class CheckpointWriter:
         """Registers the step's plan (which hosts write it); the primary also owns its commit."""
         parsed = json.loads(manifest)
         leaves = {int(e["index"]): e for e in parsed["leaves"].values() if e["kind"] != "value"}
+        for entry in leaves.values():  # where the array lies, under the attempt (`layout.array_dir`)
+            entry["array_dir"] = layout.array_dir(parsed, entry)
         job = _Job(step, primary, sorted(hosts), leaves, manifest, parsed.get("attempt", ""))
         job.session = caller()
         with self._lock:
@@ -246,7 +248,7 @@ class CheckpointWriter:
 
     def _spec(self, job: _Job, leaf: int) -> dict[str, Any]:
         e = job.leaves[leaf]
-        where = f"{layout.attempt_dir(job.step, job.attempt)}/{layout.array_dir(leaf)}"
+        where = f"{layout.attempt_dir(job.step, job.attempt)}/{e['array_dir']}"
         kvstore = self.storage.kvstore(where)
         shape, outer, inner = tuple(e["stored_shape"]), tuple(e["chunks"]), tuple(e["inner_chunks"])
         return layout.array_spec(kvstore, shape, e["stored_dtype"], outer, inner)

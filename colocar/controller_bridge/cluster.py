@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from colocar.errors import ColocarError
+from colocar.protocol.tls import channel_credentials
 
 from .connection import HostConnection
 from .remote import RemoteObject, find_detached
@@ -90,6 +91,31 @@ class Cluster:
 
     def host_of(self, device: Any) -> Host | None:
         return self._device_hosts.get(device)
+
+    def host(self, key: int | str) -> Host:
+        """The host with this index or name."""
+        found = next((h for h in self.hosts if key in (h.name, h.index)), None)
+        if found is None:
+            raise ColocarError(f"no host {key!r} in {[h.name for h in self.hosts]}")
+        return found
+
+    def replace_host(self, host: int | str, address: str, *, timeout: float = 30.0) -> Host:
+        """Points a lost host (its index or name) at a replacement sidecar on `address`, such
+        as a new machine that took the lost one's place: the host keeps its name, index and
+        devices, with a new connection and session (its old remote objects are gone).
+        `colocar.elastic` then scales back up onto it at the next step boundary, refilling
+        its arena from its peers. Raises `ColocarError` while the host is not lost (a live
+        sidecar is never dropped), and `HostLostError` if nothing answers on `address` within
+        `timeout` seconds (the host then stays lost, as it was)."""
+        target = self.host(host)
+        old = target.connection
+        if old.session.lost is None:
+            raise ColocarError(
+                f"{target.name} ({target.address}) is not lost: only a lost host is replaced"
+            )
+        target.connection = old.replacement(address, connect_timeout=timeout)
+        old.close()  # lost already: ends its threads, calls nobody
+        return target
 
     def mesh(self, axis_names: str | Sequence[str], shape: Sequence[int] | None = None) -> jax.sharding.Mesh:
         """A mesh over the cluster's devices in host-major order.
@@ -236,21 +262,6 @@ def _token_from_env(token: str | None, token_file: str | None) -> str | None:
     return os.environ.get("COLOCAR_TOKEN") or None
 
 
-def _tls_credentials(tls_ca: str | None, tls_cert: str | None, tls_key: str | None) -> Any:
-    """gRPC channel credentials from PEM files, or None without TLS."""
-    if not (tls_ca or tls_cert):
-        return None
-    import grpc
-
-    def read(path: str | None) -> bytes | None:
-        if path is None:
-            return None
-        with open(path, "rb") as f:
-            return f.read()
-
-    return grpc.ssl_channel_credentials(read(tls_ca), read(tls_key), read(tls_cert))
-
-
 def connect(
     addresses: str | Sequence[str] | None = None,
     *,
@@ -285,7 +296,7 @@ def connect(
         if devices is not None
         else split_devices(jax.local_devices(), len(addresses))
     )
-    credentials = _tls_credentials(tls_ca, tls_cert, tls_key)
+    credentials = channel_credentials(tls_ca, tls_cert, tls_key)
     hosts = []
     try:
         for i, address in enumerate(addresses):

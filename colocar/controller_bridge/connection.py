@@ -53,6 +53,14 @@ class HostConnection:
         process_status: Callable[[], str | None] | None = None,
     ):
         self._token = token or ""
+        self._options: dict[str, Any] = dict(  # for `replacement`
+            shm=shm,
+            lease_seconds=lease_seconds,
+            heartbeat_seconds=heartbeat_seconds,
+            connect_timeout=connect_timeout,
+            alloc_timeout=alloc_timeout,
+            credentials=credentials,
+        )
         self.grpc = GrpcTransport(address, self._token, heartbeat_seconds, credentials, self._discard_reply)
         self.transport = LinkTransport(self.grpc, name, self._discard_reply)
         self.session = Session(
@@ -88,6 +96,20 @@ class HostConnection:
             raise
         self.logs = LogForwarder(self.session, self.transport)
         self.session.start()
+
+    def replacement(
+        self,
+        address: str,
+        process_status: Callable[[], str | None] | None = None,
+        connect_timeout: float | None = None,
+    ) -> HostConnection:
+        """A connection under this one's name, token and options to the sidecar on `address`
+        (a host's replacement, see `Cluster.replace_host`): a new session there."""
+        options = dict(self._options)
+        if connect_timeout is not None:
+            options["connect_timeout"] = connect_timeout
+        name, token = self.session.name, self._token
+        return HostConnection(address, name, token, process_status=process_status, **options)
 
     # --- connect: the arena and the local link ---------------------------------------------
     def _connected(self, reply: pb.ConnectReply) -> None:

@@ -30,6 +30,7 @@ from colocar.sizes import parse_size
 
 from .cluster import Cluster, Host, split_devices
 from .connection import HostConnection
+from .exits import ExitWatch
 from .local_sidecars import Sidecar, wait_ready
 
 MiB = 1 << 20
@@ -113,25 +114,27 @@ def _shutdown(sidecars: list[Sidecar], workdir: str, persist: bool) -> None:
 class LocalCluster(Cluster):
     """A `Cluster` of sidecars this process started; `restart_host` brings a dead one back."""
 
-    _spawn: tuple[list[Sidecar], list[str], dict[str, str], dict[str, Any]]
+    _spawn: tuple[list[Sidecar], list[str], dict[str, str]]
+    _exits: ExitWatch
 
-    def restart_host(self, host: int | str, timeout: float = 120.0) -> Host:
-        """Starts the sidecar of `host` (its index or name) again after it died, on the same
-        address with the same options, and connects to it: the host keeps its name, index and
-        devices, with a new connection (a new session; its old remote objects are gone). For
-        drills of a host coming back (`colocar.elastic` then scales back up). Raises
-        `ColocarError` if that sidecar still runs, or if the new one does not start."""
-        target = next((h for h in self.hosts if host in (h.name, h.index)), None)
-        if target is None:
-            raise ColocarError(f"no host {host!r} in {[h.name for h in self.hosts]}")
-        sidecars, argv, env, options = self._spawn
+    def restart_host(self, host: int | str, timeout: float = 120.0, *, address: str | None = None) -> Host:
+        """Starts the sidecar of `host` (its index or name) again after it died, with the same
+        options, on its address or on `address` (`"127.0.0.1:0"`: a free port, as a
+        replacement machine would have a new address), and connects to it: the host keeps its
+        name, index and devices, with a new connection (a new session; its old remote objects
+        are gone). For drills of a host coming back (`colocar.elastic` then scales back up).
+        Raises `ColocarError` if that sidecar still runs, or if the new one does not start."""
+        target = self.host(host)
+        sidecars, argv, env = self._spawn
         sidecar = sidecars[self.hosts.index(target)]
         if sidecar.process.poll() is None:
             raise ColocarError(
                 f"sidecar {target.name} (pid {sidecar.process.pid}) still runs: only a dead one is restarted"
             )
-        address = (sidecar.info or {}).get("address", "127.0.0.1:0")
-        target.connection.close()  # lost already: ends its threads, calls nobody
+        if address is None:
+            address = (sidecar.info or {}).get("address", "127.0.0.1:0")
+        old = target.connection
+        old.close()  # lost already: ends its threads, calls nobody
         sidecar.remove_files()  # a killed sidecar leaves its arena and link socket
         argv = list(argv)
         argv[argv.index("--address") + 1] = address
@@ -139,9 +142,8 @@ class LocalCluster(Cluster):
         self.processes[self.hosts.index(target)] = sidecar.process  # type: ignore[attr-defined]
         wait_ready([sidecar], timeout)
         assert sidecar.info is not None
-        target.connection = HostConnection(
-            sidecar.info["address"], target.name, process_status=sidecar.status, **options
-        )
+        target.connection = old.replacement(sidecar.info["address"], process_status=sidecar.status)
+        sidecar.watch_exit(self._exits, target.connection)
         return target
 
 
@@ -173,8 +175,17 @@ def _owned_cluster(
 ) -> LocalCluster:
     """A cluster of `sidecars` that stop on `close()`, or once nothing holds it any more (with
     a `ClusterDroppedWarning`). At interpreter exit nothing runs: `--parent-pid` stops them.
-    `files`: the work folder and `persist` (see `_shutdown`); `arena_size`: as in the flag."""
-    shutdown = functools.partial(_shutdown, sidecars, *files)
+    `files`: the work folder and `persist` (see `_shutdown`); `arena_size`: as in the flag.
+    A sidecar that dies marks its host lost at once (`ExitWatch`)."""
+    exits = ExitWatch()
+    for host, sidecar in zip(hosts, sidecars, strict=True):
+        sidecar.watch_exit(exits, host.connection)
+    stop_sidecars = functools.partial(_shutdown, sidecars, *files)
+
+    def shutdown() -> None:
+        exits.close()
+        stop_sidecars()
+
     what = f"a local_cluster of {len(hosts)} sidecar(s) with {parse_size(arena_size) // MiB} MiB arenas"
     doing = (
         "closing its connections (persist=True: its sidecars keep running)"
@@ -188,6 +199,7 @@ def _owned_cluster(
         shutdown()
 
     cluster = LocalCluster(hosts, on_close=on_close)
+    cluster._exits = exits
     dropped.append(weakref.finalize(cluster, _shutdown_dropped, hosts, shutdown, what, doing))
     dropped[0].atexit = False
     cluster.processes = [s.process for s in sidecars]  # type: ignore[attr-defined]
@@ -293,6 +305,5 @@ def local_cluster(
         raise
     cluster = _owned_cluster(connected, sidecars, (workdir, persist), str(arena_size))
     cluster.token_file = token_file  # type: ignore[attr-defined]
-    options = dict(token=token, shm=shm, lease_seconds=lease_seconds, heartbeat_seconds=heartbeat_seconds)
-    cluster._spawn = (sidecars, argv, _sidecar_env(env), {**options, "alloc_timeout": alloc_timeout})
+    cluster._spawn = (sidecars, argv, _sidecar_env(env))
     return cluster

@@ -14,9 +14,13 @@ import selectors
 import signal
 import subprocess
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from colocar.errors import ColocarError
+
+if TYPE_CHECKING:
+    from .connection import HostConnection
+    from .exits import ExitWatch
 
 
 class Sidecar:
@@ -82,6 +86,12 @@ class Sidecar:
     def status(self) -> str | None:
         code = self.process.poll()
         return None if code is None else f"sidecar process exited with code {code}"
+
+    def watch_exit(self, exits: ExitWatch, connection: HostConnection) -> None:
+        """Marks `connection`'s session lost as soon as this process exits (bound to this
+        connection: a later one, after `restart_host`, is never marked by the old process)."""
+        session = connection.session
+        exits.watch(self.process.pid, lambda: session.mark_lost(self.status() or "sidecar process exited"))
 
     def terminate(self) -> None:
         """Asks the sidecar to drain and exit (SIGTERM, once); `stop` waits for it."""

@@ -19,14 +19,7 @@ from colocar.loaders.sampler import IndexSampler
 def reference_stream(config: str, num_records: int, steps: int) -> list[list[int]]:
     """The record ids of batches 0..steps-1 as an uninterrupted run reads them."""
     cfg = load_config(config)
-    sampler = IndexSampler(
-        num_records,
-        cfg.global_batch_size,
-        seed=cfg.seed,
-        shuffle=cfg.shuffle,
-        num_epochs=cfg.num_epochs,
-        drop_remainder=cfg.drop_remainder,
-    )
+    sampler = IndexSampler.for_config(cfg, num_records)
     return [sampler.batch_indices(k).tolist() for k in range(steps)]
 
 

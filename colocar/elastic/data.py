@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from colocar.loaders.orders import STATE_KEY, saved_order
+
 from .topology import ElasticError
 
 
@@ -42,7 +44,8 @@ def start_batch(saved: dict[str, Any] | None, config: Any, name: str) -> int:
     if saved is None:
         return 0
     loader, records, old_B = saved["loader"], int(saved["records"]), int(saved["global_batch_size"])
-    for key in ("seed", "shuffle"):
+    loader = {**loader, STATE_KEY: saved_order(loader)}  # states before the key: colocar's order
+    for key in ("seed", "shuffle", STATE_KEY):
         if loader[key] != getattr(config, key):
             raise ElasticError(
                 f"data {name!r} was saved with {key}={loader[key]!r} but the pipeline has "

@@ -1,9 +1,9 @@
 """What the elastic manager did, with timings: logged, counted and kept for `stats()`.
 
-Runs in the controller. Every snapshot, save, restore, fault, loss, recovery and scale-up is an
-event: a kind, the step, the seconds it took, the hosts involved and a short detail. Each is
-logged on the "colocar.elastic" logger as it happens; `stats()` gives them back with counts
-and totals per kind.
+Runs in the controller. Every snapshot, save, restore, fallback (the newest snapshot unusable),
+fault, loss, recovery and scale-up is an event: a kind, the step, the seconds it took, the hosts
+involved and a short detail. Each is logged on the "colocar.elastic" logger as it happens (a
+loss, fault or fallback as a warning); `stats()` gives them back with counts and totals per kind.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 log = logging.getLogger("colocar.elastic")
 
-KINDS = ("snapshot", "replication", "save", "restore", "fault", "loss", "recovery", "scale_up")
+KINDS = ("snapshot", "replication", "save", "restore", "fallback", "fault", "loss", "recovery", "scale_up")
 
 
 @dataclass
@@ -53,7 +53,7 @@ class Events:
             del self._events[: -self._keep]
             self._counts[kind] = self._counts.get(kind, 0) + 1
             self._seconds[kind] = self._seconds.get(kind, 0.0) + seconds
-        level = logging.WARNING if kind in ("loss", "fault") else logging.INFO
+        level = logging.WARNING if kind in ("loss", "fault", "fallback") else logging.INFO
         where = f" hosts {','.join(event.hosts)}" if event.hosts else ""
         log.log(
             level,

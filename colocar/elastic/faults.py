@@ -6,9 +6,9 @@ after that step's snapshot or save was started; `inject(cluster, fault)` fires o
 killed sidecar (SIGKILL) is gone: its host is lost at the next keepalive. A stopped one
 (SIGSTOP) hangs: it is lost once a keepalive goes unanswered (about three heartbeats), and
 `resume` (SIGCONT; `resume_at(host, s)` after step s) lets it answer again. `restart(host,
-at_step=s)` starts a dead sidecar of a `local_cluster` again on the same address. Either way
-the host comes back and the elastic manager scales up onto it. `random_kill(hosts, steps,
-seed)` picks the host and the step from a seed, so a drill is repeatable.
+at_step=s)` starts a dead sidecar of a `local_cluster` again, on its address or a new one.
+Either way the host comes back and the elastic manager scales up onto it. `random_kill(hosts,
+steps, seed)` picks the host and the step from a seed, so a drill is repeatable.
 
 The sidecar's process is found through `local_cluster` (its `processes`), else through the pid
 the sidecar reported, when it runs on this machine; a remote sidecar cannot be reached (stop
@@ -35,11 +35,13 @@ ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "resume": signal.SIGC
 @dataclass(frozen=True)
 class Fault:
     """`action` ("kill" or "stop") on `host` (its index in the first cluster, or its name)
-    once training finished step `at_step` (None: only when `inject` is called)."""
+    once training finished step `at_step` (None: only when `inject` is called); `address`:
+    where a restart starts the sidecar (None: its old address)."""
 
     action: str
     host: int | str
     at_step: int | None = None
+    address: str | None = None
 
     def __post_init__(self) -> None:
         if self.action not in ("kill", "stop", "restart", "resume"):
@@ -68,11 +70,12 @@ def resume_at(host: int | str, at_step: int) -> Fault:
     return Fault("resume", host, at_step)
 
 
-def restart(host: int | str, at_step: int | None = None) -> Fault:
-    """Starts the dead sidecar of `host` again (same address, a new session) after step
-    `at_step`: the host comes back, and the elastic manager scales back up onto it. Needs a
-    `local_cluster` (`LocalCluster.restart_host`); blocks while the sidecar starts."""
-    return Fault("restart", host, at_step)
+def restart(host: int | str, at_step: int | None = None, *, address: str | None = None) -> Fault:
+    """Starts the dead sidecar of `host` again (a new session) after step `at_step`, on its
+    address or on `address` (`"127.0.0.1:0"`: a free port, as a replacement machine): the
+    host comes back, and the elastic manager scales back up onto it. Needs a `local_cluster`
+    (`LocalCluster.restart_host`); blocks while the sidecar starts."""
+    return Fault("restart", host, at_step, address)
 
 
 def random_kill(hosts: int, steps: range, seed: int, *, spare: tuple[int, ...] = (0,)) -> Fault:
@@ -133,7 +136,7 @@ def inject(cluster: Cluster, fault: Fault) -> None:
             f"cannot restart sidecar {fault.host_name}: only a local_cluster starts its sidecars; "
             "restart it where it runs (its session reconnects by itself)"
         )
-    restart_host(fault.host_name)
+    restart_host(fault.host_name, address=fault.address)
 
 
 def resume(cluster: Cluster, host: int | str, timeout: float | None = None) -> None:

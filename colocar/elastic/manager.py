@@ -205,6 +205,8 @@ class Manager:
     def _restore_newest(self, target: Any) -> tuple[Any, int, str, dict[str, Any]] | None:
         snap_step = self.snap.latest(None) if self.snap is not None else None
         disk_step = self.storage.latest() if self.storage is not None else None
+        if self.snap is not None and (fell := self.snap.fallback(snap_step, disk_step)):
+            self.events.add("fallback", fell[0], 0.0, [], fell[1][:500])
         if snap_step is not None and (disk_step is None or snap_step >= disk_step):
             assert self.snap is not None
             meta = self.snap.meta[snap_step]

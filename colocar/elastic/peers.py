@@ -22,6 +22,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from colocar.protocol.tls import channel_credentials
+
 CHUNK_BYTES = (1 << 20) - (16 << 10)  # a chunk and its call's arguments stay under the 1 MiB inline limit
 WINDOW = 4  # chunks in flight to one peer
 
@@ -55,20 +57,6 @@ def lower_priority(nice: int) -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
     except (AttributeError, OSError):
         pass
-
-
-def _credentials(options: PeerOptions) -> Any:
-    if not (options.tls_ca or options.tls_cert):
-        return None
-    import grpc
-
-    def read(path: str | None) -> bytes | None:
-        if path is None:
-            return None
-        with open(path, "rb") as f:
-            return f.read()
-
-    return grpc.ssl_channel_credentials(read(options.tls_ca), read(options.tls_key), read(options.tls_cert))
 
 
 def send_chunks(
@@ -165,7 +153,7 @@ class PeerLinks:
                     lease_seconds=o.lease_seconds,
                     heartbeat_seconds=o.heartbeat_seconds,
                     connect_timeout=o.connect_timeout,
-                    credentials=_credentials(o),
+                    credentials=channel_credentials(o.tls_ca, o.tls_cert, o.tls_key),
                 )
                 self._links[target.address] = conn
         return find_detached(_PeerHost(target.host, conn), target.name)  # type: ignore[arg-type]

@@ -96,7 +96,7 @@ def restore(step: int, target: Any, cluster: Any, found: Survey, keepers: dict[i
     """The snapshot's tree on `target` (a pytree of ShapeDtypeStructs with shardings)."""
     record = usable(found, step)
     if record is None:
-        _unrecoverable(step, found)
+        unrecoverable(step, found)
     assert record is not None
     where = holders(found, step, record["attempt"])
     leaves, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=lambda x: x is None)
@@ -122,7 +122,7 @@ def restore(step: int, target: Any, cluster: Any, found: Survey, keepers: dict[i
     return jax.tree_util.tree_unflatten(treedef, [out[k] for k in targets])
 
 
-def _unrecoverable(step: int, found: Survey) -> None:
+def unrecoverable(step: int, found: Survey) -> None:
     """Raises SnapshotError saying why `step` cannot be restored from the live hosts."""
     committed = records(found)
     if step not in committed:

@@ -78,10 +78,10 @@ class Planned:
 def plan(step: int, state: Any, cluster: Any, hosts: list[int], replicas: int, place: Placement) -> Planned:
     """The pieces of `state` per host and the record a restore needs (tree, leaf metadata,
     non-array leaves pickled, which shard each host holds)."""
-    named, skeleton = tree.flatten(state)
+    named, skeleton, dirs = tree.flatten(state)
     arrays = [(k, v) for k, v in named if tree.is_array(v)]
     values = {k: v for k, v in named if not tree.is_array(v)}
-    planned = save.plan(arrays, _Among(cluster, hosts), WHOLE_SHARD)
+    planned = save.plan(arrays, dirs, _Among(cluster, hosts), WHOLE_SHARD)
     for h in planned.pieces:
         if h not in hosts and planned.pieces[h]:
             raise HostLostError(

@@ -295,6 +295,17 @@ class Snapshots:
         steps = snap_restore.recoverable(snap_restore.survey(self._keepers, self._live(hosts)))
         return steps[-1] if steps else None
 
+    def unusable(self, step: int, hosts: Any = None) -> str | None:
+        """Why `step` cannot be restored from `hosts` (default: the hosts not lost), or None."""
+        found = snap_restore.survey(self._keepers, self._live(hosts))
+        if snap_restore.usable(found, step) is not None:
+            return None
+        try:
+            snap_restore.unrecoverable(step, found)
+        except SnapshotError as e:
+            return str(e)
+        return None
+
     def restore(self, step: int, target: Any, hosts: Any = None) -> Any:
         """The snapshot's tree onto `target` (ShapeDtypeStructs with shardings, e.g. on a smaller
         mesh), each shard read from a surviving host holding it. SnapshotError if not recoverable."""

@@ -162,6 +162,22 @@ class SnapshotTier:
     def restore(self, step: int, target: Any, hosts: list[Any] | None) -> Any:
         return self.snapshots.restore(step, target, hosts)
 
+    def fallback(self, snap_step: int | None, disk_step: int | None) -> tuple[int, str] | None:
+        """When the newest snapshot taken is newer than what a restore will use (`snap_step`,
+        else `disk_step`, else nothing): (its step, why it is unusable and what is used instead),
+        e.g. a shard and all its replicas were on lost hosts, or it was in flight at the loss."""
+        if self.snapshots is None or not self.meta:
+            return None
+        newest = max(self.meta)
+        if snap_step is not None and snap_step >= newest or disk_step is not None and disk_step >= newest:
+            return None
+        why = self.snapshots.unusable(newest) or f"snapshot step {newest} is not recoverable"
+        if snap_step is not None and (disk_step is None or snap_step >= disk_step):
+            instead = f"the older snapshot of step {snap_step}"
+        else:
+            instead = f"storage step {disk_step}" if disk_step is not None else "init()"
+        return newest, f"{why}; restoring from {instead}"
+
     def wait(self) -> None:
         if self.snapshots is not None:
             self.snapshots.wait()

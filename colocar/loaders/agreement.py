@@ -123,6 +123,7 @@ def identity(config: Any, mesh: Any, axes: Any, start: int) -> dict[str, Any]:
         "global_batch_size": config.global_batch_size,
         "seed": config.seed,
         "shuffle": config.shuffle,
+        "shuffle_order": config.shuffle_order,
         "num_epochs": config.num_epochs,
         "config_sha256": digest,
         "mesh": {str(name): int(size) for name, size in mesh.shape.items()},

@@ -29,6 +29,8 @@ from typing import Any
 from .callables import callable_name, check_arity, resolve_callable
 from .checks import ConfigError, check_int, choices, describe, dtype_name
 from .config_files import read_file
+from .orders import DEFAULT as DEFAULT_ORDER
+from .orders import ORDERS
 from .schema import Context, Node, config_class, option, parse_node
 from .source_options import (
     data_equal,
@@ -209,6 +211,7 @@ class PipelineConfig(Node):
     )
     seed: int = option(default=0, minimum=0)
     shuffle: bool = True
+    shuffle_order: str = option(default=DEFAULT_ORDER, choices=ORDERS)
     num_epochs: int | None = option(default=1, parse=_num_epochs)
     drop_remainder: bool = True
     eval: bool = False

@@ -35,6 +35,7 @@ from colocar.controller_bridge.cluster import Cluster
 from .agreement import Agreement, identity
 from .config import PipelineConfig, load_config
 from .host_backend import LoaderHost
+from .orders import STATE_KEY, saved_order
 from .plan import HostPlan, check_batch_axes, host_plans, local_groups
 from .progress import Progress, count_batches
 from .start import open_hosts
@@ -285,6 +286,7 @@ class DataIterator:
             "global_batch_size": c.global_batch_size,
             "seed": c.seed,
             "shuffle": c.shuffle,
+            STATE_KEY: c.shuffle_order,
         }
         self._agreement.check("get_state", state)
         return state
@@ -293,10 +295,11 @@ class DataIterator:
         c = self.config
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"iterator state version {state.get('version')!r}, expected {STATE_VERSION}")
-        for key in ("global_batch_size", "seed", "shuffle"):
-            if state[key] != getattr(c, key):
+        saved = {**state, STATE_KEY: saved_order(state)}  # states before the key: colocar's order
+        for key in ("global_batch_size", "seed", "shuffle", STATE_KEY):
+            if saved[key] != getattr(c, key):
                 raise ValueError(
-                    f"iterator state was saved with {key}={state[key]!r} but the pipeline has "
+                    f"iterator state was saved with {key}={saved[key]!r} but the pipeline has "
                     f"{getattr(c, key)!r}: batches would not continue the saved sequence"
                 )
         self._agreement.check("set_state", {"next_batch": int(state["next_batch"])})

@@ -35,14 +35,7 @@ def _record_pipeline(config: Any) -> Any:
 def sampler_for(config: Any, num_records: int) -> Any:
     from .sampler import IndexSampler
 
-    return IndexSampler(
-        num_records,
-        config.global_batch_size,
-        seed=config.seed,
-        shuffle=config.shuffle,
-        num_epochs=config.num_epochs,
-        drop_remainder=config.drop_remainder,
-    )
+    return IndexSampler.for_config(config, num_records)
 
 
 def check_dict(record: Any, index: int, pipeline: Any, fields: list[str] | None = None) -> None:
