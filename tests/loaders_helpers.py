@@ -60,3 +60,24 @@ def take(it, n, view=lambda b: b):
 
 def row_values(batch):
     return labels(batch), np.asarray(batch["noise"]).tolist()
+
+
+def heavy_modules(record):
+    """A record's bytes as `x`, and whether the process running this transform has imported
+    JAX or grain (`heavy`): a pipeline over ArrayRecord files needs neither."""
+    import sys
+
+    heavy = any(name in sys.modules for name in ("jax", "grain"))
+    return {"x": np.frombuffer(record, np.uint8)[:4].copy(), "heavy": np.int8(heavy)}
+
+
+def source_failing_on_host1():
+    """A range source of N records, except on the sidecar labelled host1 (its command line
+    names it; its workers' does not), where opening it fails."""
+    import sys
+
+    from colocar.loaders.sources import RangeSource
+
+    if "host1" in sys.argv:
+        raise OSError("host1 cannot open the source")
+    return RangeSource(N)

@@ -1,4 +1,4 @@
-"""`colocar bench rpc|transfer|loader|ckpt|recovery --quick --json` end to end: the last line is the result.
+"""`colocar bench NAME --quick --json` end to end, for every benchmark: the last line is the result.
 
 Numbers are not asserted (this machine is shared and noisy); only that each benchmark runs,
 cleans up, and reports the keys RESULTS.md and the CLI promise, with positive values.
@@ -47,6 +47,17 @@ REQUIRED = {
         "orbax_restore_s",
         "slowdown_ratio",
         "state_mib",
+    ),
+    "firstbatch": (
+        "colocar_fresh_s",
+        "grain_fresh_s",
+        "fresh_ratio",
+        "colocar_resume_s",
+        "grain_resume_s",
+        "resume_ratio",
+        "colocar_peak_rss_mib",
+        "grain_peak_rss_mib",
+        "peak_rss_ratio",
     ),
     "rpc": ("p50_us", "p99_us", "grpc_echo_p50_us", "ratio", "socket_p50_us"),
     "transfer": ("gbps", "memcpy_gbps", "ratio", "view_ms", "device_put_ms"),
@@ -109,6 +120,15 @@ def test_bench_quick_json(name: str) -> None:
             assert len(result[f"{key}_per_round"]) == 1
         # each recovery is timed from the kill: the loss's detection is part of all three
         assert min(result["ram_s"], result["storage_s"], result["orbax_s"]) >= result["detect_s"]
+    if name == "firstbatch":
+        assert result["repeats"] == 2
+        for system in ("colocar", "grain"):
+            for mode in ("fresh", "resume"):
+                assert len(result[f"{system}_{mode}_s_per_round"]) == 2
+                phases = result[f"{system}_{mode}_phases"]
+                # the phases are in order, and the first batch comes last
+                assert 0 < phases["imported"] <= phases["loader"] <= phases["first_batch"], phases
+            assert result[f"{system}_resume_phases"]["restored"] <= result[f"{system}_resume_s"]
     if name == "loader":
         assert result["rounds"] == 2
         for key in ("transfer", "compute"):

@@ -113,3 +113,18 @@ def test_stats_have_named_fields(cluster):
     pool = stats["pools"]["default"]
     assert pool["reserved"] > 0 and set(pool) >= {"used", "peak", "blocks", "largest_free"}
     assert np.isfinite(stats["uptime_seconds"])
+
+
+def test_a_sidecar_that_cannot_start_fails_local_cluster_at_once_with_its_log(tmp_path):
+    """The sidecars say they are ready on a pipe; one that exits first (here: a pool larger
+    than its arena) ends that pipe, and local_cluster raises at once with the sidecar's log."""
+    import time
+
+    from colocar.errors import ColocarError
+
+    started = time.monotonic()
+    with pytest.raises(ColocarError, match=r"sidecar host\d failed to start:(.|\n)*pool"):
+        colocar.local_cluster(
+            hosts=2, arena_size=16 << 20, pools={"big": 64 << 20}, shm_dir=str(tmp_path), processes=0
+        )
+    assert time.monotonic() - started < 60  # not the 120 s startup timeout

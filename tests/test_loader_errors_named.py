@@ -16,7 +16,7 @@ from loaders_helpers import config
 
 from colocar import loaders
 from colocar.loaders.config import ConfigError
-from colocar.loaders.pump import PipelineError
+from colocar.loaders.errors import PipelineError
 
 
 def test_a_batch_size_the_batch_axes_do_not_divide_names_the_numbers(cluster):

@@ -20,8 +20,9 @@ BENCHMARKS = {
     "loader": "input pipelines of 64 x 224x224x3 images: colocar sidecars vs grain mp_prefetch",
     "ckpt": "save and restore 1 GiB of sharded float32 arrays: colocar CheckpointManager vs Orbax async",
     "recovery": "kill 1 of 4 hosts, time to a step on the survivors: peer snapshots vs storage vs Orbax",
+    "firstbatch": "script start to the first batch, fresh and resumed; peak RSS: colocar vs grain + Orbax",
 }
-DEFAULT_REPEATS = {"rpc": 7, "transfer": 7, "loader": 5, "ckpt": 5, "recovery": 3}
+DEFAULT_REPEATS = {"rpc": 7, "transfer": 7, "loader": 5, "ckpt": 5, "recovery": 3, "firstbatch": 5}
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -23,8 +23,6 @@ import threading
 import time
 from typing import Any
 
-import psutil
-
 from colocar.controller_bridge.func import colocated
 from colocar.errors import CheckpointError
 from colocar.sidecar import sessions
@@ -50,6 +48,8 @@ def _pid_namespace() -> str:
 
 
 def _started(pid: int) -> float:
+    import psutil  # here, not at the top: the controller imports this module at start
+
     try:
         return psutil.Process(pid).create_time()
     except (psutil.Error, OSError):
@@ -64,6 +64,8 @@ def is_dead(holder: dict[str, Any]) -> bool:
         return False
     if holder.get("pidns", "") != _pid_namespace():
         return False  # another container with the same host name: its PIDs are not ours
+    import psutil
+
     if not psutil.pid_exists(pid):
         return True
     started = holder.get("started")

@@ -11,18 +11,15 @@ with a `ClusterDroppedWarning`.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
-import time
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -34,79 +31,9 @@ from colocar.sizes import parse_size
 from .cluster import Cluster, Host, split_devices
 from .connection import HostConnection
 from .exits import ExitWatch
+from .local_sidecars import Sidecar, wait_ready
 
 MiB = 1 << 20
-
-
-class _Sidecar:
-    """One spawned sidecar process and its files."""
-
-    def __init__(self, index: int, workdir: str, argv: list[str], env: dict[str, str], persist: bool):
-        self.index = index
-        self.ready_file = os.path.join(workdir, f"host{index}.ready")
-        self.log_file = os.path.join(workdir, f"host{index}.log")
-        self.spawn(argv, env, persist)
-
-    def spawn(self, argv: list[str], env: dict[str, str], persist: bool) -> None:
-        """Starts the process (again, after `restart_host`: its log is appended to)."""
-        self.info: dict[str, Any] | None = None
-        self.terminated = False
-        with open(self.log_file, "ab") as log:
-            self.process = subprocess.Popen(
-                [*argv, "--ready-file", self.ready_file, "--label", f"host{self.index}"],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=persist,
-            )
-
-    def poll_ready(self) -> bool:
-        if self.info is None and os.path.exists(self.ready_file):
-            with open(self.ready_file) as f:
-                self.info = json.load(f)
-        return self.info is not None
-
-    def log_tail(self, lines: int = 30) -> str:
-        try:
-            with open(self.log_file, errors="replace") as f:
-                return "".join(f.readlines()[-lines:])
-        except OSError:
-            return ""
-
-    def status(self) -> str | None:
-        code = self.process.poll()
-        return None if code is None else f"sidecar process exited with code {code}"
-
-    def watch_exit(self, exits: ExitWatch, connection: HostConnection) -> None:
-        """Marks `connection`'s session lost as soon as this process exits (bound to this
-        connection: a later one, after `restart_host`, is never marked by the old process)."""
-        session = connection.session
-        exits.watch(self.process.pid, lambda: session.mark_lost(self.status() or "sidecar process exited"))
-
-    def terminate(self) -> None:
-        """Asks the sidecar to drain and exit (SIGTERM, once); `stop` waits for it."""
-        if self.process.poll() is None and not self.terminated:
-            self.process.send_signal(signal.SIGTERM)
-            self.terminated = True
-
-    def stop(self, grace: float) -> None:
-        if self.process.poll() is None:
-            self.terminate()
-            try:
-                self.process.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
-        self.remove_files()
-
-    def remove_files(self) -> None:
-        """The arena and link socket of a sidecar killed before it could remove them."""
-        arena = (self.info or {}).get("arena")
-        if arena:
-            for path in (arena, arena.removesuffix(".arena") + ".sock"):
-                if os.path.exists(path):
-                    os.unlink(path)
 
 
 def _workdir_with_token() -> tuple[str, str, str]:
@@ -130,7 +57,7 @@ def _sidecar_argv(
     threads: int,
     alloc_timeout: float,
 ) -> list[str]:
-    """The command line every sidecar of a local cluster shares (each adds its ready file and
+    """The command line every sidecar of a local cluster shares (each adds its ready pipe and
     label); without `persist`, the sidecars exit when this process dies (`--parent-pid`)."""
     argv = [
         sys.executable,
@@ -169,7 +96,7 @@ def _sidecar_env(env: dict[str, str] | None) -> dict[str, str]:
     return child_env
 
 
-def _shutdown(sidecars: list[_Sidecar], workdir: str, persist: bool) -> None:
+def _shutdown(sidecars: list[Sidecar], workdir: str, persist: bool) -> None:
     """Stops the sidecars and removes the work folder; with `persist` they outlive us, but the
     files of those already killed are removed (nobody else would)."""
     if persist:
@@ -187,7 +114,7 @@ def _shutdown(sidecars: list[_Sidecar], workdir: str, persist: bool) -> None:
 class LocalCluster(Cluster):
     """A `Cluster` of sidecars this process started; `restart_host` brings a dead one back."""
 
-    _spawn: tuple[list[_Sidecar], list[str], dict[str, str]]
+    _spawn: tuple[list[Sidecar], list[str], dict[str, str]]
     _exits: ExitWatch
 
     def restart_host(self, host: int | str, timeout: float = 120.0, *, address: str | None = None) -> Host:
@@ -209,13 +136,11 @@ class LocalCluster(Cluster):
         old = target.connection
         old.close()  # lost already: ends its threads, calls nobody
         sidecar.remove_files()  # a killed sidecar leaves its arena and link socket
-        if os.path.exists(sidecar.ready_file):
-            os.unlink(sidecar.ready_file)
         argv = list(argv)
         argv[argv.index("--address") + 1] = address
         sidecar.spawn(argv, env, persist="--parent-pid" not in argv)
         self.processes[self.hosts.index(target)] = sidecar.process  # type: ignore[attr-defined]
-        _wait_ready([sidecar], timeout)
+        wait_ready([sidecar], timeout)
         assert sidecar.info is not None
         target.connection = old.replacement(sidecar.info["address"], process_status=sidecar.status)
         sidecar.watch_exit(self._exits, target.connection)
@@ -246,7 +171,7 @@ def _shutdown_dropped(hosts: list[Host], shutdown: Callable[[], None], what: str
 
 
 def _owned_cluster(
-    hosts: list[Host], sidecars: list[_Sidecar], files: tuple[str, bool], arena_size: str
+    hosts: list[Host], sidecars: list[Sidecar], files: tuple[str, bool], arena_size: str
 ) -> LocalCluster:
     """A cluster of `sidecars` that stop on `close()`, or once nothing holds it any more (with
     a `ClusterDroppedWarning`). At interpreter exit nothing runs: `--parent-pid` stops them.
@@ -282,20 +207,8 @@ def _owned_cluster(
     return cluster
 
 
-def _wait_ready(sidecars: list[_Sidecar], startup_timeout: float) -> None:
-    """Waits until every sidecar wrote its ready file; fails at once if one exited."""
-    deadline = time.monotonic() + startup_timeout
-    while not all(s.poll_ready() for s in sidecars):
-        for s in sidecars:
-            if s.status() is not None:
-                raise ColocarError(f"sidecar host{s.index} failed to start:\n{s.log_tail()}")
-        if time.monotonic() > deadline:
-            raise ColocarError(f"sidecars did not start within {startup_timeout} s")
-        time.sleep(0.02)
-
-
 def _connect(
-    sidecars: list[_Sidecar],
+    sidecars: list[Sidecar],
     groups: list[list[Any]],
     token: str,
     *,
@@ -305,27 +218,33 @@ def _connect(
     heartbeat_seconds: float,
     alloc_timeout: float,
 ) -> list[Host]:
-    """Waits for the sidecars to be ready, then connects to each (sidecar i gets device group
-    i); on a failure, closes the connections made so far and raises."""
-    connected: list[Host] = []
+    """Waits for the sidecars to be ready, then connects to all at once (sidecar i gets device
+    group i); on a failure, closes the connections that were made and raises the first."""
     options = dict(shm=shm, lease_seconds=lease_seconds, heartbeat_seconds=heartbeat_seconds)
-    try:
-        _wait_ready(sidecars, startup_timeout)
-        for s, group in zip(sidecars, groups, strict=True):
-            assert s.info is not None
-            conn = HostConnection(
-                s.info["address"],
-                f"host{s.index}",
-                token,
-                alloc_timeout=alloc_timeout,
-                process_status=s.status,
-                **options,  # type: ignore[arg-type]
-            )
-            connected.append(Host(s.index, conn, group))
-    except BaseException:
+
+    def connect(s: Sidecar, group: list[Any]) -> Host:
+        assert s.info is not None
+        conn = HostConnection(
+            s.info["address"],
+            f"host{s.index}",
+            token,
+            alloc_timeout=alloc_timeout,
+            process_status=s.status,
+            **options,  # type: ignore[arg-type]
+        )
+        return Host(s.index, conn, group)
+
+    wait_ready(sidecars, startup_timeout)
+    # All at once: each connection's session, link and arena mapping take a few round trips.
+    with ThreadPoolExecutor(len(sidecars), thread_name_prefix="colocar-connect") as pool:
+        futures = [pool.submit(connect, s, group) for s, group in zip(sidecars, groups, strict=True)]
+        outcomes = [f.exception() or f.result() for f in futures]
+    connected = [o for o in outcomes if isinstance(o, Host)]
+    failures = [o for o in outcomes if isinstance(o, BaseException)]
+    if failures:
         for host in connected:
             host.connection.close()
-        raise
+        raise failures[0]
     return connected
 
 
@@ -369,7 +288,7 @@ def local_cluster(
         threads=threads,
         alloc_timeout=alloc_timeout,
     )
-    sidecars = [_Sidecar(i, workdir, argv, _sidecar_env(env), persist) for i in range(hosts)]
+    sidecars = [Sidecar(i, workdir, argv, _sidecar_env(env), persist) for i in range(hosts)]
     try:
         connected = _connect(
             sidecars,

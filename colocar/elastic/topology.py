@@ -56,7 +56,7 @@ def looks_like_loss(error: BaseException) -> bool:
     exception, a bad argument or config) and every other exception never count, so they are
     never masked."""
     from colocar.errors import ArrayLayoutError, AuthError, RemoteError, SerializationError, VersionSkewError
-    from colocar.loaders.pump import PipelineError
+    from colocar.loaders.errors import PipelineError
 
     theirs = (RemoteError, SerializationError, ArrayLayoutError, AuthError, VersionSkewError, ElasticError)
     seen: set[int] = set()

@@ -25,8 +25,8 @@ from colocar.protocol.messages import FEED_HEADER, FeedMessage
 from colocar.shm import ndarray_view
 from colocar.shm.ring import WAITING, board_words, store_load_hint
 
+from .errors import PipelineError
 from .layout import SlotLayout
-from .pump import PipelineError
 
 _LENDING: set[_Feed] = set()  # closed feeds whose batches still hold slots
 AHEAD = 2  # a host with this many batches read but not yet taken is not woken for a slot

@@ -25,9 +25,10 @@ import socket
 import threading
 import time
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .pump import Pump
+if TYPE_CHECKING:  # the pump (and the sidecar's metrics it imports) runs only on the sidecar
+    from .pump import Pump
 
 FEED_ACCEPT_TIMEOUT = 30.0
 
@@ -68,6 +69,7 @@ class LoaderHost:
         from colocar.shm.context import sidecar_runtime
 
         from . import worker
+        from .pump import Pump
         from .worker import _record_pipeline, sampler_for
 
         self.host = host

@@ -34,11 +34,11 @@ from colocar.controller_bridge.cluster import Cluster
 
 from .agreement import Agreement, identity
 from .config import PipelineConfig, load_config
-from .feed import open_feed
 from .host_backend import LoaderHost
 from .orders import STATE_KEY, saved_order
 from .plan import HostPlan, check_batch_axes, host_plans, local_groups
 from .progress import Progress, count_batches
+from .start import open_hosts
 
 STATE_VERSION = 1
 
@@ -49,7 +49,7 @@ RemoteLoaderHost = colocated_class(LoaderHost)
 @colocated
 def _probe_fields(config: PipelineConfig) -> dict[str, tuple[tuple[int, ...], str]]:
     """Runs on a sidecar: the fields of the first record the pipeline keeps."""
-    from colocar.loaders.pump import PipelineError
+    from colocar.loaders.errors import PipelineError
     from colocar.loaders.worker import _record_pipeline, check_dict
 
     pipeline = _record_pipeline(config)
@@ -131,14 +131,9 @@ class DataIterator:
 
     def _open(self, start: int) -> None:
         self.position = start
-        self._remote = [
-            RemoteLoaderHost.on(host)(self.config, layout, start, host.name, self.starve_timeout)
-            for host, layout, _ in self._plan
-        ]
-        self._feeds = [
-            open_feed(obj, host, layout, placed)
-            for obj, (host, layout, placed) in zip(self._remote, self._plan, strict=True)
-        ]
+        self._remote, self._feeds = open_hosts(
+            RemoteLoaderHost.on, self._plan, self.config, start, self.starve_timeout
+        )
         self._fed = [feed for feed in self._feeds if feed is not None]
 
     def _batched_put_order(self) -> tuple[dict[str, list[int]], jax_compat.BatchedPut] | None:

@@ -24,14 +24,12 @@ from typing import Any
 from colocar.protocol.messages import Build, BuildFailed, Built, FeedMessage, receive_pickled, send_pickled
 from colocar.sidecar import metrics
 
+from .errors import PipelineError
+
 # A pump waiting for a slot reads the board this often: the controller's signal that it gave a
 # slot back can be lost (the board has no memory fence, see "Ordering" in shm/ring.py), and
 # this look is what finds the slot then. Not an optimisation: the protocol relies on it.
 RECHECK_SECONDS = 0.05
-
-
-class PipelineError(RuntimeError):
-    """A record transform failed, a worker died, or the ring starved; names batch and host."""
 
 
 class Pump:

@@ -5,7 +5,7 @@ read any record in any order and the content of a batch does not depend on how m
 read it. Sources are cheap to construct and to pickle: file handles are opened lazily, on first read,
 in the process that reads, so each worker process opens its own.
 
-grain, array_record and pyarrow are imported inside functions (this module is imported on the
+array_record and pyarrow are imported inside functions (this module is imported on the
 sidecar and must stay light); JAX is never imported here.
 """
 
@@ -99,16 +99,13 @@ def _callable_name(fn: Any) -> str:
     return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
 
 
-def _grain_sources_module() -> Any:
-    """grain's public module holding ArrayRecordDataSource (`grain.sources` or the older `grain.python`)."""
-    try:
-        import grain.sources as grain_sources  # type: ignore[import-not-found]
+def _array_record_source_class() -> Any:
+    """array_record's own ArrayRecordDataSource, the class grain's subclasses (grain adds only
+    usage statistics): importing it takes ~0.1 s, while `grain.sources` imports JAX (seconds),
+    which the sidecar and its pipeline workers must not pay just to read records."""
+    from array_record.python.array_record_data_source import ArrayRecordDataSource
 
-        return grain_sources
-    except ImportError:  # pragma: no cover - older grain
-        import grain.python as grain_python  # type: ignore[import-not-found]
-
-        return grain_python
+    return ArrayRecordDataSource
 
 
 def _expand_paths(paths: Sequence[str] | str, kind: str) -> list[str]:
@@ -133,9 +130,10 @@ def _expand_paths(paths: Sequence[str] | str, kind: str) -> list[str]:
 
 
 class ArrayRecordSource:
-    """grain's ArrayRecordDataSource, whose errors name the file (and the record in it) at fault.
+    """array_record's ArrayRecordDataSource (grain's, without JAX), whose errors name the file
+    (and the record in it) at fault.
 
-    grain's source opens one reader per file lazily, with readahead disabled (it is made for
+    The source opens one reader per file lazily, with readahead disabled (it is made for
     random access), and reads are thread-safe. A file that cannot be opened or a record that cannot
     be read raises `PipelineError` naming the file and the record's position in it.
     """
@@ -143,7 +141,7 @@ class ArrayRecordSource:
     def __init__(self, files: list[str]):
         self.files = files
         try:
-            self._source = _grain_sources_module().ArrayRecordDataSource(files)
+            self._source = _array_record_source_class()(files)
         except Exception as e:
             raise _pipeline_error(f"array_record source: cannot open {_unreadable(files)}: {e}") from e
 
@@ -159,7 +157,7 @@ class ArrayRecordSource:
             try:
                 f, position = self._source._reader_idx_and_position(index)
                 where = f"record {position} of file {self._source._read_instructions[f].filename!r}"
-            except Exception:  # noqa: BLE001 - grain internals; fall back to the global index
+            except Exception:  # noqa: BLE001 - array_record internals; fall back to the global index
                 where = f"record {index} of files {self.files}"
             raise _pipeline_error(f"array_record source: cannot read {where}: {e}") from e
 
@@ -168,16 +166,16 @@ class ArrayRecordSource:
 
 
 def _pipeline_error(message: str) -> Exception:
-    from .pump import PipelineError
+    from .errors import PipelineError
 
     return PipelineError(message)
 
 
 def _unreadable(files: list[str]) -> str:
-    """The first of `files` that grain cannot open alone (files are opened together first)."""
+    """The first of `files` that cannot be opened alone (files are opened together first)."""
     for path in files:
         try:
-            _grain_sources_module().ArrayRecordDataSource([path])
+            _array_record_source_class()([path])
         except Exception:  # noqa: BLE001 - any failure names this file
             return f"file {path!r}"
     return f"one of the files {files}"

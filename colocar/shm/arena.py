@@ -1,4 +1,4 @@
-"""The arena: one pre-sized, pre-faulted shared-memory file per sidecar.
+"""The arena: one pre-sized shared-memory file per sidecar, pre-faulted by its creator.
 
 Runs in the sidecar (which creates and owns the arena) and in any process on the
 same host (which attaches to it). The owner holds an exclusive ``flock`` on the
@@ -37,9 +37,14 @@ class ShmUnavailableError(RuntimeError):
     """The arena cannot be created or attached (no space, wrong nonce, missing file)."""
 
 
-def _map(fd: int, size: int) -> mmap.mmap:
-    """Map ``fd`` shared and read-write, pre-faulting the pages where the OS allows."""
-    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+def _map(fd: int, size: int, populate: bool) -> mmap.mmap:
+    """Map ``fd`` shared and read-write; with ``populate``, pre-faulting the pages where the OS
+    allows (the creator: the arena's memory is all there from the start). An attaching process
+    (the controller, every worker) maps lazily: pre-faulting would cost it a page-table entry per
+    page of the whole arena at start (~50 ms per 256 MiB) and count the whole arena in its RSS,
+    while it touches only the blocks it uses; the pages exist already, so a first touch is a
+    minor fault."""
+    flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
     try:
         return mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     except OSError as e:
@@ -116,7 +121,7 @@ class Arena:
                 if e.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
                     raise ShmUnavailableError(_no_space_message(shm_dir, size)) from e
                 raise
-            mm = _map(fd, size)
+            mm = _map(fd, size, populate=True)
             nonce = secrets.token_bytes(16)
             mm[: _HEADER.size] = _HEADER.pack(MAGIC, FORMAT_VERSION, 0, size, nonce, os.getpid())
             os.rename(tmp_path, path)
@@ -141,7 +146,7 @@ class Arena:
             actual = os.fstat(fd).st_size
             if actual != size:
                 raise ShmUnavailableError(f"arena {path!r} has {actual} bytes, expected {size}: {hint}")
-            mm = _map(fd, size)
+            mm = _map(fd, size, populate=False)
         finally:
             os.close(fd)
         magic, version, _, hsize, hnonce, _pid = _HEADER.unpack_from(mm, 0)

@@ -46,7 +46,18 @@ from .service import ServiceConfig, SidecarService  # noqa: E402
 from .workers import WorkerPool  # noqa: E402
 
 SERVICE_NAME = "colocar.v1.Sidecar"
-FORKSERVER_PRELOAD = ["numpy", "colocar.sidecar.worker_main", "colocar.loaders.worker", "grain"]
+# What every worker needs, and nothing heavier: grain (it imports JAX, seconds) is imported by
+# the shipped code that uses it, not by every worker a pipeline or the call pool starts.
+FORKSERVER_PRELOAD = [
+    "numpy",
+    "cloudpickle",
+    "colocar.sidecar.worker_main",
+    "colocar.loaders.worker",
+    "colocar.loaders.config",
+    "colocar.loaders.records",
+    "colocar.loaders.sources",
+    "array_record.python.array_record_data_source",
+]
 MiB = 1 << 20
 DEFAULT_LABEL = "sidecar"
 log = logging.getLogger("colocar.sidecar")
@@ -74,6 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="colocar sidecar", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--address", default="127.0.0.1:0", help="host:port to bind (port 0: any)")
     p.add_argument("--ready-file", help="write the bound address and pid here as JSON when ready")
+    p.add_argument(
+        "--ready-fd",
+        type=int,
+        help="write the same JSON, one line, to this inherited file descriptor when ready, then "
+        "close it (a parent that started the sidecar waits on a pipe instead of polling a file)",
+    )
     p.add_argument("--shm-dir", default="/dev/shm", help="directory of the arena (tmpfs)")
     p.add_argument("--arena-size", type=_size, default="1G", help="arena bytes (e.g. 4G, 16Gi)")
     p.add_argument(
@@ -181,6 +198,15 @@ def _configure_logging(label: str) -> logging.Logger:
     return log
 
 
+def _start_forkserver() -> None:
+    from multiprocess import forkserver
+
+    try:
+        forkserver.ensure_running()
+    except Exception as e:  # noqa: BLE001 - the first worker start tries again, and reports
+        log.warning("could not start the forkserver ahead of use: %s", e)
+
+
 def _start_service(args: argparse.Namespace, arena: SidecarArena) -> tuple[SidecarService, WorkerPool | None]:
     """The service over `arena` and its worker processes (none with `--processes 0`); shipped
     code's `colocar.shm.empty` allocates in `arena` from here on."""
@@ -193,9 +219,12 @@ def _start_service(args: argparse.Namespace, arena: SidecarArena) -> tuple[Sidec
     shm_context.install(
         lambda shape, dtype, pool: arena.empty(shape, dtype, pool, timeout, cancels.current()), arena
     )
-    # Every worker process (call workers, pipeline workers) forks from one forkserver, started on
-    # first use; what it preloads, each worker has at once (grain alone takes a second to import).
+    # Every worker process (call workers, pipeline workers) forks from one forkserver; what it
+    # preloads, each worker has at once. It starts now, in the background (its own process
+    # imports the preload), so that the first pipeline's or call's workers do not wait for a
+    # Python process to start and import.
     multiprocess.get_context("forkserver").set_forkserver_preload(FORKSERVER_PRELOAD)
+    threading.Thread(target=_start_forkserver, name="colocar-forkserver-start", daemon=True).start()
     workers = WorkerPool(args.processes, arena) if args.processes > 0 else None
     return SidecarService(arena, workers, config), workers
 
@@ -257,18 +286,25 @@ def _stop_event(parent_pid: int) -> tuple[threading.Event, list[str]]:
 
 
 def _announce(
-    ready_file: str | None, bound: str, arena: SidecarArena, metrics: MetricsEndpoint | None
+    args: argparse.Namespace, bound: str, arena: SidecarArena, metrics: MetricsEndpoint | None
 ) -> None:
-    """Writes the ready file (atomically: a reader never sees half of it) and says on stderr
-    where it serves (calls, and metrics if on) and which dead sidecars' arenas it removed."""
+    """Writes the ready file (atomically: a reader never sees half of it) and the ready fd,
+    and says on stderr where it serves (calls, and metrics if on) and which dead sidecars'
+    arenas it removed."""
     info = {"address": bound, "pid": os.getpid(), "arena": arena.arena.path}
     if metrics is not None:
         info["metrics"] = metrics.address
-    if ready_file:
-        tmp = ready_file + ".tmp"
+    if args.ready_file:
+        tmp = args.ready_file + ".tmp"
         with open(tmp, "w") as f:
             json.dump(info, f)
-        os.replace(tmp, ready_file)
+        os.replace(tmp, args.ready_file)
+    if args.ready_fd is not None:
+        try:
+            with open(args.ready_fd, "w", closefd=True) as f:
+                f.write(json.dumps(info) + "\n")
+        except OSError as e:  # the parent went away: it no longer waits for us
+            log.warning("cannot write to --ready-fd %d: %s", args.ready_fd, e)
     log.info("colocar sidecar serving on %s (arena %s)", bound, arena.arena.path)
     if metrics is not None:
         log.info("metrics on http://%s/metrics", metrics.address)
@@ -316,6 +352,8 @@ def _security(args: argparse.Namespace) -> tuple[str | None, grpc.ServerCredenti
 def serve(argv: list[str] | None = None) -> int:
     """Runs a sidecar until SIGTERM, SIGINT or its parent's end, then drains and exits 0."""
     args = build_parser().parse_args(argv)
+    if args.ready_fd is not None:  # for us alone: no child process (the forkserver) inherits it
+        os.set_inheritable(args.ready_fd, False)
     _configure_logging(args.label)
     token, credentials = _security(args)
     metrics = _start_metrics(args)
@@ -330,7 +368,7 @@ def serve(argv: list[str] | None = None) -> int:
     link = _start_link(service, arena.arena.path, token)
     server, health_servicer, bound = _start_grpc(args, service, token, credentials, arena)
     stop, why = _stop_event(args.parent_pid)
-    _announce(args.ready_file, bound, arena, metrics)
+    _announce(args, bound, arena, metrics)
     while not stop.wait(0.5):
         pass
     log.info(

@@ -1,0 +1,145 @@
+"""A sidecar process that `local_cluster` started: its process, log, ready pipe and files.
+
+The sidecar says it is ready with one JSON line (address, pid, arena) on a pipe it inherits
+(`--ready-fd`); `wait_ready` waits on every sidecar's pipe at once (a selector, no polling)
+and fails as soon as one ends without its line (the sidecar exited).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import selectors
+import signal
+import subprocess
+import time
+from typing import TYPE_CHECKING, Any
+
+from colocar.errors import ColocarError
+
+if TYPE_CHECKING:
+    from .connection import HostConnection
+    from .exits import ExitWatch
+
+
+class Sidecar:
+    """One spawned sidecar process and its files."""
+
+    def __init__(self, index: int, workdir: str, argv: list[str], env: dict[str, str], persist: bool):
+        self.index = index
+        self.log_file = os.path.join(workdir, f"host{index}.log")
+        self.spawn(argv, env, persist)
+
+    def spawn(self, argv: list[str], env: dict[str, str], persist: bool) -> None:
+        """Starts the process (again, after `restart_host`: its log is appended to). It says it
+        is ready on a pipe (`--ready-fd`), which `wait_ready` waits on (no polling)."""
+        self.info: dict[str, Any] | None = None
+        self.terminated = False
+        self._ready_buffer = b""
+        read_end, write_end = os.pipe()
+        try:
+            with open(self.log_file, "ab") as log:
+                self.process = subprocess.Popen(
+                    [*argv, "--ready-fd", str(write_end), "--label", f"host{self.index}"],
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    start_new_session=persist,
+                    pass_fds=(write_end,),
+                )
+        except BaseException:
+            os.close(read_end)
+            raise
+        finally:
+            os.close(write_end)
+        os.set_blocking(read_end, False)
+        self.ready_fd: int | None = read_end
+
+    def poll_ready(self) -> bool:
+        """Reads what the sidecar wrote on its ready pipe so far; True once its line is whole."""
+        if self.info is None and self.ready_fd is not None:
+            try:
+                chunk = os.read(self.ready_fd, 65536)
+            except BlockingIOError:
+                return False
+            self._ready_buffer += chunk
+            if self._ready_buffer.endswith(b"\n"):
+                self.info = json.loads(self._ready_buffer)
+            if self.info is not None or not chunk:  # the line, or the end (the sidecar exited)
+                self.close_ready_fd()
+        return self.info is not None
+
+    def close_ready_fd(self) -> None:
+        if self.ready_fd is not None:
+            os.close(self.ready_fd)
+            self.ready_fd = None
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            with open(self.log_file, errors="replace") as f:
+                return "".join(f.readlines()[-lines:])
+        except OSError:
+            return ""
+
+    def status(self) -> str | None:
+        code = self.process.poll()
+        return None if code is None else f"sidecar process exited with code {code}"
+
+    def watch_exit(self, exits: ExitWatch, connection: HostConnection) -> None:
+        """Marks `connection`'s session lost as soon as this process exits (bound to this
+        connection: a later one, after `restart_host`, is never marked by the old process)."""
+        session = connection.session
+        exits.watch(self.process.pid, lambda: session.mark_lost(self.status() or "sidecar process exited"))
+
+    def terminate(self) -> None:
+        """Asks the sidecar to drain and exit (SIGTERM, once); `stop` waits for it."""
+        if self.process.poll() is None and not self.terminated:
+            self.process.send_signal(signal.SIGTERM)
+            self.terminated = True
+
+    def stop(self, grace: float) -> None:
+        if self.process.poll() is None:
+            self.terminate()
+            try:
+                self.process.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+        self.remove_files()
+
+    def remove_files(self) -> None:
+        """The arena and link socket of a sidecar killed before it could remove them."""
+        arena = (self.info or {}).get("arena")
+        if arena:
+            for path in (arena, arena.removesuffix(".arena") + ".sock"):
+                if os.path.exists(path):
+                    os.unlink(path)
+
+
+def wait_ready(sidecars: list[Sidecar], startup_timeout: float) -> None:
+    """Waits until every sidecar said it is ready on its pipe; fails at once if one exited."""
+    deadline = time.monotonic() + startup_timeout
+    try:
+        with selectors.DefaultSelector() as selector:
+            for s in sidecars:
+                if not s.poll_ready() and s.ready_fd is not None:
+                    selector.register(s.ready_fd, selectors.EVENT_READ, s)
+            while not all(s.info is not None for s in sidecars):
+                for s in sidecars:
+                    if s.info is None and s.ready_fd is None:  # its pipe ended without the line
+                        with contextlib.suppress(subprocess.TimeoutExpired):
+                            s.process.wait(timeout=5)  # for the end of its log
+                        raise ColocarError(f"sidecar host{s.index} failed to start:\n{s.log_tail()}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ColocarError(f"sidecars did not start within {startup_timeout} s")
+                for key, _ in selector.select(timeout=min(left, 1.0)):
+                    sidecar: Sidecar = key.data
+                    fd = key.fd
+                    if sidecar.poll_ready() or sidecar.ready_fd is None:
+                        selector.unregister(fd)
+    finally:
+        for s in sidecars:
+            s.close_ready_fd()
