@@ -28,11 +28,10 @@ import yaml
 from helpers import wait_for
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from k8s_helpers import EXAMPLE_ARGS, REPO, containers_of, of_kind, pod_templates
+from k8s_helpers import EXAMPLE_ARGS, REPO, containers_of, of_kind, pod_templates, unknown_fields
 from loaders_helpers import config, labels
 from prometheus_client.parser import text_string_to_metric_families
 from security_helpers import DEADLINE, SHM_DIR, kill_sidecar, sidecar_argv
-from test_k8s import _unknown_fields
 
 import colocar
 from colocar import loaders
@@ -278,7 +277,7 @@ def test_pod_monitoring_validates_and_selects_the_host_pods() -> None:
     (monitoring,) = of_kind(objects, "PodMonitoring")
     schema = _pod_monitoring_schema()
     jsonschema.validators.validator_for(schema)(schema).validate(monitoring)
-    assert _unknown_fields(monitoring, schema) == []
+    assert unknown_fields(monitoring, schema) == []
     assert monitoring["apiVersion"] == "monitoring.googleapis.com/v1"
     (endpoint,) = monitoring["spec"]["endpoints"]
     assert endpoint["port"] == "metrics" and endpoint["path"] == METRICS_PATH

@@ -110,9 +110,7 @@ class Cluster:
         target = self.host(host)
         old = target.connection
         if old.session.lost is None:
-            raise ColocarError(
-                f"{target.name} ({target.address}) is not lost: only a lost host is replaced"
-            )
+            raise ColocarError(f"{target.name} ({target.address}) is not lost: only a lost host is replaced")
         target.connection = old.replacement(address, connect_timeout=timeout)
         old.close()  # lost already: ends its threads, calls nobody
         return target
