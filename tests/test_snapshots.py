@@ -41,15 +41,16 @@ def four_hosts():
         arena_size=16 * MiB,
         pools={POOL: 1 * MiB},
         processes=0,
-        lease_seconds=2,
-        heartbeat_seconds=0.5,
+        lease_seconds=6,  # a killed sidecar is lost at once (its exit is watched); a sidecar
+        heartbeat_seconds=1.0,  # stalled a second by its first tensorstore import is not
     ) as c:
         yield c
 
 
 def _cluster(make_cluster, pool_bytes: int = 4 * MiB, shm: bool = True):
     arena = 12 * MiB + pool_bytes
-    return make_cluster(hosts=4, arena_size=arena, pools={POOL: pool_bytes}, processes=0, shm=shm)
+    patient = {"lease_seconds": 6, "heartbeat_seconds": 1.0}  # as in `four_hosts`
+    return make_cluster(hosts=4, arena_size=arena, pools={POOL: pool_bytes}, processes=0, shm=shm, **patient)
 
 
 def _state(cluster, seed: int, rows: int = 64) -> dict:
