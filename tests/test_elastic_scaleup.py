@@ -82,7 +82,11 @@ def _check_exact(c, log: Log, final, remeshed: int, ref_ids: list) -> None:
 
 @pytest.mark.parametrize(
     "snapshots, address",
-    [(True, None), (True, "127.0.0.1:0"), pytest.param(False, None, marks=pytest.mark.slow)],
+    [
+        (True, None),
+        pytest.param(True, "127.0.0.1:0", marks=pytest.mark.slow),  # quick: test_restart_host_...
+        pytest.param(False, None, marks=pytest.mark.slow),
+    ],
     ids=["snapshots", "new-address", "storage"],
 )
 def test_a_restarted_host_rejoins_bit_exactly_and_leaves_nothing_behind(
