@@ -10,13 +10,11 @@ from typing import Any
 import jsonschema
 import kubernetes_validate
 import pytest
-import yaml
 from k8s_helpers import (
-    CRD_NAME,
     K8S_VERSION,
-    REPO,
     containers_of,
     env_of,
+    load_jobset_schema,
     of_kind,
     pod_templates,
     render_case,
@@ -29,10 +27,7 @@ from colocar.k8s.pod import SIDECAR, TRAINER
 
 @pytest.fixture(scope="module")
 def jobset_schema() -> dict[str, Any]:
-    with open(REPO / "tests" / "data" / "schemas" / CRD_NAME) as f:
-        crd = yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
-    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1alpha2"]
-    return version["schema"]["openAPIV3Schema"]
+    return load_jobset_schema()
 
 
 @pytest.mark.parametrize("topology", list(TOPOLOGIES))
