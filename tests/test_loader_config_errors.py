@@ -271,5 +271,5 @@ def test_config_error_is_a_value_error() -> None:
 
 def test_config_module_imports_no_jax() -> None:
     env = dict(os.environ, PYTHONPATH=str(REPO))  # colocar from this checkout, as `-c` in REPO did
-    run = [sys.executable, program("imports_without_jax"), "colocar.loaders.config", "assert"]
+    run = [sys.executable, program("imports_without_jax"), "assert", "colocar.loaders.config"]
     subprocess.run(run, check=True, cwd=REPO, env=env)

@@ -242,5 +242,5 @@ def test_block_of_and_arena_offset(arena, tmp_path):
 
 
 def test_shm_does_not_import_jax():
-    out = _run("imports_without_jax", "colocar.shm", "print")
+    out = _run("imports_without_jax", "print", "colocar.shm")
     assert out.strip() == "[]"

@@ -16,7 +16,7 @@ import threading
 import weakref
 from typing import Any
 
-from .lease import holder_of
+from . import layout
 from .storage import Storage
 
 _WRITERS: weakref.WeakSet[Any] = weakref.WeakSet()  # every CheckpointWriter of this process
@@ -45,7 +45,7 @@ def check_lease(storage: Storage, owner: str) -> None:
     a writer made without an owner: nothing to check)."""
     if not owner:
         return
-    holder = holder_of(storage)
+    holder = layout.holder_of(storage)
     if holder.get("owner") not in (None, owner):
         raise RuntimeError(
             f"another CheckpointManager (pid {holder.get('pid')} on {holder.get('hostname')}) holds the "

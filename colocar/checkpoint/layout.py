@@ -104,6 +104,15 @@ def marker_of(storage: Any, name: str, attempt: str) -> dict[str, Any] | None:
     return body if isinstance(body, dict) and body.get("attempt") == attempt else None
 
 
+def holder_of(storage: Any) -> dict[str, Any]:
+    """The writer lease's content ({} when there is none, or it is unreadable)."""
+    try:
+        holder = json.loads(storage.read(WRITER_LEASE) or b"{}")
+    except ValueError:
+        return {}
+    return holder if isinstance(holder, dict) else {}
+
+
 def array_layout(manifest: dict[str, Any]) -> str:
     """How the manifest's arrays are named: KEYPATH_LAYOUT or INDEX_LAYOUT (formats 1 and 2,
     which say nothing); CheckpointError for any other."""

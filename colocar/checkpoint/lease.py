@@ -31,15 +31,6 @@ from . import layout
 from .storage import Storage
 
 
-def holder_of(storage: Storage) -> dict[str, Any]:
-    """The lease's content ({} when there is none, or it is unreadable)."""
-    try:
-        holder = json.loads(storage.read(layout.WRITER_LEASE) or b"{}")
-    except ValueError:
-        return {}
-    return holder if isinstance(holder, dict) else {}
-
-
 def _pid_namespace() -> str:
     try:
         return os.readlink("/proc/self/ns/pid")
@@ -102,7 +93,7 @@ class WriterLease:
         return json.dumps(holder).encode()
 
     def _holder(self) -> dict:
-        return holder_of(self.storage)
+        return layout.holder_of(self.storage)
 
     def _session_left(self, holder: dict[str, Any]) -> float | None:
         """Seconds until the holder's controller session lapses on its sidecar (0.0: it ended,

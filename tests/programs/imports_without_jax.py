@@ -1,15 +1,18 @@
-"""Imports a colocar module and prints which heavy modules it pulled in, or asserts none.
+"""Imports colocar modules and prints which heavy modules they pulled in, or asserts none.
 
-Run by test_shm.py (`colocar.shm`: prints the list) and test_loader_config_errors.py
-(`colocar.loaders.config`: asserts that JAX stays out); argv: the module, "print" or "assert".
+Run by test_shm.py (`colocar.shm`: prints the list), test_loader_config_errors.py
+(`colocar.loaders.config`) and test_sidecar_imports.py (the sidecar-side modules); argv:
+"print" or "assert", then the modules. "assert" imports them in order and names the first that
+pulled JAX in.
 """
 
 import importlib
 import sys
 
-module, mode = sys.argv[1:3]
-importlib.import_module(module)
+mode, modules = sys.argv[1], sys.argv[2:]
+for module in modules:
+    importlib.import_module(module)
+    if mode == "assert":
+        assert "jax" not in sys.modules, f"importing {module} imported jax"
 if mode == "print":
     print(sorted(m for m in ("jax", "grpc", "jaxlib") if m in sys.modules))
-else:
-    assert "jax" not in sys.modules, "jax imported"
