@@ -141,6 +141,8 @@ def test_save_to_writes_a_committed_checkpoint_from_the_sidecars(make_cluster, t
         results = _resume(sidecars, directory, "save")
         assert results[0]["step"] == results[1]["step"] in (4, 5)
         assert results[0]["refilled_bytes"] > 0
+        # each process's sidecar wrote its own part from the blocks; nothing came from the devices
+        assert all(r["pieces"] > 0 and r["device_bytes"] == 0 for r in results), results
         assert os.listdir(directory)  # the committed step is in storage
     finally:
         cluster.make_current()

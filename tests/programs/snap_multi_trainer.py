@@ -137,7 +137,9 @@ if mode == "save":  # to storage from the sidecars' blocks, then restored from t
     assert manager.latest_step() == step, manager.all_steps()
     check(manager.restore(step, target), step)
     check(manager.restore(step, target_on(RESHARDED[1])), step, RESHARDED[1])
-    print("OK", json.dumps({"step": step, "refilled_bytes": snaps.stats()["refilled_bytes"]}), flush=True)
+    saved = manager.stats()["save"]  # this process's part: pieces written, none copied from devices
+    out = {"step": step, "refilled_bytes": snaps.stats()["refilled_bytes"], "pieces": saved["pieces"]}
+    print("OK", json.dumps({**out, "device_bytes": saved["bytes"]}), flush=True)
     manager.close()
     sys.exit(0)
 state = snaps.restore(step, target)
