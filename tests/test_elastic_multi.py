@@ -2,7 +2,9 @@
 own shards into its own sidecar with a replica on the other's, are killed (SIGKILL) and started
 again: they find the sidecars still holding the snapshots, agree on the newest one complete
 everywhere and restore it from RAM, bit for bit; a sidecar replaced by an empty one meanwhile
-gets its shards back from the peer's replicas.
+gets its shards back from the peer's replicas. They also restore onto other shardings and
+meshes (parts of the peer's shards read keeper to keeper), and `save_to` writes a snapshot to
+storage from the sidecars' blocks as a committed step that CheckpointManager restores.
 """
 
 from __future__ import annotations
