@@ -2,7 +2,9 @@
 own shards into its own sidecar with a replica on the other's, are killed (SIGKILL) and started
 again: they find the sidecars still holding the snapshots, agree on the newest one complete
 everywhere and restore it from RAM, bit for bit; a sidecar replaced by an empty one meanwhile
-gets its shards back from the peer's replicas.
+gets its shards back from the peer's replicas. They also restore onto other shardings and
+meshes (parts of the peer's shards read keeper to keeper), and `save_to` writes a snapshot to
+storage from the sidecars' blocks as a committed step that CheckpointManager restores.
 """
 
 from __future__ import annotations
@@ -22,16 +24,24 @@ def _train_then_kill(sidecars, directory: str) -> None:
         for t in trainers:
             line = t.stdout.readline()
             if not line.startswith("ready"):
+                _ended(t)  # a failed trainer's traceback is still being written
                 stop(trainers)
-                raise AssertionError(line + t.communicate(timeout=60)[0][-3000:])
+                raise AssertionError((line + t.stdout.read())[-3000:])
             assert 4 in json.loads(line.split(" ", 1)[1]), line
     finally:
         stop(trainers)  # SIGKILL: no close(), the keepers stay with their snapshots
     for host in sidecars.hosts:  # the trainers' sessions lapse; the snapshot blocks stay
         # left: this test's session and the one the peer's keeper opened to send its replicas
         wait_for(lambda host=host: host.stats()["sessions"] == 2, "the killed trainers' sessions to lapse")
-        # each step: 7 shards of its own (w: 4, b: 1, v: 2) and 7 replicas of the peer's
-        assert host.stats()["pools"]["default"]["blocks"] >= 14, host.stats()
+        # each step: 9 shards of its own (w: 4, b: 1, v: 2, h: 1, s: 1) and 9 replicas of the peer's
+        assert host.stats()["pools"]["default"]["blocks"] >= 18, host.stats()
+
+
+def _ended(trainer) -> None:
+    try:
+        trainer.wait(timeout=30)
+    except Exception:  # noqa: BLE001 - still running: stopped next
+        pass
 
 
 def _resume(sidecars, directory: str, mode: str = "resume") -> list[dict]:
@@ -75,6 +85,7 @@ def test_killed_trainers_resume_from_the_sidecars_ram(make_cluster, tmp_path, cl
         results = _resume(sidecars, directory)
         assert results[0]["step"] == results[1]["step"] in (4, 5)  # step 5 counts if both committed
         assert [r["refilled_bytes"] for r in results] == [0, 0]  # nothing was lost: read in place
+        assert [r["fetched"] for r in results] == [0, 0]  # the saved layout: nothing from the peer
         assert not os.path.exists(directory)  # no storage anywhere: it came from RAM
     finally:
         cluster.make_current()
@@ -96,5 +107,44 @@ def test_a_replaced_sidecar_gets_its_shards_back_from_the_peer(make_cluster, tmp
         results = _resume(sidecars, directory)
         assert [r["step"] for r in results] == [step, step]
         assert results[0]["refilled_bytes"] == 0 and results[1]["refilled_bytes"] > 0
+    finally:
+        cluster.make_current()
+
+
+def test_restart_restores_onto_other_shardings(make_cluster, tmp_path, cluster):
+    """Onto other partition specs and another mesh of the same devices: each process's devices
+    need parts of the other's shards, which its keeper fetches from the peer's."""
+    sidecars = make_cluster(hosts=2, arena_size=16 * MiB, persist=True, lease_seconds=5)
+    directory = str(tmp_path / "unused")
+    try:
+        _train_then_kill(sidecars, directory)
+        results = _resume(sidecars, directory, "reshard")
+        assert results[0]["step"] == results[1]["step"] in (4, 5)
+        assert [r["refilled_bytes"] for r in results] == [0, 0]
+        # the saved layout read in place, the others partly from the peer's keeper
+        assert all(r["fetched"][0] == 0 < r["fetched"][1] for r in results), results
+        _replace(sidecars, 0)  # an empty sidecar: refilled from the peer, then resharded
+        results = _resume(sidecars, directory, "reshard")
+        # process 1's keeper sent process 0's shards back (its bytes count where sent)
+        assert results[0]["refilled_bytes"] == 0 and results[1]["refilled_bytes"] > 0
+    finally:
+        cluster.make_current()
+
+
+def test_save_to_writes_a_committed_checkpoint_from_the_sidecars(make_cluster, tmp_path, cluster):
+    """After a restart, with one sidecar replaced by an empty one: `save_to` refills it, then
+    each process's sidecar writes its replica-0 shards; CheckpointManager restores the step
+    bit for bit, in the saved layout and another one."""
+    sidecars = make_cluster(hosts=2, arena_size=16 * MiB, persist=True, lease_seconds=5)
+    directory = str(tmp_path / "ckpt")
+    try:
+        _train_then_kill(sidecars, directory)
+        _replace(sidecars, 1)
+        results = _resume(sidecars, directory, "save")
+        assert results[0]["step"] == results[1]["step"] in (4, 5)
+        assert results[0]["refilled_bytes"] > 0
+        # each process's sidecar wrote its own part from the blocks; nothing came from the devices
+        assert all(r["pieces"] > 0 and r["device_bytes"] == 0 for r in results), results
+        assert os.listdir(directory)  # the committed step is in storage
     finally:
         cluster.make_current()

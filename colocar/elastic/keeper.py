@@ -265,10 +265,19 @@ class SnapshotKeeper:
             out.append(result)
         return out
 
-    def write_to(self, step: int, attempt: str, save_step: int, save_attempt: str, items: list) -> int:
+    def write_to(
+        self,
+        step: int,
+        attempt: str,
+        save_step: int,
+        save_attempt: str,
+        items: list,
+        extra: tuple | list = (),
+    ) -> int:
         """Hands the checkpoint writer of this sidecar that began `save_attempt` at `save_step`
         views of this host's own blocks of snapshot `step`: items (leaf, bounds, held leaf, held
-        bounds). The views keep their blocks until written, whatever `begin` or `drop` do."""
+        bounds), and the pieces (leaf, bounds, array) in `extra` (host data the controller sends).
+        The views keep their blocks until written, whatever `begin` or `drop` do."""
         from colocar.checkpoint.writer_backend import writer_for
 
         self._touch()
@@ -283,6 +292,7 @@ class SnapshotKeeper:
                 starts = [lo for lo, _ in held_bounds]
                 local = tuple(slice(a - lo, b - lo) for (a, b), lo in zip(bounds, starts, strict=True))
                 pieces.append((leaf, bounds, block[local] if block.ndim else block))
+        pieces.extend((leaf, bounds, np.asarray(data)) for leaf, bounds, data in extra)
         writer_for(save_step, save_attempt).write(save_step, pieces, len(pieces))
         return sum(p[2].nbytes for p in pieces)
 

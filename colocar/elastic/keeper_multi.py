@@ -9,8 +9,10 @@ keeper (`peers.py`). On top of `SnapshotKeeper` this keeper
 * hands its process's commit record to the peers holding its replicas (`share_record`), so a
   replaced host's record survives with its shards;
 * reports what it holds per source host (`holdings_by_source`), reads only its own blocks
-  (`read_own`), and refills a peer from what it holds (`push`): the peer's own shards from the
-  replicas held here, or this host's shards as the peer's replicas again.
+  (`read_own`), stitches slices from its own blocks and the peers' (`read_across`: a restore
+  onto another sharding, the peers' parts read keeper to keeper), and refills a peer from
+  what it holds (`push`): the peer's own shards from the replicas held here, or this host's
+  shards as the peer's replicas again.
 """
 
 from __future__ import annotations
@@ -130,6 +132,58 @@ class MultiKeeper(SnapshotKeeper):
                 )
             out.append(result)
         return out
+
+    def read_across(
+        self, step: int, attempt: str, requests: list[tuple[int, str, Any, Any]], peers: dict[int, tuple]
+    ) -> list[np.ndarray]:
+        """[(leaf, dtype, bounds, parts)], parts [(process, part bounds)] -> arena arrays, each
+        stitched from its parts: this host's cut from its own blocks, the other processes' read
+        from their keepers (`peers`: process -> Target) over the peer path, never through a
+        controller. The parts must fill each slice exactly."""
+        self._touch()
+        import ml_dtypes  # noqa: F401 - registers bfloat16 & co. with numpy
+
+        from colocar.shm import empty
+
+        wanted: dict[int, list[tuple[int, str, Any]]] = {}  # process -> its parts to cut
+        slots = []  # per request: [(process, index in wanted[process], part)]
+        for leaf, dtype, _, parts in requests:
+            slot = []
+            for process, part in parts:
+                cut = wanted.setdefault(int(process), [])
+                slot.append((int(process), len(cut), key_of(leaf, part)[1]))
+                cut.append((leaf, dtype, [list(b) for b in part]))
+            slots.append(slot)
+        got = self._read_parts(step, attempt, wanted, peers)
+        out = []
+        for (leaf, dtype, bounds, _), slot in zip(requests, slots, strict=True):
+            want = key_of(leaf, bounds)[1]
+            result = empty(tuple(b - a for a, b in want), np.dtype(dtype))
+            covered = sum(_copy_overlap(result, want, np.asarray(got[p][i]), part) for p, i, part in slot)
+            if covered != result.size:
+                raise KeyError(
+                    f"the parts of leaf {leaf} {bounds} of step {step} fill {covered} of {result.size}"
+                )
+            out.append(result)
+        return out
+
+    def _read_parts(
+        self, step: int, attempt: str, wanted: dict[int, list[Any]], peers: dict[int, tuple]
+    ) -> dict[int, list[np.ndarray]]:
+        """Each process's parts: the peers cut theirs at once while this host cuts its own."""
+        futures = {}
+        try:
+            for process, cut in wanted.items():
+                if process != self.host:
+                    peer = self._peers._keeper(Target(*peers[process]))
+                    futures[process] = peer.read_own.submit(step, attempt, cut)
+            got = {self.host: self.read_own(step, attempt, wanted[self.host])} if self.host in wanted else {}
+            got.update({process: list(future.result()) for process, future in futures.items()})
+            return got
+        except BaseException:
+            for future in futures.values():
+                future.give_up()
+            raise
 
     def push(self, step: int, attempt: str, source: int, target: tuple) -> int:
         """Sends `source`'s blocks of `step` held here (this host's own, or a replica) and its

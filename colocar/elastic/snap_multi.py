@@ -10,8 +10,9 @@ process's record and shards are in place: the processes learn it from each other
 
 Restarted trainers (new processes, same sidecars) make a `Snapshots` of the same `name`: the
 keepers are detached and still hold the blocks; `latest()` agrees on the newest step complete
-everywhere and `restore` refills a replaced (empty) sidecar from its peers' replicas before
-each process reads its devices' slices from its own sidecar (`snap_refill.py`).
+everywhere and `restore` refills a replaced (empty) sidecar from its peers' replicas
+(`snap_refill.py`) before each process builds its devices' slices of the target, of the saved
+sharding or another one (`snap_mc_restore.py`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from colocar.errors import SnapshotError
 from colocar.shm import ArenaFullError
 from colocar.shm.allocator import footprint
 
-from . import snap_agree, snap_refill, snap_take
+from . import snap_agree, snap_mc_restore, snap_mc_save, snap_refill, snap_take
 from .keeper_multi import MultiKeeper
 from .peers import PeerOptions, Target
 
@@ -90,6 +91,7 @@ class MultiSnapshots:
         self._takes = 0
         self._pending: tuple[int, threading.Thread, list[bool]] | None = None  # step, committer, ok
         self._stats: dict[str, Any] = {"taken": 0, "skipped": 0, "last_take": {}, "refilled_bytes": 0}
+        self._stats["fetched_bytes"] = 0  # read from the peers' keepers by restores onto other layouts
         self._closed = False
         self.keeper = self._open_keeper(peer_options, idle_seconds)
         self._committed = [s for s, _ in self._survey()][-keep:]
@@ -118,7 +120,9 @@ class MultiSnapshots:
             prev_ok = self._finish_pending()
             attempt = f"{self.incarnation}/{self._takes}"
             self._takes += 1
-            pieces, record = snap_refill.plan(step, attempt, tree, self.process, self.targets[self.process])
+            pieces, record = snap_refill.plan(
+                step, attempt, tree, self.process, self.targets[self.process], self.cluster
+            )
             need = sum(footprint(p.nbytes) for p in pieces) * (1 + self.replicas)
             reason = self._misfit(step, need)
             said = self._exchange.allgather(json.dumps([prev_ok, reason]), f"take of step {step}")
@@ -222,8 +226,10 @@ class MultiSnapshots:
         return found[-1][0] if found else None
 
     def restore(self, step: int, target: Any, hosts: Any = None) -> Any:
-        """Snapshot `step` onto `target`, each process its addressable devices' slices, read
-        from its own sidecar after refilling it from peers' replicas where it lost them."""
+        """Snapshot `step` onto `target` (any sharding of the saved shapes), each process its
+        addressable devices' slices, after refilling sidecars that lost their shards from the
+        peers' replicas: read from its own sidecar, parts held by the other processes' sidecars
+        fetched into it keeper to keeper (`snap_mc_restore.py`); a collective."""
         with self._lock:
             found = dict(self._survey())
             if step not in found:
@@ -232,16 +238,18 @@ class MultiSnapshots:
                 )
             attempt = found[step]
             self._stats["refilled_bytes"] += snap_refill.refill(self, step, attempt)
-            out = snap_refill.restore(self.keeper, step, attempt, target)
+            out = snap_mc_restore.restore(self, step, attempt, target)
             self._committed = sorted({*self._committed, step})[-self.keep :]
             return out
 
     def save_to(self, manager: Any, step: int, *, metadata: dict[str, Any] | None = None) -> bool:
-        """Not under multi-controller JAX yet: save the state with `manager.save` instead."""
-        raise SnapshotError(
-            "saving a snapshot to storage (save_to) needs a single controller; with several JAX "
-            "processes save the state with CheckpointManager.save"
-        )
+        """Snapshot `step` written to storage through `manager` (a multi-controller
+        CheckpointManager on this process's sidecar) from the blocks in the sidecars: each
+        distinct shard by the one process holding its replica 0, as `manager.save` writes it;
+        a collective. The result is a normal committed step (`snap_mc_save.py`)."""
+        with self._lock:
+            self.wait()
+            return snap_mc_save.save_to(self, manager, step, metadata)
 
     def stats(self) -> dict[str, Any]:
         return {**self._stats, "committed": list(self._committed), "process": self.process}

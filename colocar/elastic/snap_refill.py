@@ -1,11 +1,11 @@
-"""One process's part of a multi-controller snapshot: its pieces, and its restore (controller).
+"""One process's part of a multi-controller snapshot: its pieces, and its refill (controller).
 
 `plan` lists this process's addressable shards, each distinct one once (replicated arrays too:
 every process then restores its own devices from its own host), and the record a restore
-needs. `refill` brings back what replaced sidecars lost, keeper to keeper: first each process's
-own shards from a peer's replica, then the replicas its peers should hold, each round ended by
-an exchange. `restore` reads this process's devices' slices from its own keeper and builds the
-global arrays from them.
+(and a storage save, `snap_mc_save.py`) needs. `refill` brings back what replaced sidecars
+lost, keeper to keeper: first each process's own shards from a peer's replica, then the
+replicas its peers should hold, each round ended by an exchange (the restore itself:
+`snap_mc_restore.py`).
 """
 
 from __future__ import annotations
@@ -22,12 +22,15 @@ from colocar.checkpoint import tree
 from colocar.checkpoint.save import Piece, shard_bounds
 from colocar.errors import SnapshotError
 
-from . import snap_agree
+from . import snap_agree, snap_mc_save
 
 
-def plan(step: int, attempt: str, state: Any, process: int, peers: list[int]) -> tuple[list[Piece], bytes]:
-    """This process's pieces of `state` and its record (pickled)."""
-    named, skeleton, _ = tree.flatten(state)
+def plan(
+    step: int, attempt: str, state: Any, process: int, peers: list[int], cluster: Any
+) -> tuple[list[Piece], bytes]:
+    """This process's pieces of `state` and its record (pickled), with what a storage save of
+    it needs (`snap_mc_save.storage_fields`; `cluster`: this process's)."""
+    named, skeleton, dirs = tree.flatten(state)
     pieces: list[Piece] = []
     leaves: dict[str, dict[str, Any]] = {}
     values: dict[str, Any] = {}
@@ -64,6 +67,7 @@ def plan(step: int, attempt: str, state: Any, process: int, peers: list[int]) ->
         "shards": [(p.leaf, p.bounds) for p in pieces],
         "replicas": peers,
         "jax_version": jax.__version__,
+        **snap_mc_save.storage_fields(named, dirs, cluster),
     }
     return pieces, pickle.dumps(record)
 
@@ -101,50 +105,3 @@ def _target_of(snaps: Any, process: int) -> Any:
 
     address = snaps._addresses[process]
     return Target(process, address, snaps._keeper_name(process))
-
-
-def restore(keeper: Any, step: int, attempt: str, target: Any) -> Any:
-    """This process's record's tree with each array built on its target sharding from the
-    slices of this process's devices, read from its own keeper."""
-    holdings = keeper.holdings_by_source()[step]
-    record = snap_agree.complete(*holdings["own"])
-    if record is None or holdings["attempt"] != attempt:
-        raise SnapshotError(f"snapshot step {step}: this process's sidecar lacks its shards after the refill")
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=lambda x: x is None)
-    values = pickle.loads(record["values"])
-    out: list[Any] = []
-    arrays: dict[int, tuple[str, Any, list[Any]]] = {}
-    requests: list[tuple[int, str, Any]] = []
-    for i, (path, wanted) in enumerate(leaves):
-        key = jax.tree_util.keystr(path)
-        if key in values:
-            out.append(values[key])
-            continue
-        saved = record["leaves"].get(key)
-        if saved is None:
-            raise SnapshotError(f"{key}: not in snapshot step {step} (it holds {record['keys'][:20]})")
-        sharding = getattr(wanted, "sharding", None)
-        if sharding is None or tuple(wanted.shape) != tuple(saved["shape"]):
-            raise SnapshotError(
-                f"{key}: the target needs the saved shape {saved['shape']} and a sharding "
-                f"(got {getattr(wanted, 'shape', None)}, {sharding})"
-            )
-        out.append(None)
-        devices = list(sharding.addressable_devices_indices_map(tuple(saved["shape"])).items())
-        arrays[i] = (key, sharding, [])
-        for device, index in devices:
-            arrays[i][2].append((device, len(requests)))
-            requests.append((saved["index"], saved["dtype"], shard_bounds(index, tuple(saved["shape"]))))
-    try:
-        got = keeper.read_own(step, attempt, requests)
-    except Exception as e:
-        raise SnapshotError(
-            f"snapshot step {step}: reading this process's slices failed ({e}); under multi-controller "
-            "JAX each process restores the slices it saved: give the target the saved layout"
-        ) from e
-    for i, (key, sharding, parts) in arrays.items():
-        shape = tuple(record["leaves"][key]["shape"])
-        dtype = np.dtype(record["leaves"][key]["dtype"])
-        singles = [jax.device_put(np.asarray(got[r], dtype), d) for d, r in parts]
-        out[i] = jax.make_array_from_single_device_arrays(shape, sharding, singles)
-    return jax.tree_util.tree_unflatten(treedef, out)

@@ -21,6 +21,7 @@ from colocar.checkpoint import restore as ckpt_restore
 from colocar.errors import CheckpointError, SnapshotError
 
 from .keeper import Bounds, Key, key_of
+from .snap_slices import check_covered, sources
 
 Survey = dict[int, dict[int, dict[str, Any]]]  # host -> step -> {"record", "attempt", "state", "keys"}
 
@@ -87,11 +88,6 @@ def recoverable(found: Survey) -> list[int]:
     return sorted(s for s in records(found) if usable(found, s) is not None)
 
 
-def _overlap(a: Bounds, b: Bounds) -> Bounds | None:
-    lo_hi = tuple((max(x, z), min(y, w)) for (x, y), (z, w) in zip(a, b, strict=True))
-    return None if any(hi <= lo for lo, hi in lo_hi) else lo_hi
-
-
 def restore(step: int, target: Any, cluster: Any, found: Survey, keepers: dict[int, Any]) -> Any:
     """The snapshot's tree on `target` (a pytree of ShapeDtypeStructs with shardings)."""
     record = usable(found, step)
@@ -141,29 +137,6 @@ def unrecoverable(step: int, found: Survey) -> None:
     )
 
 
-def _sources(
-    h: int, leaf: int, bounds: Bounds, where: dict[Key, list[int]], load: dict[int, int]
-) -> list[tuple[int, Bounds]]:
-    """(host, part) covering one slice: all from one holder when possible, else each
-    intersecting shard from one of its holders; the device's own host first, else the holder
-    serving the fewest bytes so far (`load`, updated)."""
-    parts = [
-        (key, part) for key in where if key[0] == leaf and (part := _overlap(key[1], bounds)) is not None
-    ]
-    common = set.intersection(*[set(where[k]) for k, _ in parts]) if parts else set()
-    chosen = [(common, bounds)] if common else [(set(where[k]), part) for k, part in parts]
-    out = []
-    for hosts, part in chosen:
-        source = h if h in hosts else min(hosts, key=lambda x: (load.get(x, 0), x))
-        load[source] = load.get(source, 0) + _volume(part)
-        out.append((source, part))
-    return out
-
-
-def _volume(bounds: Any) -> int:
-    return int(np.prod([b - a for a, b in bounds], dtype=np.int64))
-
-
 def _read(
     step: int,
     attempt: str,
@@ -179,7 +152,7 @@ def _read(
         plans[h] = []
         for leaf, dtype, bounds in wanted:
             parts = []
-            for source, part in _sources(h, leaf, key_of(leaf, bounds)[1], where, load):
+            for source, part in sources(h, leaf, key_of(leaf, bounds)[1], where, load):
                 parts.append((source, part, len(reads[source])))
                 reads[source].append((leaf, dtype, [list(b) for b in part]))
             plans[h].append((leaf, parts))
@@ -192,25 +165,13 @@ def _read(
                 results[h].append(got[parts[0][0]][parts[0][2]])
                 continue
             whole = np.empty(tuple(b - a for a, b in bounds), np.dtype(dtype))
-            _check_covered(step, leaf, bounds, [p for _, p, _ in parts])
+            check_covered(step, leaf, bounds, [p for _, p, _ in parts])
             for source, part, i in parts:
                 whole[tuple(slice(a - o[0], b - o[0]) for (a, b), o in zip(part, bounds, strict=True))] = got[
                     source
                 ][i]
             results[h].append(whole)
     return results
-
-
-def _check_covered(step: int, leaf: int, bounds: Any, parts: list[Bounds]) -> None:
-    """The parts (disjoint: distinct shards) fill the slice, or SnapshotError: never a slice
-    with a hole in it."""
-    volume = _volume(bounds)
-    got = sum(_volume(part) for part in parts)
-    if got != volume:
-        raise SnapshotError(
-            f"snapshot step {step}: the held shards of leaf {leaf} cover {got} of the {volume} "
-            f"elements of slice {bounds}"
-        )
 
 
 def _fetch(
