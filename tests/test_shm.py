@@ -15,7 +15,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import program
+from helpers import program, wait_for
 
 from colocar.shm import (
     HEADER_BYTES,
@@ -69,6 +69,29 @@ def test_create_attach_round_trip_across_processes(arena):
     out = _run("shm_attach_round_trip", arena.path, arena.size, arena.nonce, HEADER_BYTES)
     assert out.strip() == "hello"
     assert bytes(arena.buffer(HEADER_BYTES + 100, 3)) == b"abc"
+
+
+def _resident_kib(mapping: Arena) -> int:
+    """Resident KiB of this process's mapping of `mapping` (from /proc/self/smaps)."""
+    with open("/proc/self/smaps") as f:
+        lines = f.read().splitlines()
+    start = f"{mapping.base_address:x}-"
+    for i, line in enumerate(lines):
+        if line.startswith(start):
+            return next(int(x.split()[1]) for x in lines[i + 1 :] if x.startswith("Rss:"))
+    raise AssertionError(f"{mapping} is not mapped")
+
+
+def test_attach_maps_lazily_then_prefaults_on_a_thread(arena):
+    arena.buffer(HEADER_BYTES, 5)[:] = b"hello"  # data the pre-faulting must leave alone
+    attached = Arena.attach(arena.path, arena.size, arena.nonce)
+    try:
+        assert _resident_kib(attached) < arena.size // 1024 // 2  # the header page or so
+        attached.prefault_in_background()
+        wait_for(lambda: _resident_kib(attached) >= arena.size // 1024, "the attached arena's pages")
+        assert bytes(attached.buffer(HEADER_BYTES, 5)) == b"hello"
+    finally:
+        attached.close()
 
 
 def test_arena_file_name_mode_and_header(arena, tmp_path):

@@ -62,6 +62,7 @@ class ArenaClient(payload.BlockSpace):
         if self._want_shm and (self.arena is None or self.arena.nonce != reply.arena_nonce):
             try:
                 self.arena = Arena.attach(reply.arena_path, reply.arena_size, reply.arena_nonce)
+                self.arena.prefault_in_background()
             except ShmUnavailableError:
                 self.arena = None
 

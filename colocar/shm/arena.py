@@ -22,6 +22,7 @@ import re
 import secrets
 import shutil
 import struct
+import threading
 import weakref
 
 HEADER_BYTES = 4096
@@ -43,7 +44,8 @@ def _map(fd: int, size: int, populate: bool) -> mmap.mmap:
     (the controller, every worker) maps lazily: pre-faulting would cost it a page-table entry per
     page of the whole arena at start (~50 ms per 256 MiB) and count the whole arena in its RSS,
     while it touches only the blocks it uses; the pages exist already, so a first touch is a
-    minor fault."""
+    minor fault. The controller, which copies every save and batch through it, maps the rest on
+    a thread after attaching (`Arena.prefault_in_background`)."""
     flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
     try:
         return mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
@@ -51,6 +53,25 @@ def _map(fd: int, size: int, populate: bool) -> mmap.mmap:
         if e.errno != errno.EINVAL or flags == mmap.MAP_SHARED:
             raise
         return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels answer EINVAL and map on first touch
+
+
+def _prefault(mm: mmap.mmap, size: int) -> None:
+    """Pre-faults every page of ``mm`` writable, as MAP_POPULATE would have, without touching
+    the data. The buffer export keeps the mapping alive meanwhile (a `close` leaves it to the
+    export); ctypes releases the GIL for the call."""
+    try:
+        anchor = ctypes.c_char.from_buffer(mm)
+    except (ValueError, TypeError):  # closed already
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).madvise(
+            ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(size), _MADV_POPULATE_WRITE
+        )
+    finally:
+        del anchor
 
 
 def _address_of(mm: mmap.mmap) -> int:
@@ -163,6 +184,14 @@ class Arena:
             mm.close()
             raise ShmUnavailableError(f"arena {path!r} is not the expected one ({problem}): {hint}")
         return cls(path, size, hnonce.hex(), mm, None)
+
+    def prefault_in_background(self) -> None:
+        """Maps every page of an attached arena on a daemon thread: the process that copies
+        saves and batches through it (the controller) then pays no page fault on a first
+        touch, and attaching stays instant (see `_map`)."""
+        if self._mmap is not None:
+            args = (self._mmap, self.size)
+            threading.Thread(target=_prefault, args=args, name="colocar-arena-prefault", daemon=True).start()
 
     @property
     def owner(self) -> bool:
