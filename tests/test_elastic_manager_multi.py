@@ -1,0 +1,90 @@
+"""The elastic Manager under multi-controller JAX: two trainer processes (jax.distributed on
+CPU), each on its own sidecar, run the Manager's loop over a global mesh with a real loader,
+snapshotting every step and saving every third; killed (SIGKILL) and started again, they
+resume from the snapshot in the sidecars' RAM, bit for bit, with the data stream continued
+exactly; on fresh (empty) sidecars they fall back to the newest committed storage step.
+"""
+
+from __future__ import annotations
+
+import json
+
+from checkpoint_helpers import MiB
+from helpers import wait_for
+from multi_helpers import stop, two_processes
+
+PROGRAM = "elastic_multi_trainer"
+
+
+def _train_then_kill(sidecars, directory: str) -> list[dict]:
+    """Both trainers run steps 0..6 from init (snapshots of 1..7, saves of 3 and 6), then are
+    killed mid-run."""
+    trainers = two_processes(PROGRAM, sidecars, directory, "train")
+    try:
+        reports = []
+        for t in trainers:
+            lines = []
+            while (line := t.stdout.readline()) and not line.startswith("ready"):
+                lines.append(line)  # jax.distributed's and the loader's chatter
+            if not line:
+                stop(trainers)
+                raise AssertionError("".join(lines)[-3000:])
+            reports.append(json.loads(line.split(" ", 1)[1]))
+    finally:
+        stop(trainers)  # SIGKILL: no close(), the keepers stay with their snapshots
+    for host in sidecars.hosts:  # the trainers' sessions lapse (this test's and a peer's stay)
+        wait_for(lambda host=host: host.stats()["sessions"] <= 2, "the killed trainers' sessions to lapse")
+    return reports
+
+
+def _resume(sidecars, directory: str) -> list[dict]:
+    """Both trainers restore, check the state and every batch, and run to the end."""
+    trainers = two_processes(PROGRAM, sidecars, directory, "resume")
+    try:
+        outputs = [t.communicate(timeout=240)[0] for t in trainers]
+        for t, out in zip(trainers, outputs, strict=True):
+            assert t.returncode == 0 and "OK" in out, out[-3000:]
+    finally:
+        stop(trainers)
+    return [json.loads(out.split("OK", 1)[1].strip().splitlines()[0]) for out in outputs]
+
+
+def _replace(sidecars, h: int) -> None:
+    """Host `h`'s sidecar is replaced: a new, empty one on another port."""
+    sidecars.processes[h].kill()
+    sidecars.processes[h].wait()
+    sidecars.restart_host(h, address="127.0.0.1:0")
+
+
+def test_killed_trainers_resume_the_manager_loop_from_ram(make_cluster, tmp_path, cluster):
+    sidecars = make_cluster(hosts=2, arena_size=16 * MiB, persist=True, lease_seconds=5)
+    directory = str(tmp_path / "ckpt")
+    try:
+        trained = _train_then_kill(sidecars, directory)
+        for r in trained:  # from init, a snapshot per step, a save every third
+            assert r["step"] == 0 and r["restored_from"] == "init", r
+            assert r["counts"]["snapshot"] == 7 and r["counts"]["save"] == 2, r
+        results = _resume(sidecars, directory)
+        step = results[0]["step"]
+        assert step in (6, 7)  # step 7 counts once both processes committed their part
+        for r in results:  # newer than storage's step 6 or as new: RAM wins
+            assert r["step"] == step and r["restored_from"] == "snapshot", r
+            assert r["counts"]["restore"] == 1 and r["counts"]["snapshot"] == 12 - step, r
+            assert "loss" not in r["counts"], r
+    finally:
+        cluster.make_current()
+
+
+def test_fresh_sidecars_fall_back_to_the_newest_committed_save(make_cluster, tmp_path, cluster):
+    sidecars = make_cluster(hosts=2, arena_size=16 * MiB, persist=True, lease_seconds=5)
+    directory = str(tmp_path / "ckpt")
+    try:
+        _train_then_kill(sidecars, directory)
+        for h in (0, 1):  # both replaced: no snapshot anywhere
+            _replace(sidecars, h)
+        results = _resume(sidecars, directory)
+        for r in results:
+            assert r["step"] == 6 and r["restored_from"] == "storage", r
+            assert max(r["committed"]) >= 11, r  # snapshots went on after the restore
+    finally:
+        cluster.make_current()
