@@ -88,3 +88,35 @@ def test_fresh_sidecars_fall_back_to_the_newest_committed_save(make_cluster, tmp
             assert max(r["committed"]) >= 11, r  # snapshots went on after the restore
     finally:
         cluster.make_current()
+
+
+def _lose_host1(sidecars, directory: str) -> dict:
+    """Process 1's sidecar is killed after step 4: process 1 ends with the ElasticError (the
+    job cannot shrink); both trainers are then killed, as a restart in place would."""
+    trainers = two_processes(PROGRAM, sidecars, directory, "lose")
+    try:
+        lines = []
+        while (line := trainers[1].stdout.readline()) and not line.startswith("ELASTIC"):
+            lines.append(line)
+        assert line, "".join(lines)[-3000:]
+    finally:
+        stop(trainers)
+    wait_for(lambda: sidecars.hosts[0].stats()["sessions"] <= 2, "the killed trainer's session to lapse")
+    return json.loads(line.split(" ", 1)[1])
+
+
+def test_a_lost_host_ends_the_trainers_which_resume_from_the_peers_replicas(make_cluster, tmp_path, cluster):
+    sidecars = make_cluster(hosts=2, arena_size=16 * MiB, persist=True, lease_seconds=5)
+    directory = str(tmp_path / "ckpt")
+    try:
+        lost = _lose_host1(sidecars, directory)
+        assert "must exit and be restarted" in lost["error"], lost
+        assert lost["counts"]["loss"] == 1 and lost["counts"]["fault"] == 1, lost
+        _replace(sidecars, 1)  # the lost machine's replacement, empty
+        results = _resume(sidecars, directory)
+        step = results[0]["step"]
+        assert step in (4, 5)  # step 5's replication may have died with the sidecar
+        for r in results:  # host 1's shards came back from host 0's replicas, not storage
+            assert r["step"] == step and r["restored_from"] == "snapshot", r
+    finally:
+        cluster.make_current()

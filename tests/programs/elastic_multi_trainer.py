@@ -3,9 +3,10 @@ own sidecar: snapshots every step, a storage save every 3, data from a real load
 
 Run by test_elastic_manager_multi.py; argv as in ckpt_processes.py (the directory holds the
 checkpoints), then the mode: "train" (from init, steps 0..6, then waits for the saves, prints
-"ready <json>" and waits on stdin to be killed) or "resume" (restores, checks the state bit for
+"ready <json>" and waits on stdin to be killed), "resume" (restores, checks the state bit for
 bit against the state computed from the data, runs to step 12, prints "OK <json>": the step and
-tier it restored from, the events counted).
+tier it restored from, the events counted) or "lose" (process 1's own sidecar is killed after
+step 4: it prints "ELASTIC <json>", the error and the events, and exits; process 0 hangs).
 """
 
 import json
@@ -57,12 +58,17 @@ def shardings(mesh: Mesh) -> dict:
 
 def init(mesh: Mesh) -> dict:
     want = expected(0)
-    return {k: jax.make_array_from_callback(want[k].shape, s, want[k].__getitem__) for k, s in shardings(mesh).items()}
+    return {
+        k: jax.make_array_from_callback(want[k].shape, s, want[k].__getitem__)
+        for k, s in shardings(mesh).items()
+    }
 
 
 def target(mesh: Mesh) -> dict:
     want = expected(0)
-    return {k: jax.ShapeDtypeStruct(want[k].shape, want[k].dtype, sharding=s) for k, s in shardings(mesh).items()}
+    return {
+        k: jax.ShapeDtypeStruct(want[k].shape, want[k].dtype, sharding=s) for k, s in shardings(mesh).items()
+    }
 
 
 @jax.jit
@@ -92,7 +98,11 @@ def check_batch(batch: dict, k: int) -> None:
 
 
 checkpoints = CheckpointManager(directory, cluster, max_chunk_bytes=1 << 20, commit_timeout=30)
-elastic = colocar.elastic.Manager(cluster, checkpoints=checkpoints, snapshot_every=1, save_every=3)
+# "lose": process 1's own sidecar is killed once step 4 is done (its snapshot and save started)
+faults = [colocar.elastic.faults.kill(0, at_step=4)] if mode == "lose" and process == 1 else []
+elastic = colocar.elastic.Manager(
+    cluster, checkpoints=checkpoints, snapshot_every=1, save_every=3, faults=faults
+)
 stop = TRAIN_STEPS if mode == "train" else TOTAL
 
 
@@ -113,7 +123,11 @@ def train(hosts, devices):
     return first
 
 
-first = train()
+try:
+    first = train()
+except colocar.elastic.ElasticError as e:  # "lose": this trainer must exit, to be restarted
+    print("ELASTIC", json.dumps({"error": str(e), "counts": elastic.stats()["counts"]}), flush=True)
+    os._exit(1)  # no jax.distributed shutdown barrier: process 0 is stuck in a collective
 stats = elastic.stats()
 report = {
     "step": first,
