@@ -29,7 +29,7 @@ DEFAULT_NAME = "colocar-elastic"  # multi-controller snapshots' name: restarted 
 class SingleController:
     """One controller drives every host: losses are recovered in-process, hosts rejoin."""
 
-    rejoins = True
+    multi, rejoins = False, True
 
     def devices(self, cluster: Cluster) -> list[Any]:
         return list(cluster.devices)
@@ -54,7 +54,7 @@ class SingleController:
 class MultiController:
     """One JAX process per host, each on its own sidecar: nothing shrinks in-process."""
 
-    rejoins = False
+    multi, rejoins = True, False
 
     def __init__(self, sync_timeout: float = 300.0):
         import jax
@@ -134,6 +134,14 @@ class MultiSnapshotTier(SnapshotTier):
         tree = dict(self.snapshots.restore(step, {**target, META_LEAF: None}))
         tree.pop(META_LEAF)
         return tree
+
+    def close(self, keep: bool = False) -> None:
+        """Deletes this process's keeper and its blocks; `keep`: leaves them (and the replicas
+        it holds for its peers) to the restarted trainer, as a trainer that dies does."""
+        if keep:
+            self.snapshots = None
+            return
+        super().close()
 
     def fallback(self, snap_step: int | None, disk_step: int | None) -> tuple[int, str] | None:
         return None  # the processes agree on the newest complete snapshot; none is skipped

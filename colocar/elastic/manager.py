@@ -376,8 +376,10 @@ class Manager:
             out["checkpoints"] = self.storage.manager.stats()
         return out
 
-    def close(self) -> None:
-        """Waits for the last save, closes the tiers and the view (never the user's cluster)."""
+    def close(self, keep_snapshots: bool = False) -> None:
+        """Waits for the last save, closes the tiers and the view (never the user's cluster).
+        `keep_snapshots` (multi-controller; the default when a `with` block ends in an error
+        there): leaves the snapshots in the sidecars for the restarted trainers."""
         if self._closed:
             return
         self._closed = True
@@ -386,7 +388,7 @@ class Manager:
                 self.storage.close()
         finally:
             if self.snap is not None:
-                self.snap.close()
+                self.snap.close(keep_snapshots)
             if isinstance(self.cluster, ClusterView):
                 self.cluster.close()
 
@@ -394,4 +396,4 @@ class Manager:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.close()
+        self.close(keep_snapshots=exc[0] is not None and self.controllers.multi)

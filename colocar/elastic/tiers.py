@@ -231,6 +231,7 @@ class SnapshotTier:
     def stats(self) -> dict[str, Any]:
         return self.snapshots.stats() if self.snapshots is not None else {}
 
-    def close(self) -> None:
+    def close(self, keep: bool = False) -> None:
+        """Closes the snapshots (`keep`: only the multi-controller tier keeps them)."""
         if self.snapshots is not None:
             _close_quietly(self.snapshots, "snapshots")
