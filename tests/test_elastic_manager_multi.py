@@ -120,3 +120,23 @@ def test_a_lost_host_ends_the_trainers_which_resume_from_the_peers_replicas(make
             assert r["step"] == step and r["restored_from"] == "snapshot", r
     finally:
         cluster.make_current()
+
+
+def test_a_user_error_propagates_and_keeps_the_snapshots_for_the_restart(make_cluster, tmp_path, cluster):
+    sidecars = make_cluster(hosts=2, arena_size=16 * MiB, persist=True, lease_seconds=5)
+    directory = str(tmp_path / "ckpt")
+    try:
+        trainers = two_processes(PROGRAM, sidecars, directory, "fail")
+        try:
+            outputs = [t.communicate(timeout=240)[0] for t in trainers]
+        finally:
+            stop(trainers)
+        for t, out in zip(trainers, outputs, strict=True):  # not taken for a loss, not wrapped
+            assert t.returncode != 0 and "RuntimeError: a bug in the training loop" in out, out[-3000:]
+            assert "ElasticError" not in out, out[-3000:]
+        # `with Manager` ended in an error: the snapshots stayed (storage has only step 3)
+        results = _resume(sidecars, directory)
+        for r in results:
+            assert r["step"] in (4, 5) and r["restored_from"] == "snapshot", r
+    finally:
+        cluster.make_current()

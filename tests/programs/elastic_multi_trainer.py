@@ -6,7 +6,8 @@ checkpoints), then the mode: "train" (from init, steps 0..6, then waits for the 
 "ready <json>" and waits on stdin to be killed), "resume" (restores, checks the state bit for
 bit against the state computed from the data, runs to step 12, prints "OK <json>": the step and
 tier it restored from, the events counted) or "lose" (process 1's own sidecar is killed after
-step 4: it prints "ELASTIC <json>", the error and the events, and exits; process 0 hangs).
+step 4: it prints "ELASTIC <json>", the error and the events, and exits; process 0 hangs) or
+"fail" (both raise a RuntimeError of their own before step 5, inside `with elastic:`).
 """
 
 import json
@@ -115,6 +116,8 @@ def train(hosts, devices):
     first = step
     it = elastic.load(CFG, mesh)
     for s in range(step, stop):
+        if mode == "fail" and s == 5:  # the snapshot of step 5 was taken
+            raise RuntimeError("a bug in the training loop")
         batch = next(it)
         check_batch(batch, s)
         state = train_step(state, batch["label"], s + 1)
@@ -123,6 +126,9 @@ def train(hosts, devices):
     return first
 
 
+if mode == "fail":
+    with elastic:  # the error propagates; the manager keeps the snapshots for the restart
+        train()
 try:
     first = train()
 except colocar.elastic.ElasticError as e:  # "lose": this trainer must exit, to be restarted
