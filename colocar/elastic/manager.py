@@ -13,6 +13,12 @@ over at the step boundary and the run function is called again with all hosts (`
 Step numbers: `step(s, ...)` is called once step `s` of the loop is done, so what it saves is
 the state after `s + 1` steps and is stored as step `s + 1`; `restore` returns that number,
 the step the loop continues at (0 after `init`).
+
+Under multi-controller JAX (one process per host, each on its own sidecar) the same code runs
+in every process (`controllers.py`): the run function gets every process's devices, snapshots
+and saves are collectives, and `restore` is agreed by all. A loss is not recovered in-process
+(a jax.distributed job cannot shrink): it raises `ElasticError` and the trainer, restarted in
+place, resumes from the snapshot in the sidecars' RAM. Scaling up is single-controller only.
 """
 
 from __future__ import annotations
@@ -28,11 +34,12 @@ from colocar.controller_bridge.cluster import Cluster
 from colocar.errors import HostLostError
 
 from . import data
+from .controllers import controllers_of
 from .events import Events, log
 from .faults import Fault, Schedule
 from .rejoin import Handoff, Rescale, fresh_session, reshard, returned_hosts
-from .tiers import SnapshotTier, StorageTier, snapshots_available
-from .topology import ClusterView, ElasticError, alive_hosts, lost_hosts, wait_for_loss
+from .tiers import StorageTier, snapshots_available, unwrap, wrap
+from .topology import ClusterView, ElasticError, alive_hosts, lost_hosts
 
 
 class Manager:
@@ -46,6 +53,13 @@ class Manager:
     it off. `faults`: faults to fire from `step` (see `colocar.elastic.faults`).
     `loss_timeout`: how long an error that looks like a loss waits for a host to be marked
     lost (default: from the hosts' heartbeat, `topology.loss_grace`).
+
+    Multi-controller JAX (`jax.process_count() > 1`, `cluster`: this process's own sidecar):
+    every process runs the same loop; a lost host or process raises `ElasticError` out of the
+    run function (it is not called again): restart the trainers in place and they resume from
+    the newest snapshot complete in every sidecar's RAM, else the newest committed checkpoint.
+    `snapshot_name`: the snapshots' name there (default "colocar-elastic"), which the restarted
+    trainers look for; one job per set of sidecars.
     """
 
     def __init__(
@@ -59,7 +73,9 @@ class Manager:
         snapshots: Any = None,
         faults: list[Fault] | tuple[Fault, ...] = (),
         loss_timeout: float | None = None,
+        snapshot_name: str | None = None,
     ):
+        self.controllers = controllers_of()  # one controller, or one JAX process per host
         self.root = cluster
         self.cluster = cluster  # the hosts of the current attempt (the root, or a view)
         self.storage = StorageTier(checkpoints) if checkpoints is not None else None
@@ -67,7 +83,8 @@ class Manager:
         self.save_every = save_every
         if snapshots is None:
             snapshots = bool(snapshot_every) and snapshots_available()
-        self.snap = SnapshotTier(snapshots, replicas) if snapshots else None
+        tier = self.controllers.snapshot_tier
+        self.snap = tier(snapshots, replicas, cluster, snapshot_name) if snapshots else None
         self.faults = Schedule(faults)
         self.loss_timeout = loss_timeout
         self.events = Events()
@@ -106,7 +123,8 @@ class Manager:
         while True:
             try:
                 self._begin_attempt(min_hosts)
-                return fn(list(self.cluster.hosts), list(self.cluster.devices), *args, **kwargs)
+                devices = self.controllers.devices(self.cluster)
+                return fn(list(self.cluster.hosts), devices, *args, **kwargs)
             except Rescale:
                 self._close_loaders("of the attempt before the scale-up")
                 self._snap_current = False  # the next snapshots span every host
@@ -114,7 +132,7 @@ class Manager:
                 raise
             except BaseException as error:
                 # only hosts of this attempt count: all of them were alive when it began
-                lost = wait_for_loss(self.cluster, error, self.loss_timeout)
+                lost = self.controllers.lost(self.cluster, error, self.loss_timeout, self.events)
                 if not lost:
                     raise
                 self._after_loss([h.name for h in lost], error)
@@ -127,7 +145,7 @@ class Manager:
         if self._closed:
             raise ElasticError("this elastic Manager is closed")
         alive = alive_hosts(self.root)
-        if len(alive) < min_hosts:
+        if self.controllers.live(self.root, alive) < min_hosts:
             raise ElasticError(
                 f"only {len(alive)} of {len(self.root.hosts)} hosts are left "
                 f"({[h.name for h in alive]}; lost: {[h.name for h in lost_hosts(self.root)]}), fewer than "
@@ -177,8 +195,8 @@ class Manager:
         handoff, self._handoff = self._handoff, None
         meta: dict[str, Any]
         if handoff is not None:  # a scale-up: the state of the boundary, onto the new mesh
-            tree = reshard(handoff.tree, self._wrap(target, handoff.meta))
-            found: Any = self._unwrap(target, tree, handoff.meta), handoff.step, "scale_up", handoff.meta
+            tree = reshard(handoff.tree, wrap(target, handoff.meta))
+            found: Any = unwrap(target, tree, handoff.meta), handoff.step, "scale_up", handoff.meta
         else:
             found = self._restore_newest(target)
         if found is None:
@@ -205,14 +223,15 @@ class Manager:
     def _restore_newest(self, target: Any) -> tuple[Any, int, str, dict[str, Any]] | None:
         snap_step = self.snap.latest(None) if self.snap is not None else None
         disk_step = self.storage.latest() if self.storage is not None else None
+        disk_step = self.controllers.agreed(disk_step, "the newest checkpoint to restore")
         if self.snap is not None and (fell := self.snap.fallback(snap_step, disk_step)):
             self.events.add("fallback", fell[0], 0.0, [], fell[1][:500])
         if snap_step is not None and (disk_step is None or snap_step >= disk_step):
             assert self.snap is not None
-            meta = self.snap.meta[snap_step]
+            meta = self.snap.meta_of(snap_step)
             try:
-                tree = self.snap.restore(snap_step, self._wrap(target, meta), None)
-                return self._unwrap(target, tree, meta), snap_step, "snapshot", meta
+                tree = self.snap.restore(snap_step, wrap(target, meta), None)
+                return unwrap(target, tree, meta), snap_step, "snapshot", meta
             except errors.ColocarError as e:  # SnapshotError: not recoverable after all
                 if not isinstance(e, getattr(errors, "SnapshotError", ())):
                     raise
@@ -221,28 +240,8 @@ class Manager:
             return None
         assert self.storage is not None
         meta = self.storage.meta(disk_step)
-        tree = self.storage.restore(disk_step, self._wrap(target, meta))
-        return self._unwrap(target, tree, meta), disk_step, "storage", meta
-
-    @staticmethod
-    def _single(target: Any, meta: dict[str, Any]) -> str | None:
-        """The name the one saved value was saved under, when `target` is that value alone."""
-        keys = meta.get("keys") or []
-        if isinstance(target, dict) and set(target) == set(keys):
-            return None
-        if len(keys) != 1:
-            raise ElasticError(
-                f"the saved state has parts {keys}: pass restore(target=...) a dict with those keys"
-            )
-        return str(keys[0])
-
-    def _wrap(self, target: Any, meta: dict[str, Any]) -> Any:
-        key = self._single(target, meta)
-        return target if key is None else {key: target}
-
-    def _unwrap(self, target: Any, tree: Any, meta: dict[str, Any]) -> Any:
-        key = self._single(target, meta)
-        return tree if key is None else tree[key]
+        tree = self.storage.restore(disk_step, wrap(target, meta))
+        return unwrap(target, tree, meta), disk_step, "storage", meta
 
     def _move_snapshots(self) -> None:
         """After a loss, the snapshot tier moves onto the survivors once restore read from it."""
@@ -316,7 +315,7 @@ class Manager:
 
     def _rejoin_if_back(self, done: int, tree: dict[str, Any], meta: dict[str, Any]) -> None:
         """Lost hosts came back: keeps this boundary's state and ends the attempt (`Rescale`)."""
-        if self._closed or self._lost_at is not None:
+        if self._closed or self._lost_at is not None or not self.controllers.rejoins:
             return
         back = [h.name for h in returned_hosts(self.root, self.cluster) if fresh_session(h)]
         if back:
@@ -377,8 +376,10 @@ class Manager:
             out["checkpoints"] = self.storage.manager.stats()
         return out
 
-    def close(self) -> None:
-        """Waits for the last save, closes the tiers and the view (never the user's cluster)."""
+    def close(self, keep_snapshots: bool = False) -> None:
+        """Waits for the last save, closes the tiers and the view (never the user's cluster).
+        `keep_snapshots` (multi-controller; the default when a `with` block ends in an error
+        there): leaves the snapshots in the sidecars for the restarted trainers."""
         if self._closed:
             return
         self._closed = True
@@ -387,7 +388,7 @@ class Manager:
                 self.storage.close()
         finally:
             if self.snap is not None:
-                self.snap.close()
+                self.snap.close(keep_snapshots)
             if isinstance(self.cluster, ClusterView):
                 self.cluster.close()
 
@@ -395,4 +396,4 @@ class Manager:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.close()
+        self.close(keep_snapshots=exc[0] is not None and self.controllers.multi)

@@ -109,6 +109,32 @@ class StorageTier:
             self.manager.close()
 
 
+def _single(target: Any, meta: dict[str, Any]) -> str | None:
+    """The name the one saved value was saved under, when `target` is that value alone."""
+    from .topology import ElasticError
+
+    keys = meta.get("keys") or []
+    if isinstance(target, dict) and set(target) == set(keys):
+        return None
+    if len(keys) != 1:
+        raise ElasticError(
+            f"the saved state has parts {keys}: pass restore(target=...) a dict with those keys"
+        )
+    return str(keys[0])
+
+
+def wrap(target: Any, meta: dict[str, Any]) -> Any:
+    """`restore`'s target as the tree `step` saved: a dict of the state's parts."""
+    key = _single(target, meta)
+    return target if key is None else {key: target}
+
+
+def unwrap(target: Any, tree: Any, meta: dict[str, Any]) -> Any:
+    """The restored tree in the shape of `restore`'s target."""
+    key = _single(target, meta)
+    return tree if key is None else tree[key]
+
+
 def snapshots_available() -> bool:
     """Whether `colocar.elastic.snapshots` is installed (it arrives separately)."""
     try:
@@ -159,6 +185,10 @@ class SnapshotTier:
         step = self.snapshots.latest(hosts)
         return step if step in self.meta else None
 
+    def meta_of(self, step: int) -> dict[str, Any]:
+        """The bookkeeping (keys, data position) of snapshot `step`, as `take` got it."""
+        return self.meta[step]
+
     def restore(self, step: int, target: Any, hosts: list[Any] | None) -> Any:
         return self.snapshots.restore(step, target, hosts)
 
@@ -201,6 +231,7 @@ class SnapshotTier:
     def stats(self) -> dict[str, Any]:
         return self.snapshots.stats() if self.snapshots is not None else {}
 
-    def close(self) -> None:
+    def close(self, keep: bool = False) -> None:
+        """Closes the snapshots (`keep`: only the multi-controller tier keeps them)."""
         if self.snapshots is not None:
             _close_quietly(self.snapshots, "snapshots")

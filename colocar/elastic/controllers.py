@@ -1,0 +1,157 @@
+"""Who runs the training loop: one controller for every host, or one JAX process per host.
+
+`Manager` picks one at construction (`controllers_of`) and asks it instead of testing which
+case it is in. `SingleController`: this process drives every host; a lost host is recovered
+in-process (the run function is called again on the survivors) and hosts that come back rejoin.
+`MultiController` (multi-controller JAX, `jax.distributed`, each process on its own sidecar):
+the run function gets every process's devices; a jax.distributed job cannot shrink, so a loss
+ends this trainer with an `ElasticError` (it is restarted in place and resumes from the
+sidecars' RAM); the processes agree on what `restore` reads through jax.distributed's
+key-value store, and the snapshots carry their own bookkeeping (`MultiSnapshotTier`), since a
+restarted trainer has none of its predecessor's.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from colocar.controller_bridge.cluster import Cluster, Host
+
+from .events import Events
+from .tiers import SnapshotTier
+from .topology import ElasticError, looks_like_loss, lost_hosts, wait_for_loss
+
+META_LEAF = "__colocar_elastic__"  # the snapshot's leaf holding the bookkeeping (JSON)
+DEFAULT_NAME = "colocar-elastic"  # multi-controller snapshots' name: restarted trainers find them
+
+
+class SingleController:
+    """One controller drives every host: losses are recovered in-process, hosts rejoin."""
+
+    multi, rejoins = False, True
+
+    def devices(self, cluster: Cluster) -> list[Any]:
+        return list(cluster.devices)
+
+    def live(self, root: Cluster, alive: list[Host]) -> int:
+        """How many hosts count against `min_hosts`."""
+        return len(alive)
+
+    def snapshot_tier(self, given: Any, replicas: int, cluster: Cluster, name: str | None) -> SnapshotTier:
+        return SnapshotTier(given, replicas)
+
+    def lost(
+        self, cluster: Cluster, error: BaseException, timeout: float | None, events: Events
+    ) -> list[Host]:
+        """The hosts `error` came from the loss of ([]: not a loss, it propagates)."""
+        return wait_for_loss(cluster, error, timeout)
+
+    def agreed(self, value: int | None, what: str) -> int | None:
+        return value
+
+
+class MultiController:
+    """One JAX process per host, each on its own sidecar: nothing shrinks in-process."""
+
+    multi, rejoins = True, False
+
+    def __init__(self, sync_timeout: float = 300.0):
+        import jax
+
+        from .snap_agree import Exchange
+
+        self.process, self.processes = jax.process_index(), jax.process_count()
+        self._exchange = Exchange("colocar/elastic", sync_timeout)
+
+    def devices(self, cluster: Cluster) -> list[Any]:
+        import jax
+
+        return list(jax.devices())  # every process's: the mesh spans the job
+
+    def live(self, root: Cluster, alive: list[Host]) -> int:
+        """Every process's host while this one's sidecar is alive (the job never shrinks)."""
+        return self.processes if len(alive) == len(root.hosts) else 0
+
+    def snapshot_tier(self, given: Any, replicas: int, cluster: Cluster, name: str | None) -> SnapshotTier:
+        return MultiSnapshotTier(given, replicas, cluster, name or DEFAULT_NAME)
+
+    def lost(
+        self, cluster: Cluster, error: BaseException, timeout: float | None, events: Events
+    ) -> list[Host]:
+        """Never recovers in-process: an error that looks like a loss (this host's sidecar, or
+        another process that stopped answering) becomes an `ElasticError`; others propagate."""
+        if not looks_like_loss(error):
+            return []
+        hosts = [h.name for h in lost_hosts(cluster)]
+        detail = f"{type(error).__name__}: {error}"
+        events.add("loss", None, hosts=hosts, detail=detail[:500])
+        raise ElasticError(
+            f"JAX process {self.process} of {self.processes}: a host or process is lost ({detail[:300]}). "
+            "A multi-controller job cannot go on with fewer processes: this trainer must exit and be "
+            "restarted (e.g. `colocar k8s render --trainer-restarts N`); the restarted trainers resume "
+            "from the newest snapshot in the sidecars' RAM, else from storage"
+        ) from error
+
+    def agreed(self, value: int | None, what: str) -> int | None:
+        """Process 0's `value`: every process then restores the same step (a collective)."""
+        said = self._exchange.leader_value(json.dumps(value), what)
+        out = json.loads(said)
+        return None if out is None else int(out)
+
+
+class MultiSnapshotTier(SnapshotTier):
+    """`MultiSnapshots` (`snap_multi.py`) of a stable name over this process's sidecar, whose
+    snapshots carry the manager's bookkeeping as a plain leaf: a restarted trainer reads it back
+    with the state. Opened on first use (`latest` or `take`); every call is a collective."""
+
+    def __init__(self, snapshots: Any, replicas: int, cluster: Cluster, name: str):
+        super().__init__(snapshots, replicas)
+        self.root, self.name = cluster, name
+
+    def _build(self, cluster: Cluster) -> Any:
+        if callable(self._given) and self._given is not True:
+            return self._given(cluster)
+        from .snapshots import Snapshots
+
+        return Snapshots(cluster, replicas=self.replicas, name=self.name)
+
+    def take(self, step: int, tree: Any, meta: dict[str, Any]) -> bool:
+        return super().take(step, {**tree, META_LEAF: json.dumps(meta)}, meta)
+
+    def latest(self, hosts: list[Any] | None) -> int | None:
+        if self.snapshots is None:
+            self.open(self.root)
+        step = self.snapshots.latest(hosts)
+        return None if step is None else int(step)
+
+    def meta_of(self, step: int) -> dict[str, Any]:
+        if step not in self.meta:
+            self.meta[step] = json.loads(self.snapshots.restore(step, {META_LEAF: None})[META_LEAF])
+        return self.meta[step]
+
+    def restore(self, step: int, target: Any, hosts: list[Any] | None) -> Any:
+        tree = dict(self.snapshots.restore(step, {**target, META_LEAF: None}))
+        tree.pop(META_LEAF)
+        return tree
+
+    def close(self, keep: bool = False) -> None:
+        """Deletes this process's keeper and its blocks; `keep`: leaves them (and the replicas
+        it holds for its peers) to the restarted trainer, as a trainer that dies does."""
+        if keep:
+            self.snapshots = None
+            return
+        super().close()
+
+    def fallback(self, snap_step: int | None, disk_step: int | None) -> tuple[int, str] | None:
+        return None  # the processes agree on the newest complete snapshot; none is skipped
+
+
+def controllers_of(sync_timeout: float = 300.0) -> SingleController | MultiController:
+    """`MultiController` when this process is one of several JAX processes."""
+    import jax
+
+    return MultiController(sync_timeout) if jax.process_count() > 1 else SingleController()
+
+
+__all__ = ["MultiController", "MultiSnapshotTier", "SingleController", "controllers_of"]

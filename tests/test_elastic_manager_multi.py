@@ -1,0 +1,142 @@
+"""The elastic Manager under multi-controller JAX: two trainer processes (jax.distributed on
+CPU), each on its own sidecar, run the Manager's loop over a global mesh with a real loader,
+snapshotting every step and saving every third; killed (SIGKILL) and started again, they
+resume from the snapshot in the sidecars' RAM, bit for bit, with the data stream continued
+exactly; on fresh (empty) sidecars they fall back to the newest committed storage step.
+"""
+
+from __future__ import annotations
+
+import json
+
+from checkpoint_helpers import MiB
+from helpers import wait_for
+from multi_helpers import stop, two_processes
+
+PROGRAM = "elastic_multi_trainer"
+
+
+def _train_then_kill(sidecars, directory: str) -> list[dict]:
+    """Both trainers run steps 0..6 from init (snapshots of 1..7, saves of 3 and 6), then are
+    killed mid-run."""
+    trainers = two_processes(PROGRAM, sidecars, directory, "train")
+    try:
+        reports = []
+        for t in trainers:
+            lines = []
+            while (line := t.stdout.readline()) and not line.startswith("ready"):
+                lines.append(line)  # jax.distributed's and the loader's chatter
+            if not line:
+                stop(trainers)
+                raise AssertionError("".join(lines)[-3000:])
+            reports.append(json.loads(line.split(" ", 1)[1]))
+    finally:
+        stop(trainers)  # SIGKILL: no close(), the keepers stay with their snapshots
+    for host in sidecars.hosts:  # the trainers' sessions lapse (this test's and a peer's stay)
+        wait_for(lambda host=host: host.stats()["sessions"] <= 2, "the killed trainers' sessions to lapse")
+    return reports
+
+
+def _resume(sidecars, directory: str) -> list[dict]:
+    """Both trainers restore, check the state and every batch, and run to the end."""
+    trainers = two_processes(PROGRAM, sidecars, directory, "resume")
+    try:
+        outputs = [t.communicate(timeout=240)[0] for t in trainers]
+        for t, out in zip(trainers, outputs, strict=True):
+            assert t.returncode == 0 and "OK" in out, out[-3000:]
+    finally:
+        stop(trainers)
+    return [json.loads(out.split("OK", 1)[1].strip().splitlines()[0]) for out in outputs]
+
+
+def _replace(sidecars, h: int) -> None:
+    """Host `h`'s sidecar is replaced: a new, empty one on another port."""
+    sidecars.processes[h].kill()
+    sidecars.processes[h].wait()
+    sidecars.restart_host(h, address="127.0.0.1:0")
+
+
+def test_killed_trainers_resume_the_manager_loop_from_ram(make_cluster, tmp_path, cluster):
+    sidecars = make_cluster(hosts=2, arena_size=16 * MiB, persist=True, lease_seconds=5)
+    directory = str(tmp_path / "ckpt")
+    try:
+        trained = _train_then_kill(sidecars, directory)
+        for r in trained:  # from init, a snapshot per step, a save every third
+            assert r["step"] == 0 and r["restored_from"] == "init", r
+            assert r["counts"]["snapshot"] == 7 and r["counts"]["save"] == 2, r
+        results = _resume(sidecars, directory)
+        step = results[0]["step"]
+        assert step in (6, 7)  # step 7 counts once both processes committed their part
+        for r in results:  # newer than storage's step 6 or as new: RAM wins
+            assert r["step"] == step and r["restored_from"] == "snapshot", r
+            assert r["counts"]["restore"] == 1 and r["counts"]["snapshot"] == 12 - step, r
+            assert "loss" not in r["counts"], r
+    finally:
+        cluster.make_current()
+
+
+def test_fresh_sidecars_fall_back_to_the_newest_committed_save(make_cluster, tmp_path, cluster):
+    sidecars = make_cluster(hosts=2, arena_size=16 * MiB, persist=True, lease_seconds=5)
+    directory = str(tmp_path / "ckpt")
+    try:
+        _train_then_kill(sidecars, directory)
+        for h in (0, 1):  # both replaced: no snapshot anywhere
+            _replace(sidecars, h)
+        results = _resume(sidecars, directory)
+        for r in results:
+            assert r["step"] == 6 and r["restored_from"] == "storage", r
+            assert max(r["committed"]) >= 11, r  # snapshots went on after the restore
+    finally:
+        cluster.make_current()
+
+
+def _lose_host1(sidecars, directory: str) -> dict:
+    """Process 1's sidecar is killed after step 4: process 1 ends with the ElasticError (the
+    job cannot shrink); both trainers are then killed, as a restart in place would."""
+    trainers = two_processes(PROGRAM, sidecars, directory, "lose")
+    try:
+        lines = []
+        while (line := trainers[1].stdout.readline()) and not line.startswith("ELASTIC"):
+            lines.append(line)
+        assert line, "".join(lines)[-3000:]
+    finally:
+        stop(trainers)
+    wait_for(lambda: sidecars.hosts[0].stats()["sessions"] <= 2, "the killed trainer's session to lapse")
+    return json.loads(line.split(" ", 1)[1])
+
+
+def test_a_lost_host_ends_the_trainers_which_resume_from_the_peers_replicas(make_cluster, tmp_path, cluster):
+    sidecars = make_cluster(hosts=2, arena_size=16 * MiB, persist=True, lease_seconds=5)
+    directory = str(tmp_path / "ckpt")
+    try:
+        lost = _lose_host1(sidecars, directory)
+        assert "must exit and be restarted" in lost["error"], lost
+        assert lost["counts"]["loss"] == 1 and lost["counts"]["fault"] == 1, lost
+        _replace(sidecars, 1)  # the lost machine's replacement, empty
+        results = _resume(sidecars, directory)
+        step = results[0]["step"]
+        assert step in (4, 5)  # step 5's replication may have died with the sidecar
+        for r in results:  # host 1's shards came back from host 0's replicas, not storage
+            assert r["step"] == step and r["restored_from"] == "snapshot", r
+    finally:
+        cluster.make_current()
+
+
+def test_a_user_error_propagates_and_keeps_the_snapshots_for_the_restart(make_cluster, tmp_path, cluster):
+    sidecars = make_cluster(hosts=2, arena_size=16 * MiB, persist=True, lease_seconds=5)
+    directory = str(tmp_path / "ckpt")
+    try:
+        trainers = two_processes(PROGRAM, sidecars, directory, "fail")
+        try:
+            outputs = [t.communicate(timeout=240)[0] for t in trainers]
+        finally:
+            stop(trainers)
+        for t, out in zip(trainers, outputs, strict=True):  # not taken for a loss, not wrapped
+            assert t.returncode != 0 and "RuntimeError: a bug in the training loop" in out, out[-3000:]
+            assert "ElasticError" not in out, out[-3000:]
+        # `with Manager` ended in an error: the snapshots stayed (storage has only step 3)
+        results = _resume(sidecars, directory)
+        for r in results:
+            assert r["step"] in (4, 5) and r["restored_from"] == "snapshot", r
+    finally:
+        cluster.make_current()
