@@ -126,13 +126,32 @@ class GrpcTransport:
         discard: Callable[[Any], None],
     ):
         self.metadata = ((TOKEN_METADATA_KEY, token),)
-        options = channel_options(heartbeat_seconds)
-        if credentials is not None:
-            self.channel = grpc.secure_channel(address, credentials, options=options)
-        else:
-            self.channel = grpc.insecure_channel(address, options=options)
+        self._address, self._credentials = address, credentials
+        self._options = channel_options(heartbeat_seconds)
+        self.channel = self._channel()
         self.stub = pb_grpc.SidecarStub(self.channel)
         self._discard = discard
+
+    def _channel(self) -> grpc.Channel:
+        if self._credentials is not None:
+            return grpc.secure_channel(self._address, self._credentials, options=self._options)
+        return grpc.insecure_channel(self._address, options=self._options)
+
+    def accepts_connections(self, timeout: float) -> bool:
+        """Whether the sidecar's process completes a new HTTP/2 handshake within `timeout`.
+
+        gRPC's core does that on its own threads, without Python's GIL: a sidecar busy in a
+        long call that holds the GIL (its first tensorstore import: a second or more) still
+        passes, one that is stopped, dead or cut off does not. A probe, not a call: it proves
+        the process runs, not that its Python does."""
+        channel = self._channel()
+        try:
+            grpc.channel_ready_future(channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            return False
+        finally:
+            channel.close()
+        return True
 
     def call(self, method: str, request: Any, timeout: float | None = None, unsent: Unsent = None) -> Any:
         try:
