@@ -26,7 +26,7 @@ from colocar.protocol.status import Status, TransportError
 from colocar.protocol.tokens import TOKEN_METADATA_KEY
 from colocar.shm import ArenaFullError
 
-from .link_client import LinkClient
+from .link_client import LinkClient, LinkGone
 
 MiB = 1 << 20
 LOST = (Status.UNAVAILABLE, Status.CANCELLED)
@@ -238,10 +238,11 @@ class LinkTransport:
         self._lock = threading.Lock()
 
     def attach(self, link: LinkClient | None) -> None:
-        """Replaces the link (None: every call goes through gRPC); closes the one before."""
+        """Replaces the link (None: every call goes through gRPC) and retires the one before:
+        its calls in flight finish there (or fail on their own), never on a closed socket."""
         old, self.link = self.link, link
         if old is not None:
-            old.close()
+            old.retire()
 
     def call(self, method: str, request: Any, timeout: float | None = None, unsent: Unsent = None) -> Any:
         if (error := too_large(request)) is not None:
@@ -249,8 +250,15 @@ class LinkTransport:
                 unsent()
             raise error
         link = self.link
-        if link is not None and method in LINK_METHODS:
-            return link.call(method, request, LINK_METHODS[method][1], timeout, self._discard, unsent)
+        while link is not None and method in LINK_METHODS:
+            try:
+                return link.call(method, request, LINK_METHODS[method][1], timeout, self._discard, unsent)
+            except LinkGone:  # retired before the call sent anything: it goes on the new link
+                if self.link is link:  # closed, not replaced
+                    if unsent is not None:
+                        unsent()
+                    raise
+                link = self.link
         return self.grpc.call(method, request, timeout, unsent)
 
     def call_async(
