@@ -170,20 +170,22 @@ def _save_next(
     m: CheckpointManager, latest: int | None, generation: int, savers: dict, counts: Counter
 ) -> int:
     """Saves the step after `latest`, as the restarted trainer; returns it. Taking the lease
-    fences the dead trainer's writers; one that committed that step just before is no error
-    of the drill (the save says so): the restart then saves the next step."""
+    fences the dead trainer's writers; ones that committed steps just before are no error of
+    the drill (the save says so): the restart then saves the next step. The dead trainer may
+    have had two saves queued, and the restart's restore of `latest` can take seconds (its
+    sidecars' first tensorstore import): both may have committed meanwhile."""
     step = (latest or 0) + 1
-    savers[step].add(generation)
-    try:
-        m.save(step, drill_state(step, generation, ROWS))
-    except CheckpointError as e:
-        assert f"step {step} already exists" in str(e)
-        counts["steps the dead trainer committed meanwhile"] += 1
-        _check_step(m, step, savers[step])
-        step += 1
+    while True:
         savers[step].add(generation)
-        m.save(step, drill_state(step, generation, ROWS))
-    return step
+        try:
+            m.save(step, drill_state(step, generation, ROWS))
+            return step
+        except CheckpointError as e:
+            assert f"step {step} already exists" in str(e)
+            assert savers[step] - {generation}, f"step {step} exists, but no dead trainer was saving it"
+            counts["steps the dead trainer committed meanwhile"] += 1
+            _check_step(m, step, savers[step])
+            step += 1
 
 
 def _leftovers(url: str, committed: list[int]) -> int:

@@ -123,7 +123,9 @@ def test_a_stopped_sidecar_is_a_lost_host_from_a_new_thread_too(make_cluster):
 
 def test_a_full_link_backlog_is_waited_out_not_taken_for_a_lost_host(make_cluster):
     # A long heartbeat: the sidecar is stopped for far less than the keepalive's three periods.
-    c = make_cluster(heartbeat_seconds=3.0)
+    # A lease longer than it: one of 2 s lapsed between keepalives on a slow machine, and a call
+    # that came then failed ("the sidecar lost this session").
+    c = make_cluster(heartbeat_seconds=3.0, lease_seconds=10)
     host = c.hosts[0]
     link = host.connection.transport.link
     assert link is not None

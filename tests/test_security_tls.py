@@ -161,6 +161,8 @@ def test_mutual_tls_client_with_certificate_runs_calls(tls_sidecar, pki):
     )
     with cluster:
         assert_serving(tls_sidecar, cluster)
+        # The session's liveness probe (after an unanswered keepalive) passes mutual TLS too.
+        assert cluster.hosts[0].connection.grpc.accepts_connections(RPC_TIMEOUT)
 
 
 def _tls_stats(address: str, credentials: grpc.ChannelCredentials | None) -> grpc.RpcError:

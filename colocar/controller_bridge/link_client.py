@@ -5,6 +5,12 @@ thread's synchronous calls keep their order and never wait on another thread's. 
 reply wakes every `poll` seconds to see whether the heartbeat declared the host lost (a stopped
 sidecar never answers). A call cut short (an interrupt, its deadline) retires its socket: the
 next call opens a fresh one, so no reply can ever answer the wrong request.
+
+A socket is closed only by the thread using it, or while no thread does (under the client's
+lock): closing a descriptor another thread is reading would make it fail with EBADF, or,
+once the number is reused by a new socket, read someone else's reply. A link replaced at a
+reconnect is `retire`d: calls in flight on it finish there, calls not yet sent raise
+`LinkGone` (the transport sends them on the new link). `close` wakes the calls in flight too.
 """
 
 from __future__ import annotations
@@ -17,6 +23,14 @@ from typing import Any
 
 from colocar.protocol import link
 from colocar.protocol.status import Status, TransportError
+
+
+class LinkGone(TransportError):
+    """The link was retired or closed before the call sent anything: it never reached the
+    sidecar (the transport sends it on the link that replaced this one, if any)."""
+
+    def __init__(self) -> None:
+        super().__init__(Status.UNAVAILABLE, "the local link is closed")
 
 
 class _Frame:
@@ -50,25 +64,32 @@ class LinkClient:
         self._token = token.encode()
         self._lost = lost
         self._poll = poll
-        self._local = threading.local()
-        self._sockets: list[socket.socket] = []
-        self._lock = threading.Lock()
-        self._closed = False
+        self._local = threading.local()  # .sock: this thread's idle socket
+        self._sockets: set[socket.socket] = set()  # open, idle or busy
+        self._busy: set[socket.socket] = set()  # taken by a call (or the drain of one)
+        self._lock = threading.Lock()  # guards the sets, and every close or shutdown
+        self._closed = False  # retired or closed: no new call
+        self._woken = False  # closed: calls in flight stop waiting
         self.hello_seconds = max(10.0, 10 * poll)  # a new socket's greeting, without a deadline
-        self._socket().close()  # fail now, not at the first call, if the link is unreachable
-        self._local.sock = None
+        self._forget(self._socket())  # fail now, not at the first call, if the link is unreachable
 
     def _socket(self, deadline: float | None = None) -> socket.socket:
-        """This thread's socket, opened (and greeted with the token) on first use.
+        """This thread's socket, taken for a call (busy until `_give_back` or `_forget`);
+        opened (and greeted with the token) on first use. Raises LinkGone once closed.
 
         Opening waits like a call does: in `poll` slices while the host is not lost, until
         `deadline` or, without one, `hello_seconds` (longer than the heartbeat takes to find
         a silent sidecar lost): a stopped sidecar is a lost host from a new thread too."""
         sock = getattr(self._local, "sock", None)
         if sock is not None:
+            self._local.sock = None
+            with self._lock:
+                if self._closed:  # close() closed it: never touch its descriptor again
+                    raise LinkGone()
+                self._busy.add(sock)
             return sock
         if self._closed:
-            raise TransportError(Status.UNAVAILABLE, "the local link is closed")
+            raise LinkGone()
         hello = time.monotonic() + self.hello_seconds
         deadline = hello if deadline is None else min(deadline, hello)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -87,9 +108,9 @@ class LinkClient:
         with self._lock:
             if self._closed:  # closed while we connected: close() did not see this socket
                 sock.close()
-                raise TransportError(Status.UNAVAILABLE, "the local link is closed")
-            self._sockets.append(sock)
-        self._local.sock = sock
+                raise LinkGone()
+            self._sockets.add(sock)
+            self._busy.add(sock)
         return sock
 
     def _connect(self, sock: socket.socket, deadline: float) -> None:
@@ -102,18 +123,30 @@ class LinkClient:
                 return
             except BlockingIOError:  # EAGAIN: the listener's backlog is full
                 pass
-            if self._lost() or self._closed:
+            if self._closed:
+                raise LinkGone()
+            if self._lost():
                 raise TransportError(Status.UNAVAILABLE, "host lost waiting to connect")
             if time.monotonic() > deadline:
                 raise TransportError(Status.DEADLINE_EXCEEDED, "no room to connect before the deadline")
             time.sleep(min(0.01, self._poll))
 
     def _forget(self, sock: socket.socket) -> None:
-        """Closes a socket this client will not use again."""
+        """Closes a socket this thread took and will not use again."""
         with self._lock:
-            if sock in self._sockets:
-                self._sockets.remove(sock)
-        sock.close()
+            self._busy.discard(sock)
+            self._sockets.discard(sock)
+            sock.close()
+
+    def _give_back(self, sock: socket.socket) -> None:
+        """Makes a socket whose call completed this thread's idle one (closes it once closed)."""
+        with self._lock:
+            self._busy.discard(sock)
+            if not self._closed:
+                self._local.sock = sock
+                return
+            self._sockets.discard(sock)
+            sock.close()
 
     def call(
         self,
@@ -139,8 +172,7 @@ class LinkClient:
         sending = sent = False
         try:
             try:
-                sock = self._socket(deadline)
-                self._local.sock = None  # taken: back only after a complete reply
+                sock = self._socket(deadline)  # taken: back only after a complete reply
                 data = request.SerializeToString()
                 sending = True
                 link.send_request(sock, method, data)
@@ -151,7 +183,8 @@ class LinkClient:
                 raise TransportError(Status.DEADLINE_EXCEEDED, "no answer on the local link") from None
             except (OSError, link.LinkClosed) as e:
                 self._give_up(sock, None)
-                raise TransportError(Status.UNAVAILABLE, f"local link broke: {e}") from None
+                why = "was closed during the call" if self._woken else f"broke: {e}"  # woken: close()
+                raise TransportError(Status.UNAVAILABLE, f"local link {why}") from None
             except TransportError as e:
                 timed_out = e.status == Status.DEADLINE_EXCEEDED
                 self._give_up(sock, (frame, reply_type, abandoned) if sent and timed_out else None)
@@ -160,11 +193,11 @@ class LinkClient:
                 # signals after sending: an interrupted send may have sent it all)
                 self._give_up(sock, (frame, reply_type, abandoned) if sending else None)
                 raise
-        except BaseException:
-            if not sending and unsent is not None:
+        except BaseException as e:
+            if not sending and unsent is not None and not isinstance(e, LinkGone):
                 unsent()
             raise
-        self._local.sock = sock
+        self._give_back(sock)
         status, body = link.parse_reply(frame.body())
         if status != 0:
             raise TransportError(Status.of(status), body.decode(errors="replace"))
@@ -236,8 +269,9 @@ class LinkClient:
                 value = receive()
             except TimeoutError:
                 if last_look:
-                    raise TransportError(Status.UNAVAILABLE, "host lost waiting for the reply") from None
-                if self._lost() or self._closed:
+                    why = "the local link was closed" if self._woken else "host lost"
+                    raise TransportError(Status.UNAVAILABLE, f"{why} waiting for the reply") from None
+                if self._lost() or self._woken:
                     last_look = True  # the reply may have landed just before the sidecar went
                     sock.settimeout(0.05)
                     continue
@@ -248,16 +282,25 @@ class LinkClient:
                 sock.settimeout(self._poll)
             return value
 
+    def retire(self) -> None:
+        """No new call (they raise LinkGone); calls in flight finish on their sockets, which
+        their threads close. Idle sockets are closed now."""
+        self._shut(wake=False)
+
     def close(self) -> None:
-        with self._lock:
+        """As `retire`, and calls in flight stop waiting: they fail as UNAVAILABLE."""
+        self._shut(wake=True)
+
+    def _shut(self, wake: bool) -> None:
+        with self._lock:  # no socket changes hands meanwhile (see `_socket`, `_give_back`)
             self._closed = True
-            sockets, self._sockets = self._sockets, []
-        for sock in sockets:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)  # wakes a thread waiting in recv (a log poll)
-            except OSError:
-                pass
-            try:
-                sock.close()
-            except OSError:
-                pass
+            self._woken = self._woken or wake
+            for sock in list(self._sockets):
+                if sock not in self._busy:
+                    self._sockets.discard(sock)
+                    sock.close()
+                elif wake:  # wakes its thread (a log poll's long wait); the thread closes it
+                    try:
+                        sock.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass

@@ -4,6 +4,13 @@
 which the sidecar keeps for `lease_seconds` after the last sign of life. A heartbeat thread
 renews it; it reconnects after a sidecar restart (a new `generation`: remote objects of older
 ones are gone) and marks the host lost when the sidecar stops answering.
+
+An unanswered keepalive alone does not make a host lost: a sidecar's Python can be busy for
+seconds in a call that holds the GIL (its first tensorstore import), and a false loss starts
+an elastic recovery on a healthy host. The session then probes the process with a new
+connection, which gRPC's core completes without the GIL (`accepts_connections`): a stopped,
+dead or cut-off sidecar fails it and is lost at once, a busy one passes and is waited for,
+up to `hung_seconds` of silence (then it is taken for hung and lost too).
 """
 
 from __future__ import annotations
@@ -52,6 +59,11 @@ class Session:
         self.closed = False
         self.info = pb.ConnectReply()
         self.alive_at = 0.0  # monotonic time the sidecar last proved alive (a keepalive, a batch fed)
+        self.keepalive_seconds = max(2.0, 3 * heartbeat_seconds)  # a keepalive's wait for its answer
+        # Silence after which a sidecar that still accepts connections is taken for hung.
+        self.hung_seconds = max(lease_seconds, 10 * self.keepalive_seconds)
+        self.busy_spells = 0  # keepalives unanswered while the process accepted connections
+        self._answered_at = 0.0  # the sidecar last answered (a connect or a keepalive)
         self._renewed_at = 0.0  # the session's lease was last renewed
         self._transport = transport
         self._grpc = grpc_transport
@@ -78,6 +90,7 @@ class Session:
             reply = self._grpc.connect(request, timeout)
         except TransportError as e:
             raise self._connect_error(e) from None
+        self._answered_at = time.monotonic()
         self.generation += 1
         self.known_code.clear()
         self.lost = None
@@ -130,20 +143,39 @@ class Session:
             return
         try:
             reply = self._transport.call(
-                "Keepalive", pb.SessionRef(session_id=self.session_id), max(2.0, 3 * self.heartbeat_seconds)
+                "Keepalive", pb.SessionRef(session_id=self.session_id), self.keepalive_seconds
             )
         except TransportError as e:
+            silent = e.status == Status.DEADLINE_EXCEEDED
+            why = f"no answer to keepalive ({e.status.name}: {e.details})"
+            if silent:
+                busy_or_why = self._busy_or_why(why)
+                if busy_or_why is None:
+                    return  # busy, not lost: calls waiting on it keep waiting
+                why = busy_or_why
             # Silence (stopped, hung, cut off) also ends calls waiting on the local link; a
             # refusal (a draining sidecar) only stops new calls. A dead sidecar closes the link.
-            self.unresponsive = e.status == Status.DEADLINE_EXCEEDED
-            self.mark_lost(f"no answer to keepalive ({e.status.name}: {e.details})")
+            self.unresponsive = silent
+            self.mark_lost(why)
             return
-        self.alive_at = self._renewed_at = time.monotonic()
+        self.alive_at = self._renewed_at = self._answered_at = time.monotonic()
         if not reply.known or self.lost is not None:
             try:
-                self.connect(timeout=max(2.0, 3 * self.heartbeat_seconds))
+                self.connect(timeout=self.keepalive_seconds)
             except ColocarError as e:
                 self.mark_lost(str(e))
+
+    def _busy_or_why(self, why: str) -> str | None:
+        """After a keepalive went unanswered: None while the sidecar's process accepts a new
+        connection and has been silent less than `hung_seconds` (busy holding its GIL), else
+        why it is lost."""
+        silent_for = time.monotonic() - max(self._answered_at, self.alive_at)
+        if silent_for >= self.hung_seconds:
+            return f"{why}; silent for {silent_for:.1f} s though it accepts connections: hung"
+        if not self._grpc.accepts_connections(timeout=max(1.0, self.heartbeat_seconds)):
+            return f"{why}; it accepts no connection either (stopped, dead or cut off)"
+        self.busy_spells += 1
+        return None
 
     def mark_lost(self, reason: str) -> None:
         if self.lost is None and not self.closed:

@@ -26,7 +26,7 @@ from colocar.protocol.status import Status, TransportError
 from colocar.protocol.tokens import TOKEN_METADATA_KEY
 from colocar.shm import ArenaFullError
 
-from .link_client import LinkClient
+from .link_client import LinkClient, LinkGone
 
 MiB = 1 << 20
 LOST = (Status.UNAVAILABLE, Status.CANCELLED)
@@ -126,13 +126,32 @@ class GrpcTransport:
         discard: Callable[[Any], None],
     ):
         self.metadata = ((TOKEN_METADATA_KEY, token),)
-        options = channel_options(heartbeat_seconds)
-        if credentials is not None:
-            self.channel = grpc.secure_channel(address, credentials, options=options)
-        else:
-            self.channel = grpc.insecure_channel(address, options=options)
+        self._address, self._credentials = address, credentials
+        self._options = channel_options(heartbeat_seconds)
+        self.channel = self._channel()
         self.stub = pb_grpc.SidecarStub(self.channel)
         self._discard = discard
+
+    def _channel(self) -> grpc.Channel:
+        if self._credentials is not None:
+            return grpc.secure_channel(self._address, self._credentials, options=self._options)
+        return grpc.insecure_channel(self._address, options=self._options)
+
+    def accepts_connections(self, timeout: float) -> bool:
+        """Whether the sidecar's process completes a new HTTP/2 handshake within `timeout`.
+
+        gRPC's core does that on its own threads, without Python's GIL: a sidecar busy in a
+        long call that holds the GIL (its first tensorstore import: a second or more) still
+        passes, one that is stopped, dead or cut off does not. A probe, not a call: it proves
+        the process runs, not that its Python does."""
+        channel = self._channel()
+        try:
+            grpc.channel_ready_future(channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            return False
+        finally:
+            channel.close()
+        return True
 
     def call(self, method: str, request: Any, timeout: float | None = None, unsent: Unsent = None) -> Any:
         try:
@@ -219,10 +238,11 @@ class LinkTransport:
         self._lock = threading.Lock()
 
     def attach(self, link: LinkClient | None) -> None:
-        """Replaces the link (None: every call goes through gRPC); closes the one before."""
+        """Replaces the link (None: every call goes through gRPC) and retires the one before:
+        its calls in flight finish there (or fail on their own), never on a closed socket."""
         old, self.link = self.link, link
         if old is not None:
-            old.close()
+            old.retire()
 
     def call(self, method: str, request: Any, timeout: float | None = None, unsent: Unsent = None) -> Any:
         if (error := too_large(request)) is not None:
@@ -230,8 +250,15 @@ class LinkTransport:
                 unsent()
             raise error
         link = self.link
-        if link is not None and method in LINK_METHODS:
-            return link.call(method, request, LINK_METHODS[method][1], timeout, self._discard, unsent)
+        while link is not None and method in LINK_METHODS:
+            try:
+                return link.call(method, request, LINK_METHODS[method][1], timeout, self._discard, unsent)
+            except LinkGone:  # retired before the call sent anything: it goes on the new link
+                if self.link is link:  # closed, not replaced
+                    if unsent is not None:
+                        unsent()
+                    raise
+                link = self.link
         return self.grpc.call(method, request, timeout, unsent)
 
     def call_async(

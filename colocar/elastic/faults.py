@@ -4,7 +4,8 @@ Runs in the controller. For tests, the demo and drills: `kill(host, at_step=s)` 
 `stop(host, at_step=s)` describe a fault that the elastic manager fires from `step(s, ...)`,
 after that step's snapshot or save was started; `inject(cluster, fault)` fires one now. A
 killed sidecar (SIGKILL) is gone: its host is lost at the next keepalive. A stopped one
-(SIGSTOP) hangs: it is lost once a keepalive goes unanswered (about three heartbeats), and
+(SIGSTOP) hangs: it is lost once a keepalive goes unanswered and a new connection is not
+accepted either (about five heartbeats), and
 `resume` (SIGCONT; `resume_at(host, s)` after step s) lets it answer again. `restart(host,
 at_step=s)` starts a dead sidecar of a `local_cluster` again, on its address or a new one.
 Either way the host comes back and the elastic manager scales up onto it. `random_kill(hosts,
