@@ -20,6 +20,7 @@ import numpy as np
 from colocar.checkpoint import restore as ckpt_restore
 from colocar.errors import CheckpointError, SnapshotError
 
+from .events import log
 from .keeper import Bounds, Key, key_of
 from .snap_slices import check_covered, sources
 
@@ -27,20 +28,26 @@ Survey = dict[int, dict[int, dict[str, Any]]]  # host -> step -> {"record", "att
 
 
 def survey(keepers: dict[int, Any], hosts: list[int]) -> Survey:
-    """What each of `hosts` holds; a host whose keeper does not answer holds nothing."""
+    """What each of `hosts` holds; a host whose keeper does not answer holds nothing (logged:
+    a restore that then finds no snapshot says which hosts did not answer and why)."""
     futures = {}
+    found: Survey = {}
     for h in hosts:
         try:
             futures[h] = keepers[h].holdings.submit()
-        except Exception:  # noqa: BLE001 - lost: it holds nothing
-            continue
-    found: Survey = {}
+        except Exception as e:  # noqa: BLE001 - lost: it holds nothing
+            _unanswered(h, e)
     for h, future in futures.items():
         try:
             found[h] = future.result()
-        except Exception:  # noqa: BLE001
-            continue
+        except Exception as e:  # noqa: BLE001
+            _unanswered(h, e)
     return found
+
+
+def _unanswered(host: int, error: BaseException) -> None:
+    what = f"{type(error).__name__}: {error}"
+    log.warning("snapshot survey: host %d's keeper did not answer (%s)", host, what)
 
 
 def records(found: Survey) -> dict[int, list[dict[str, Any]]]:
