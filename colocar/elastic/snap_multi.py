@@ -65,6 +65,7 @@ class MultiSnapshots:
         idle_seconds: float = 7200.0,
         copy_threads: int = 4,
         sync_timeout: float = 300.0,
+        placement: snap_take.Placement = snap_take.ring,
     ):
         if len(cluster.hosts) != 1:
             raise SnapshotError(
@@ -83,8 +84,7 @@ class MultiSnapshots:
         mine = own_address(address, self.host.address)
         self._addresses = addresses = self._exchange.allgather(mine, "addresses")
         self.incarnation = self._exchange.leader_value(uuid.uuid4().hex, "incarnation")
-        ring = snap_take.ring(list(range(self.processes)), replicas) if replicas else {}
-        self.targets = {p: ring.get(p, []) for p in range(self.processes)}
+        self.targets = _placed(self._exchange, placement, self.processes, replicas)
         self._peers = [Target(t, addresses[t], self._keeper_name(t)) for t in self.targets[self.process]]
         self._copiers = ThreadPoolExecutor(copy_threads, thread_name_prefix="colocar-snap-copy")
         self._lock = threading.RLock()
@@ -277,6 +277,17 @@ class MultiSnapshots:
         self.close()
 
 
+def _placed(exchange: Any, placement: snap_take.Placement, processes: int, replicas: int) -> dict[int, Any]:
+    """Each process's replica peers from `placement`, checked to be the same on every process."""
+    hosts = list(range(processes))
+    targets = snap_take.placement_of(placement, hosts, replicas) if replicas else {}
+    targets = {p: targets.get(p, []) for p in hosts}
+    said = exchange.allgather(json.dumps(targets), "placement")
+    if len(set(said)) != 1:
+        raise SnapshotError(f"the processes place replicas differently (give all the same placement): {said}")
+    return targets
+
+
 def own_address(address: str | None, connected: str) -> str:
     """This host's sidecar as the other hosts reach it: `address`, else $COLOCAR_PEER_ADDRESS
     (`{hostname}` in it becomes this machine's host name; `colocar k8s render` sets it to the
@@ -306,9 +317,8 @@ def make(
     copy_threads: int = 4,
     address: str | None = None,
 ) -> MultiSnapshots:
-    """`Snapshots(...)`'s options for a multi-controller job (`placement`: the ring only)."""
-    if placement is not None and placement is not snap_take.ring:
-        raise SnapshotError("multi-controller snapshots place replicas in ring order (no placement)")
+    """`Snapshots(...)`'s options for a multi-controller job: hosts are the JAX processes (by
+    process index), and every process, restarted ones too, must be given the same `placement`."""
     if keep < 1:
         raise ValueError(f"keep must be at least 1, got {keep}")
     options = PeerOptions(
@@ -328,6 +338,7 @@ def make(
         peer_options=options,
         address=address,
         replication_timeout=replication_timeout,
+        placement=placement or snap_take.ring,
         idle_seconds=idle_seconds,
         copy_threads=copy_threads,
     )

@@ -100,7 +100,12 @@ def check(state: dict, step: int, shardings: dict = SHARDINGS) -> None:
     assert state["step"] == step and np.array_equal(state["host"], np.full(3, step))
 
 
-snaps = Snapshots(cluster, replicas=1, name="mc-test", replication_timeout=60)
+def previous_hosts(hosts: list, replicas: int) -> dict:
+    """A placement of its own (on two processes the same peers as the default ring)."""
+    return {h: [hosts[(i - k) % len(hosts)] for k in range(1, replicas + 1)] for i, h in enumerate(hosts)}
+
+
+snaps = Snapshots(cluster, replicas=1, name="mc-test", replication_timeout=60, placement=previous_hosts)
 if mode == "train":
     state = make(0)
     for step in range(5):
