@@ -8,7 +8,9 @@ the run function gets every process's devices; a jax.distributed job cannot shri
 ends this trainer with an `ElasticError` (it is restarted in place and resumes from the
 sidecars' RAM); the processes agree on what `restore` reads through jax.distributed's
 key-value store, and the snapshots carry their own bookkeeping (`MultiSnapshotTier`), since a
-restarted trainer has none of its predecessor's.
+restarted trainer has none of its predecessor's. A storage save of a step just snapshotted is
+written by the sidecars from that snapshot's blocks (`MultiSnapshotTier.save_taken`), a choice
+every process makes alike.
 """
 
 from __future__ import annotations
