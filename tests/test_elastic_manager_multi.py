@@ -1,8 +1,10 @@
 """The elastic Manager under multi-controller JAX: two trainer processes (jax.distributed on
 CPU), each on its own sidecar, run the Manager's loop over a global mesh with a real loader,
-snapshotting every step and saving every third; killed (SIGKILL) and started again, they
+snapshotting every step and saving every third, each save from the blocks of the snapshot of
+its step (nothing copied from the devices again); killed (SIGKILL) and started again, they
 resume from the snapshot in the sidecars' RAM, bit for bit, with the data stream continued
-exactly; on fresh (empty) sidecars they fall back to the newest committed storage step.
+exactly; on fresh (empty) sidecars they fall back to the newest committed storage step, saved
+from a snapshot or (a step not snapshotted) from the devices.
 """
 
 from __future__ import annotations
@@ -16,10 +18,10 @@ from multi_helpers import stop, two_processes
 PROGRAM = "elastic_multi_trainer"
 
 
-def _train_then_kill(sidecars, directory: str) -> list[dict]:
-    """Both trainers run steps 0..6 from init (snapshots of 1..7, saves of 3 and 6), then are
-    killed mid-run."""
-    trainers = two_processes(PROGRAM, sidecars, directory, "train")
+def _train_then_kill(sidecars, directory: str, *extra: str) -> list[dict]:
+    """Both trainers run steps 0..6 from init (snapshots of 1..7, saves of 3 and 6; `extra`:
+    snapshot every that many steps instead), then are killed mid-run."""
+    trainers = two_processes(PROGRAM, sidecars, directory, "train", *extra)
     try:
         reports = []
         for t in trainers:
@@ -37,9 +39,9 @@ def _train_then_kill(sidecars, directory: str) -> list[dict]:
     return reports
 
 
-def _resume(sidecars, directory: str) -> list[dict]:
+def _resume(sidecars, directory: str, *extra: str) -> list[dict]:
     """Both trainers restore, check the state and every batch, and run to the end."""
-    trainers = two_processes(PROGRAM, sidecars, directory, "resume")
+    trainers = two_processes(PROGRAM, sidecars, directory, "resume", *extra)
     try:
         outputs = [t.communicate(timeout=240)[0] for t in trainers]
         for t, out in zip(trainers, outputs, strict=True):
@@ -64,6 +66,8 @@ def test_killed_trainers_resume_the_manager_loop_from_ram(make_cluster, tmp_path
         for r in trained:  # from init, a snapshot per step, a save every third
             assert r["step"] == 0 and r["restored_from"] == "init", r
             assert r["counts"]["snapshot"] == 7 and r["counts"]["save"] == 2, r
+            assert r["saved_from"] == {"snapshot": 2, "devices": 0}, r
+            _assert_saved_from_snapshot(r)
         results = _resume(sidecars, directory)
         step = results[0]["step"]
         assert step in (6, 7)  # step 7 counts once both processes committed their part
@@ -86,6 +90,39 @@ def test_fresh_sidecars_fall_back_to_the_newest_committed_save(make_cluster, tmp
         for r in results:
             assert r["step"] == 6 and r["restored_from"] == "storage", r
             assert max(r["committed"]) >= 11, r  # snapshots went on after the restore
+            assert r["saved_from"] == {"snapshot": 2, "devices": 0}, r  # steps 9 and 12
+    finally:
+        cluster.make_current()
+
+
+def _assert_saved_from_snapshot(r: dict) -> None:
+    """Step 6 was saved from its snapshot's blocks, with the bookkeeping a device save has."""
+    assert r["saves"][-1] == "started from the snapshot (commit in the background)", r
+    assert r["last_save"]["step"] == 6 and r["last_save"]["bytes"] == 0, r  # none from the devices
+    assert r["last_save"]["pieces"] > 0, r
+    assert r["saved_keys"] == ["['state']['acc']", "['state']['b']", "['state']['v']", "['state']['w']"], r
+    meta = r["saved_meta"]["elastic"]
+    assert meta["step"] == 6 and meta["keys"] == ["state"] and set(meta["data"]) == {"data"}, r
+
+
+def test_saves_come_from_the_snapshots_and_restore_from_storage_continues(make_cluster, tmp_path, cluster):
+    """Snapshots every other step: step 3 is saved from the devices, step 6 from its snapshot;
+    on fresh sidecars the trainers restore step 6 from storage, bit for bit, and go on."""
+    sidecars = make_cluster(hosts=2, arena_size=16 * MiB, persist=True, lease_seconds=5)
+    directory = str(tmp_path / "ckpt")
+    try:
+        trained = _train_then_kill(sidecars, directory, "2")
+        for r in trained:
+            assert r["counts"]["snapshot"] == 3 and r["counts"]["save"] == 2, r
+            assert r["saved_from"] == {"snapshot": 1, "devices": 1}, r
+            assert r["saves"][0] == "started from the devices (commit in the background)", r
+            _assert_saved_from_snapshot(r)
+        for h in (0, 1):  # both replaced: no snapshot anywhere
+            _replace(sidecars, h)
+        results = _resume(sidecars, directory, "2")
+        for r in results:  # the state and every batch after step 6 checked by the trainers
+            assert r["step"] == 6 and r["restored_from"] == "storage", r
+            assert r["saved_from"] == {"snapshot": 1, "devices": 1}, r  # 9: devices, 12: snapshot
     finally:
         cluster.make_current()
 

@@ -195,6 +195,9 @@ def test_the_elastic_storage_tier_saves_from_a_snapshot_of_the_same_arrays(make_
         elastic.step(3, {"state": with_numpy})
         mngr.wait()
         assert mngr.stats()["save"]["bytes"] > 0
+        assert elastic.stats()["checkpoints"]["saved_from"] == {"snapshot": 1, "devices": 1}
+        details = [e["detail"].split(" (")[0] for e in elastic.stats()["events"] if e["kind"] == "save"]
+        assert details == ["started from the snapshot", "started from the devices"]
         restored = mngr.restore(2, target={"state": _target(state, cluster, set())})["state"]
         assert_same(state, restored)
     finally:

@@ -8,7 +8,9 @@ the run function gets every process's devices; a jax.distributed job cannot shri
 ends this trainer with an `ElasticError` (it is restarted in place and resumes from the
 sidecars' RAM); the processes agree on what `restore` reads through jax.distributed's
 key-value store, and the snapshots carry their own bookkeeping (`MultiSnapshotTier`), since a
-restarted trainer has none of its predecessor's.
+restarted trainer has none of its predecessor's. A storage save of a step just snapshotted is
+written by the sidecars from that snapshot's blocks (`MultiSnapshotTier.save_taken`), a choice
+every process makes alike.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 
 from colocar.controller_bridge.cluster import Cluster, Host
 
-from .events import Events
+from .events import Events, log
 from .tiers import SnapshotTier
 from .topology import ElasticError, looks_like_loss, lost_hosts, wait_for_loss
 
@@ -108,6 +110,7 @@ class MultiSnapshotTier(SnapshotTier):
     def __init__(self, snapshots: Any, replicas: int, cluster: Cluster, name: str):
         super().__init__(snapshots, replicas)
         self.root, self.name = cluster, name
+        self._taken: tuple[int, list[Any]] | None = None  # the last take's step and arrays
 
     def _build(self, cluster: Cluster) -> Any:
         if callable(self._given) and self._given is not True:
@@ -117,7 +120,33 @@ class MultiSnapshotTier(SnapshotTier):
         return Snapshots(cluster, replicas=self.replicas, name=self.name)
 
     def take(self, step: int, tree: Any, meta: dict[str, Any]) -> bool:
-        return super().take(step, {**tree, META_LEAF: json.dumps(meta)}, meta)
+        from .snap_save import remember
+
+        taken = super().take(step, {**tree, META_LEAF: json.dumps(meta)}, meta)
+        self._taken = (step, remember(tree)) if taken else None  # every process took it, or none
+        return taken
+
+    def save_taken(self, manager: Any, step: int, tree: Any, metadata: dict[str, Any]) -> bool | None:
+        """Saves `step` from the blocks of the snapshot just taken of these very arrays when it
+        completed everywhere, without the bookkeeping leaf (the metadata carries it, as in a
+        save from the devices); None, on every process alike (a collective): save from the
+        devices. Whether a take of `step` counted is known to all; that it was of these arrays
+        each process checks, and they agree."""
+        from colocar.errors import SnapshotError
+
+        from .snap_save import same
+
+        taken, self._taken = self._taken, None
+        if taken is None or taken[0] != step or self.snapshots is None:
+            return None
+        said = self.snapshots.agree(json.dumps(same(taken[1], tree)), f"saving step {step} from its snapshot")
+        if not all(json.loads(s) for s in said):
+            return None
+        try:
+            return bool(self.snapshots.save_to(manager, step, metadata=metadata, omit=(META_LEAF,)))
+        except SnapshotError as e:  # raised on every process before storage was touched
+            log.warning("saving step %d from its snapshot: %s; saving from the devices", step, e)
+            return None
 
     def latest(self, hosts: list[Any] | None) -> int | None:
         if self.snapshots is None:

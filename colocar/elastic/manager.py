@@ -349,9 +349,10 @@ class Manager:
         if not due:
             return
         started = time.monotonic()
-        self.storage.save(done, tree, meta)
+        self.storage.save(done, tree, meta, self.snap)
         hosts = [h.name for h in self.cluster.hosts]
-        self.events.add("save", done, time.monotonic() - started, hosts, "started (commit in the background)")
+        detail = f"started from the {self.storage.source} (commit in the background)"
+        self.events.add("save", done, time.monotonic() - started, hosts, detail)
 
     # --- stats, close -------------------------------------------------------------------------
     @property
@@ -373,7 +374,7 @@ class Manager:
         if self.snap is not None:
             out["snapshots"] = self.snap.stats()
         if self.storage is not None and self.storage.manager is not None:
-            out["checkpoints"] = self.storage.manager.stats()
+            out["checkpoints"] = self.storage.stats()  # and how many saves came from snapshots
         return out
 
     def close(self, keep_snapshots: bool = False) -> None:

@@ -7,7 +7,9 @@ is written once, by one process, as a multi-controller `CheckpointManager.save` 
 `MultiBlocks` is the `checkpoint.from_blocks.Held` of one process: it cuts those shards into
 the manager's chunks and has its keeper hand its sidecar's writer views of its own blocks;
 the leader (process 0) also writes the numpy leaves, kept pickled in the record. The manager
-runs the usual attempt, manifest and commit protocol over all processes.
+runs the usual attempt, manifest and commit protocol over all processes. `omit`: top-level keys
+of the snapshot left out of the checkpoint (the elastic manager's bookkeeping leaf, which a
+save from the devices does not hold either).
 """
 
 from __future__ import annotations
@@ -44,15 +46,18 @@ def storage_fields(named: list[tuple[str, Any]], dirs: dict[str, str], cluster: 
 class MultiBlocks(Held):
     """This process's part of snapshot `step` (its `record`) as the source of a checkpoint save."""
 
-    def __init__(self, snaps: Any, step: int, record: dict[str, Any]):
-        self.snaps, self.step, self.record = snaps, step, record
+    def __init__(self, snaps: Any, step: int, record: dict[str, Any], omit: tuple[str, ...] = ()):
+        self.snaps, self.step, self.record, self.omit = snaps, step, record, omit
         self.values = pickle.loads(record["values"])
 
     def plan(self, cluster: Any, chunk_bytes: int) -> tuple[save.Plan, Any]:
         record, result = self.record, save.Plan()
         host = cluster.hosts[0].index
         outer_of: dict[int, tuple[tuple[int, ...], np.dtype]] = {}
+        omitted = {jax.tree_util.keystr((jax.tree_util.DictKey(k),)) for k in self.omit}
         for index, key in enumerate(record["keys"]):
+            if key in omitted:
+                continue
             entry = dict(record["manifest"].get(key) or {})
             if not entry:  # a plain value
                 value = tree.json_value(key, self.values[key])
@@ -69,7 +74,14 @@ class MultiBlocks(Held):
         for leaf, bounds in record["writes"]:
             self._cut(result, host, leaf, bounds, ("block", leaf, bounds), *outer_of[leaf])
         result.pieces.setdefault(host, [])
-        return result, record["tree"]
+        return result, self._skeleton()
+
+    def _skeleton(self) -> Any:
+        """The record's tree skeleton without the omitted top-level keys."""
+        skeleton = self.record["tree"]
+        if not self.omit or "dict" not in skeleton:
+            return skeleton
+        return {"dict": {k: v for k, v in skeleton["dict"].items() if k not in self.omit}}
 
     @staticmethod
     def _cut(
@@ -98,7 +110,9 @@ class MultiBlocks(Held):
             ) from e
 
 
-def save_to(snaps: Any, manager: Any, step: int, metadata: dict[str, Any] | None) -> bool:
+def save_to(
+    snaps: Any, manager: Any, step: int, metadata: dict[str, Any] | None, omit: tuple[str, ...] = ()
+) -> bool:
     """Snapshot `step` saved through `manager` by every process's sidecar (a collective)."""
     error, held = "", None
     try:
@@ -118,7 +132,7 @@ def save_to(snaps: Any, manager: Any, step: int, metadata: dict[str, Any] | None
             )
         if manager.cluster.hosts[0].address != snaps.host.address:
             raise SnapshotError("save_to needs the checkpoint manager on this process's own sidecar")
-        held = MultiBlocks(snaps, step, record)
+        held = MultiBlocks(snaps, step, record, omit)
     except Exception as e:  # noqa: BLE001 - every process hears of it below
         error = f"process {snaps.process}: {type(e).__name__}: {e}"
     failed = [s for s in snaps._exchange.allgather(error, f"save_to of step {step}") if s]

@@ -242,14 +242,24 @@ class MultiSnapshots:
             self._committed = sorted({*self._committed, step})[-self.keep :]
             return out
 
-    def save_to(self, manager: Any, step: int, *, metadata: dict[str, Any] | None = None) -> bool:
+    def save_to(
+        self, manager: Any, step: int, *, metadata: dict[str, Any] | None = None, omit: tuple[str, ...] = ()
+    ) -> bool:
         """Snapshot `step` written to storage through `manager` (a multi-controller
         CheckpointManager on this process's sidecar) from the blocks in the sidecars: each
         distinct shard by the one process holding its replica 0, as `manager.save` writes it;
-        a collective. The result is a normal committed step (`snap_mc_save.py`)."""
+        a collective. The result is a normal committed step (`snap_mc_save.py`) without the
+        top-level keys in `omit`. Raises SnapshotError on every process alike, before storage
+        is touched, when the snapshot is not complete everywhere."""
         with self._lock:
             self.wait()
-            return snap_mc_save.save_to(self, manager, step, metadata)
+            return snap_mc_save.save_to(self, manager, step, metadata, omit)
+
+    def agree(self, value: str, what: str) -> list[str]:
+        """Every process's `value` in process order (a collective), for deciding something
+        together, e.g. whether a save comes from a snapshot (`what` names it in errors)."""
+        with self._lock:
+            return self._exchange.allgather(value, what)
 
     def stats(self) -> dict[str, Any]:
         return {**self._stats, "committed": list(self._committed), "process": self.process}

@@ -69,6 +69,8 @@ class StorageTier:
                 "checkpoints= takes a CheckpointManager or a function cluster -> CheckpointManager, "
                 f"got {type(checkpoints).__name__}"
             )
+        self.source = ""  # where the last save came from: "snapshot" or "devices"
+        self.saved_from = {"snapshot": 0, "devices": 0}
 
     def open(self, cluster: Cluster) -> None:
         """Makes sure the manager drives exactly `cluster`'s hosts."""
@@ -85,16 +87,26 @@ class StorageTier:
     def latest(self) -> int | None:
         return self.manager.latest_step() if self.manager is not None else None
 
-    def save(self, step: int, tree: Any, meta: dict[str, Any]) -> bool:
+    def save(self, step: int, tree: Any, meta: dict[str, Any], snap: SnapshotTier | None = None) -> bool:
         """Starts the save of `tree` as `step` (written in the background): from the blocks of a
         snapshot just taken of these very arrays when there is one (no second copy from the
-        devices, `snap_save`), else from the devices."""
+        devices: `snap.save_taken`, under multi-controller; `snap_save` in a single controller),
+        else from the devices. `source` then says which."""
         from .snap_save import save_if_taken
 
-        saved = save_if_taken(self.manager, step, tree, {META_KEY: meta})
+        metadata = {META_KEY: meta}
+        saved = snap.save_taken(self.manager, step, tree, metadata) if snap is not None else None
         if saved is None:
-            saved = self.manager.save(step, tree, metadata={META_KEY: meta}, force=True)
+            saved = save_if_taken(self.manager, step, tree, metadata)
+        self.source = "devices" if saved is None else "snapshot"
+        if saved is None:
+            saved = self.manager.save(step, tree, metadata=metadata, force=True)
+        self.saved_from[self.source] += 1
         return bool(saved)
+
+    def stats(self) -> dict[str, Any]:
+        """The checkpoint manager's stats, and how many saves came from snapshots or devices."""
+        return {**self.manager.stats(), "saved_from": dict(self.saved_from)}
 
     def meta(self, step: int) -> dict[str, Any]:
         """The elastic bookkeeping saved with `step` ({} for a step saved otherwise)."""
@@ -207,6 +219,11 @@ class SnapshotTier:
         else:
             instead = f"storage step {disk_step}" if disk_step is not None else "init()"
         return newest, f"{why}; restoring from {instead}"
+
+    def save_taken(self, manager: Any, step: int, tree: Any, metadata: dict[str, Any]) -> bool | None:
+        """Saves `step` through `manager` from the snapshot just taken of `tree`; None: not
+        this tier's to do (a single controller's saves find their snapshot in `snap_save`)."""
+        return None
 
     def wait(self) -> None:
         if self.snapshots is not None:

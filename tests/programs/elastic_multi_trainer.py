@@ -7,7 +7,9 @@ checkpoints), then the mode: "train" (from init, steps 0..6, then waits for the 
 bit against the state computed from the data, runs to step 12, prints "OK <json>": the step and
 tier it restored from, the events counted) or "lose" (process 1's own sidecar is killed after
 step 4: it prints "ELASTIC <json>", the error and the events, and exits; process 0 hangs) or
-"fail" (both raise a RuntimeError of their own before step 5, inside `with elastic:`).
+"fail" (both raise a RuntimeError of their own before step 5, inside `with elastic:`). An
+optional last argument: snapshot every that many steps (default 1). Saves of a step just
+snapshotted come from the snapshot's blocks; "train" reports where each save came from.
 """
 
 import json
@@ -29,6 +31,7 @@ from loaders_helpers import config, expected_labels  # noqa: E402
 
 process, cluster, directory = start(heartbeat_seconds=3.0)  # a busy test machine misses 1 s beats
 mode = sys.argv[6]
+SNAPSHOT_EVERY = int(sys.argv[7]) if len(sys.argv) > 7 else 1
 TRAIN_STEPS, TOTAL = 7, 12  # the loader's 100 records in batches of 16, 2 epochs: 12 batches
 
 import colocar  # noqa: E402
@@ -102,7 +105,7 @@ checkpoints = CheckpointManager(directory, cluster, max_chunk_bytes=1 << 20, com
 # "lose": process 1's own sidecar is killed once step 4 is done (its snapshot and save started)
 faults = [colocar.elastic.faults.kill(0, at_step=4)] if mode == "lose" and process == 1 else []
 elastic = colocar.elastic.Manager(
-    cluster, checkpoints=checkpoints, snapshot_every=1, save_every=3, faults=faults
+    cluster, checkpoints=checkpoints, snapshot_every=SNAPSHOT_EVERY, save_every=3, faults=faults
 )
 stop = TRAIN_STEPS if mode == "train" else TOTAL
 
@@ -141,8 +144,14 @@ report = {
     "counts": {k: v for k, v in stats["counts"].items() if v},
     "committed": stats.get("snapshots", {}).get("committed"),
 }
+report["saved_from"] = stats["checkpoints"]["saved_from"]  # how many saves: snapshot / devices
+report["saves"] = [e["detail"] for e in stats["events"] if e["kind"] == "save"]
 if mode == "train":
     elastic.checkpoints.wait()  # the saves of steps 3 and 6 are committed
+    last = elastic.checkpoints.stats()["save"]  # step 6's: bytes copied from the devices
+    report["last_save"] = {k: last[k] for k in ("step", "bytes", "pieces")}
+    report["saved_keys"] = sorted(elastic.checkpoints.steps.committed_manifest(6)[1]["leaves"])
+    report["saved_meta"] = elastic.checkpoints.metadata(6)  # the elastic bookkeeping
     print("ready", json.dumps(report), flush=True)
     sys.stdin.readline()  # killed here
     sys.exit(3)
