@@ -24,6 +24,8 @@ from colocar.checkpoint import layout, save, tree
 from colocar.checkpoint.from_blocks import Held
 from colocar.errors import CheckpointError, SnapshotError
 
+from . import snap_agree
+
 WHOLE_SHARD = 1 << 62  # plan's chunk limit: one piece per shard (the chunks are cut at save time)
 
 
@@ -121,9 +123,7 @@ def save_to(
             raise SnapshotError(
                 f"snapshot step {step} is not complete on every host (complete: {sorted(found)})"
             )
-        from . import snap_agree, snap_refill
-
-        snaps._stats["refilled_bytes"] += snap_refill.refill(snaps, step, found[step])
+        snaps.refill(step, found[step])
         holdings = snaps.keeper.holdings_by_source()[step]
         record = snap_agree.complete(*holdings["own"])
         if record is None or "manifest" not in record:

@@ -237,10 +237,15 @@ class MultiSnapshots:
                     f"snapshot step {step} is not complete on every host (complete: {sorted(found)})"
                 )
             attempt = found[step]
-            self._stats["refilled_bytes"] += snap_refill.refill(self, step, attempt)
+            self.refill(step, attempt)
             out = snap_mc_restore.restore(self, step, attempt, target)
             self._committed = sorted({*self._committed, step})[-self.keep :]
             return out
+
+    def refill(self, step: int, attempt: str) -> None:
+        """Brings back the shards and records of `step` that replaced (empty) sidecars lost,
+        from the peers' replicas (`snap_refill.py`); a collective, before a restore or save."""
+        self._stats["refilled_bytes"] += snap_refill.refill(self, step, attempt)
 
     def save_to(
         self, manager: Any, step: int, *, metadata: dict[str, Any] | None = None, omit: tuple[str, ...] = ()
