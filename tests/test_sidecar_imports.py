@@ -1,6 +1,7 @@
 """The modules a sidecar and its workers run import no JAX: a sidecar-side import of JAX costs
 each writer, keeper or pipeline worker ~3 s of start-up and ~90 MiB of memory (it happened once
-through a controller-side import in a module the checkpoint writer shares)."""
+through a controller-side import in a module the checkpoint writer shares). Nor
+prometheus_client: a sidecar loads it only for its --metrics-port endpoint."""
 
 from __future__ import annotations
 

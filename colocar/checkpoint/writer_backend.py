@@ -27,19 +27,12 @@ from typing import Any
 
 import numpy as np
 
+from colocar.sidecar import instruments
+
 from . import fencing, layout, primary
 from .steps import STALE_SECONDS, StepDirs
 from .storage import Storage, describe, open_storage
 from .trainer_watch import caller, watch_caller
-
-
-def _metrics() -> Any:
-    """The sidecar's metrics, imported where a writer runs (the sidecar), not in the
-    controller, which imports this module only to ship the class (prometheus_client)."""
-    from colocar.sidecar import metrics
-
-    return metrics
-
 
 TERMINAL = ("committed", "done", "failed")
 _BEGUN: weakref.WeakValueDictionary[tuple[int, str], CheckpointWriter] = weakref.WeakValueDictionary()
@@ -275,7 +268,7 @@ class CheckpointWriter:
             with job.lock:
                 job.pieces_written += 1
                 job.bytes_written += data.nbytes
-            _metrics().CHECKPOINT_BYTES.inc(data.nbytes)
+            instruments.bytes_written(data.nbytes)
         except Exception as e:
             key = job.leaves.get(leaf, {}).get("key", f"leaf {leaf}")
             self._fail(
@@ -309,7 +302,7 @@ class CheckpointWriter:
                 job.state = "done"
                 if not job.primary:
                     job.finished = time.monotonic()
-                    _metrics().save_ended("done", job.finished - job.started)
+                    instruments.save_ended("done", job.finished - job.started)
             job.changed.notify_all()
 
     def _fail(self, job: _Job, error: str, marker: bool = True) -> None:
@@ -318,7 +311,7 @@ class CheckpointWriter:
                 return
             job.state, job.error, job.finished = "failed", error, time.monotonic()
             job.changed.notify_all()
-        _metrics().save_ended("failed")
+        instruments.save_ended("failed")
         if marker:
             try:
                 self.steps.mark_failed(job.step, self.host, job.attempt, error)
@@ -338,7 +331,7 @@ class CheckpointWriter:
             primary.await_hosts(self.steps, job, self.options.commit_timeout)
             self._commit(job)
             job.finished = time.monotonic()  # durable from here on
-            _metrics().save_ended("committed", job.finished - job.started)
+            instruments.save_ended("committed", job.finished - job.started)
         except Exception as e:
             self._fail(job, f"host {self.host}: committing step {job.step} failed: {describe(e)}")
             return

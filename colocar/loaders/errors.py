@@ -1,5 +1,5 @@
 """The loaders' error, in a module of its own: the controller raises and catches it without
-importing the sidecar-side pump (which imports the sidecar's metrics, prometheus_client)."""
+importing the sidecar-side pump and what it imports."""
 
 from __future__ import annotations
 

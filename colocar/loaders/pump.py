@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from colocar.protocol.messages import Build, BuildFailed, Built, FeedMessage, receive_pickled, send_pickled
-from colocar.sidecar import metrics
+from colocar.sidecar import instruments
 
 from .errors import PipelineError
 
@@ -59,7 +59,7 @@ class Pump:
         self._feed_over = False  # "end" or "error" sent: only slots come back now
         self._starving_since: float | None = None  # a worker idle and no slot free since then
         self._thread: threading.Thread | None = None
-        metrics.watch_pipeline(self)  # its ring's occupancy, while it runs
+        instruments.watch_pipeline(self)  # its ring's occupancy, while it runs
 
     # --- the controller's side: call path, feed attachment, stop -------------------------
     def start(self, first: int, starve: float) -> None:
@@ -85,7 +85,7 @@ class Pump:
             raise PipelineError(f"batch {k} on {self.host}: {message.text}\n{message.traceback}")
         self.bad_records += message.bad
         self.produced += 1
-        metrics.batch_finished(message.bad)
+        instruments.batch_finished(message.bad)
         return int(message.slot)
 
     def attach_feed(self, sock: socket.socket, first: int) -> None:

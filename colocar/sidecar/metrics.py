@@ -11,6 +11,7 @@ The list of metrics, and how to scrape them, is in docs/metrics.md.
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 from collections.abc import Iterable, Iterator
@@ -20,10 +21,14 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from . import instruments
+
 if TYPE_CHECKING:
     from .service import SidecarService
 
 PATH = "/metrics"  # what start_http_server serves (any path, in fact); the k8s annotations name it
+# Seconds: a call takes from about 100 us (an empty call) to minutes (a whole save or epoch).
+CALL_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 60)
 SAVE_BUCKETS = (0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, float("inf"))
 
 # Counted where they happen, in every sidecar-side process; exported by this process's endpoint.
@@ -134,7 +139,8 @@ class SidecarCollector(Collector):
             service.cancels.abandoned(),
             host,
         )
-        yield from _labelled(stats.latency.collect(), {"host": host})
+        if stats.latency is not None:
+            yield from _labelled(stats.latency.collect(), {"host": host})
         yield _gauge("colocar_sessions", "Controller sessions open", len(service.sessions), host)
         yield _gauge(
             "colocar_objects", "Remote objects alive (colocated_class instances)", len(service.objects), host
@@ -193,6 +199,7 @@ class MetricsEndpoint:
     """`/metrics` over HTTP on `host:port` (port 0: any free one), served from a thread."""
 
     def __init__(self, host: str, port: int, label: str, version: str = "") -> None:
+        instruments.enable(sys.modules[__name__])
         self.collector = SidecarCollector(label, version)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self.collector)
@@ -202,7 +209,13 @@ class MetricsEndpoint:
         self.address = f"{host}:{bound[1]}" if ":" not in host else f"[{host}]:{bound[1]}"
 
     def attach(self, service: SidecarService) -> None:
-        """From now on the service's counters are reported too."""
+        """From now on the service's counters are reported too (its calls' durations from its
+        first call: the sidecar attaches before it serves)."""
+        if service.stats.latency is None:
+            doc = "Seconds a call took here"
+            service.stats.count_latency(
+                Histogram("colocar_call_duration_seconds", doc, buckets=CALL_BUCKETS, registry=None)
+            )
         self.collector.service = service
 
     def close(self) -> None:

@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from concurrent import futures
+from typing import TYPE_CHECKING
 
 # Before anything imports JAX: the sidecar never takes an accelerator.
 os.environ["JAX_PLATFORMS"] = "cpu"
@@ -41,9 +42,11 @@ from . import auth, cancels, logs  # noqa: E402
 from .blocks import SidecarArena  # noqa: E402
 from .grpc_servicer import GrpcServicer  # noqa: E402
 from .link_server import LinkServer  # noqa: E402
-from .metrics import MetricsEndpoint  # noqa: E402
 from .service import ServiceConfig, SidecarService  # noqa: E402
 from .workers import WorkerPool  # noqa: E402
+
+if TYPE_CHECKING:
+    from .metrics import MetricsEndpoint
 
 SERVICE_NAME = "colocar.v1.Sidecar"
 # What every worker needs, and nothing heavier: grain (it imports JAX, seconds) is imported by
@@ -171,6 +174,8 @@ def _start_metrics(args: argparse.Namespace) -> MetricsEndpoint | None:
     if not 0 <= args.metrics_port <= 65535:
         raise SystemExit(f"colocar sidecar: error: --metrics-port {args.metrics_port}: choose 0-65535")
     try:
+        from .metrics import MetricsEndpoint  # only here: prometheus_client stays out otherwise
+
         return MetricsEndpoint(
             args.metrics_host, args.metrics_port, _host_name(args.label), versions.colocar_version()
         )

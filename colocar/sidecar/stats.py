@@ -5,13 +5,11 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from typing import Any
 
 import numpy as np
-from prometheus_client import Histogram
 
 LATENCY_WINDOW = 4096
-# Seconds: a call takes from about 100 us (an empty call) to minutes (a whole save or epoch).
-CALL_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 60)
 
 
 class Stats:
@@ -22,10 +20,14 @@ class Stats:
         self.in_flight = 0
         self._latencies: collections.deque[float] = collections.deque(maxlen=LATENCY_WINDOW)
         self._lock = threading.Lock()
-        # Every call's duration, cumulative (the endpoint of `metrics` exports it; no registry here).
-        self.latency = Histogram(
-            "colocar_call_duration_seconds", "Seconds a call took here", buckets=CALL_BUCKETS, registry=None
-        )
+        # Every call's duration, cumulative: a Prometheus histogram set by the metrics endpoint
+        # (`metrics.MetricsEndpoint.attach`, before the first call), else None.
+        self.latency: Any = None
+
+    def count_latency(self, histogram: Any) -> None:
+        """From now on each call's duration is observed by `histogram` too."""
+        with self._lock:
+            self.latency = histogram
 
     def begin(self) -> float:
         with self._lock:
@@ -39,7 +41,8 @@ class Stats:
             self.calls += 1
             self.errors += failed
             self._latencies.append(elapsed)
-            self.latency.observe(elapsed)  # under the lock: its count always equals `calls`
+            if self.latency is not None:  # under the lock: its count always equals `calls`
+                self.latency.observe(elapsed)
 
     def latency_us(self) -> tuple[float, float]:
         """p50 and p99 over the last calls, in microseconds."""
