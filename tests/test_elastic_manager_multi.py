@@ -13,7 +13,7 @@ import json
 
 from checkpoint_helpers import MiB
 from helpers import wait_for
-from multi_helpers import stop, two_processes
+from multi_helpers import run_two, stop, two_processes
 
 PROGRAM = "elastic_multi_trainer"
 
@@ -41,13 +41,7 @@ def _train_then_kill(sidecars, directory: str, *extra: str) -> list[dict]:
 
 def _resume(sidecars, directory: str, *extra: str) -> list[dict]:
     """Both trainers restore, check the state and every batch, and run to the end."""
-    trainers = two_processes(PROGRAM, sidecars, directory, "resume", *extra)
-    try:
-        outputs = [t.communicate(timeout=240)[0] for t in trainers]
-        for t, out in zip(trainers, outputs, strict=True):
-            assert t.returncode == 0 and "OK" in out, out[-3000:]
-    finally:
-        stop(trainers)
+    outputs = run_two(sidecars, PROGRAM, directory, "resume", *extra)
     return [json.loads(out.split("OK", 1)[1].strip().splitlines()[0]) for out in outputs]
 
 

@@ -135,7 +135,12 @@ class Session:
             proven = now - self.alive_at < self.heartbeat_seconds
             if proven and now - self._renewed_at < self.lease_seconds / 3:
                 continue
-            self.heartbeat()
+            try:
+                self.heartbeat()
+            except ValueError:  # gRPC's "closed channel": the connection closed under this beat
+                if self.closed:
+                    return
+                raise
 
     def heartbeat(self) -> None:
         """Renews the session; reconnects after a sidecar restart; marks the host lost when silent."""
