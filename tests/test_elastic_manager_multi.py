@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from checkpoint_helpers import MiB
 from helpers import wait_for
 from multi_helpers import run_two, stop, two_processes
@@ -73,6 +74,7 @@ def test_killed_trainers_resume_the_manager_loop_from_ram(make_cluster, tmp_path
         cluster.make_current()
 
 
+@pytest.mark.slow  # the quick suite restores from storage in the saves-from-snapshots test
 def test_fresh_sidecars_fall_back_to_the_newest_committed_save(make_cluster, tmp_path, cluster):
     sidecars = make_cluster(hosts=2, arena_size=16 * MiB, persist=True, lease_seconds=5)
     directory = str(tmp_path / "ckpt")
