@@ -200,13 +200,14 @@ def addressable(devices: Iterable[Any]) -> list[Any]:
 
 
 def host_of_device(device: Any) -> Host:
-    """The host (of the most recently opened active cluster) that a device belongs to."""
+    """The host (of the most recently opened active cluster, its session not closed) that a
+    device belongs to."""
     with _active_lock:
         clusters = _open_clusters()
     for cluster in reversed(clusters):
         host = cluster.host_of(device)
-        if host is not None:
-            return host
+        if host is not None and not host.connection.session.closed:
+            return host  # a closed one (a view left over a closed cluster) never routes a call
     if not clusters:
         raise ColocarError(
             f"device {device} belongs to no open colocar cluster: open one with "
