@@ -241,23 +241,13 @@ class SnapshotKeeper:
         """[(leaf, dtype, bounds)] -> arena arrays cut from the blocks of `step` (made by
         `attempt`) held here; each request must be covered by them."""
         self._touch()
-        import ml_dtypes  # noqa: F401 - registers bfloat16 & co. with numpy
-
-        from colocar.shm import empty
-
-        by_leaf: dict[int, list[tuple[Bounds, np.ndarray]]] = {}
         with self._lock:
             snap = self._snap(step, attempt)
-            for held in [snap.own, *snap.replicas.values()]:
-                for (leaf, bounds), data in held.items():
-                    by_leaf.setdefault(leaf, []).append((bounds, data))
+            held = [item for blocks in [snap.own, *snap.replicas.values()] for item in blocks.items()]
         out = []
         for leaf, dtype, bounds in requests:
             want = key_of(leaf, bounds)
-            result = empty(tuple(b - a for a, b in want[1]), np.dtype(dtype))
-            covered = 0
-            for held_bounds, data in by_leaf.get(want[0], []):
-                covered += _copy_overlap(result, want[1], data, held_bounds)
+            result, covered = stitch(want[1], dtype, [(d, k[1]) for k, d in held if k[0] == want[0]])
             if covered != result.size:
                 raise KeyError(
                     f"host {self.host} holds {covered} of {result.size} elements of leaf {leaf} {bounds}"
@@ -384,6 +374,17 @@ def _flush() -> None:
         sidecar_runtime().flush()
     except RuntimeError:  # not in a sidecar (a unit test of the class): nothing to wait for
         pass
+
+
+def stitch(want: Bounds, dtype: Any, parts: list[tuple[np.ndarray, Bounds]]) -> tuple[np.ndarray, int]:
+    """A new arena array for slice `want`, filled from the parts of `parts` (blocks at their
+    bounds) inside it, and how many elements they covered (the caller refuses a shortfall)."""
+    import ml_dtypes  # noqa: F401 - registers bfloat16 & co. with numpy
+
+    from colocar.shm import empty
+
+    result = empty(tuple(b - a for a, b in want), np.dtype(dtype))
+    return result, sum(_copy_overlap(result, want, data, held) for data, held in parts)
 
 
 def _copy_overlap(out: np.ndarray, want: Bounds, data: np.ndarray, held: Bounds) -> int:

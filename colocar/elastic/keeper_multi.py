@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from .keeper import SnapshotKeeper, _copy_overlap, _flush, _Snap, key_of
+from .keeper import SnapshotKeeper, _flush, _Snap, key_of, stitch
 from .peers import PeerOptions, Target, send_chunks
 
 BEGIN_WAIT_SECONDS = 120.0  # how long a replica waits for its receiver's process to begin the step
@@ -112,19 +112,12 @@ class MultiKeeper(SnapshotKeeper):
     def read_own(self, step: int, attempt: str, requests: list[tuple[int, str, Any]]) -> list[np.ndarray]:
         """[(leaf, dtype, bounds)] -> arena arrays cut from this host's own blocks of `step`."""
         self._touch()
-        import ml_dtypes  # noqa: F401 - registers bfloat16 & co. with numpy
-
-        from colocar.shm import empty
-
         with self._lock:
             held = list(self._snap(step, attempt).own.items())
         out = []
         for leaf, dtype, bounds in requests:
             want = key_of(leaf, bounds)
-            result = empty(tuple(b - a for a, b in want[1]), np.dtype(dtype))
-            covered = sum(
-                _copy_overlap(result, want[1], data, key[1]) for key, data in held if key[0] == want[0]
-            )
+            result, covered = stitch(want[1], dtype, [(d, k[1]) for k, d in held if k[0] == want[0]])
             if covered != result.size:
                 raise KeyError(
                     f"host {self.host} holds {covered} of {result.size} elements of leaf {leaf} "
@@ -141,10 +134,6 @@ class MultiKeeper(SnapshotKeeper):
         from their keepers (`peers`: process -> Target) over the peer path, never through a
         controller. The parts must fill each slice exactly."""
         self._touch()
-        import ml_dtypes  # noqa: F401 - registers bfloat16 & co. with numpy
-
-        from colocar.shm import empty
-
         wanted: dict[int, list[tuple[int, str, Any]]] = {}  # process -> its parts to cut
         slots = []  # per request: [(process, index in wanted[process], part)]
         for leaf, dtype, _, parts in requests:
@@ -158,8 +147,7 @@ class MultiKeeper(SnapshotKeeper):
         out = []
         for (leaf, dtype, bounds, _), slot in zip(requests, slots, strict=True):
             want = key_of(leaf, bounds)[1]
-            result = empty(tuple(b - a for a, b in want), np.dtype(dtype))
-            covered = sum(_copy_overlap(result, want, np.asarray(got[p][i]), part) for p, i, part in slot)
+            result, covered = stitch(want, dtype, [(np.asarray(got[p][i]), part) for p, i, part in slot])
             if covered != result.size:
                 raise KeyError(
                     f"the parts of leaf {leaf} {bounds} of step {step} fill {covered} of {result.size}"
