@@ -31,8 +31,12 @@ def _watch_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "colocar-exit-watch"]
 
 
+def _log_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("colocar-logs-")}
+
+
 def test_a_killed_sidecar_is_lost_before_any_heartbeat(make_cluster):
-    before = len(_watch_threads())
+    before, logs_before = len(_watch_threads()), _log_threads()
     c = make_cluster(hosts=2, processes=0, heartbeat_seconds=30, lease_seconds=120)
     assert len(_watch_threads()) == before + 1
     faults.inject(c, faults.kill(1))
@@ -46,3 +50,5 @@ def test_a_killed_sidecar_is_lost_before_any_heartbeat(make_cluster):
     assert _lost_within(c.hosts[1], 10)
     c.close()
     assert len(_watch_threads()) == before
+    # the lost host's log forwarder, pausing a heartbeat (30 s) between retries, ended with close()
+    assert _log_threads() <= logs_before

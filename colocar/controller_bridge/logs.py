@@ -36,9 +36,8 @@ class LogForwarder:
             try:
                 reply = self._transport.call("PollLogs", request, LOG_POLL_SECONDS + 30)
             except TransportError:  # lost, restarted or closing: look again after a heartbeat
-                if session.closed:
+                if session.wait_closed(session.heartbeat_seconds):
                     return
-                threading.Event().wait(session.heartbeat_seconds)
                 continue
             except ValueError:  # the channel was closed under us
                 return

@@ -192,6 +192,11 @@ class Session:
         if self.lost is not None:
             raise HostLostError(str(self.lost))
 
+    def wait_closed(self, timeout: float) -> bool:
+        """Waits up to `timeout` for close(); True once closed (a retry loop's pause that
+        close ends at once)."""
+        return self._stop.wait(timeout)
+
     def close(self) -> None:
         """Stops the heartbeat and ends the session on the sidecar (if it still answers)."""
         self.closed = True
