@@ -97,7 +97,7 @@ def _bench(name: str, *extra: str) -> dict:
 
 @pytest.mark.parametrize("name", sorted(REQUIRED))
 def test_bench_quick_json(name: str) -> None:
-    result = _bench(name, *(("--repeats", "1") if name == "firstbatch" else ()))  # its slowest part
+    result = _bench(name, "--repeats", "1")  # one round: the suite checks the output, not the speed
     assert result["quick"] is True
     for key in REQUIRED[name]:
         value = result[key]
@@ -108,11 +108,11 @@ def test_bench_quick_json(name: str) -> None:
         assert result["array_mib"] == 64 and "--quick" in result["array"]
         assert result["source_builds"] == 1  # the warm source really stayed warm on the sidecar
     if name == "ckpt":
-        assert result["rounds"] == 2 and result["checkpoint_mib"] == 64.1
+        assert result["rounds"] == 1 and result["checkpoint_mib"] == 64.1
         for system in ("colocar", "orbax"):
             assert isinstance(result[f"{system}_train_slowdown"], float)  # may be ~0 or below
             for key in ("blocked_s", "durable_s", "restore_s", "train_slowdown", "durable_training_s"):
-                assert len(result[f"{system}_{key}_per_round"]) == 2
+                assert len(result[f"{system}_{key}_per_round"]) == 1
     if name == "recovery":
         assert result["rounds"] == 1 and result["state_mib"] < 128
         for key in ("replication_slowdown", "save_slowdown"):
@@ -131,10 +131,10 @@ def test_bench_quick_json(name: str) -> None:
                 assert 0 < phases["imported"] <= phases["loader"] <= phases["first_batch"], phases
             assert result[f"{system}_resume_phases"]["restored"] <= result[f"{system}_resume_s"]
     if name == "loader":
-        assert result["rounds"] == 2
+        assert result["rounds"] == 1
         for key in ("transfer", "compute"):
             for system in ("grain", "colocar1", "colocar2"):
-                assert len(result[f"{key}_{system}_bps_per_round"]) == 2
+                assert len(result[f"{key}_{system}_bps_per_round"]) == 1
 
 
 def test_bench_runs_from_an_installed_wheel(tmp_path) -> None:

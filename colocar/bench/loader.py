@@ -86,8 +86,8 @@ QUICK = Sizes(
     per_file=128,
     warmup={"transfer": 8, "compute": 4},
     batches={"transfer": 30, "compute": 8},
-    min_rounds=2,  # each round starts grain twice and a 1- and a 2-sidecar cluster: ~20 s
-    max_rounds=2,
+    min_rounds=1,  # each round starts grain twice and a 1- and a 2-sidecar cluster: ~20 s
+    max_rounds=2,  # the default `--repeats` gives two
 )
 FULL = Sizes(
     files=2,
