@@ -60,6 +60,21 @@ def test_one_host_is_staged_on_the_callers_thread(cluster):
     assert probe.threads == [threading.current_thread().name]
 
 
+def test_a_partial_shard_list_kept_by_jax_is_an_error_not_a_missing_block(cluster):
+    """JAX keeps the first shard list it builds for an array; a first read from two threads at
+    once can leave a partial one (the plan reads it once, on the caller's thread, so array
+    calls never race on it). A partial list is refused before anything is staged."""
+    sharding = NamedSharding(cluster.mesh(("data",)), P("data"))
+    x = jax.device_put(np.arange(64.0).reshape(8, 8), sharding)
+    x.__dict__["addressable_shards"] = list(x.addressable_shards)[:4]  # the state JAX was seen to keep
+    with pytest.raises(colocar.ArrayLayoutError, match="JAX lists 4 addressable shards"):
+        colocar.colocated(plus)(x, 1)
+    fresh = jax.device_put(np.arange(64.0).reshape(8, 8), sharding)
+    np.testing.assert_array_equal(
+        np.asarray(colocar.colocated(plus)(fresh, 1)), np.arange(64.0).reshape(8, 8) + 1
+    )
+
+
 def test_staged_calls_keep_the_callers_program_order(cluster):
     """Calls staged on other threads still start in the caller's lanes, in order."""
 

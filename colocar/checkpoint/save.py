@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from colocar.controller_bridge.arrays import index_bounds
+from colocar.controller_bridge.arrays import addressable_shards, index_bounds
 from colocar.errors import CheckpointError
 from colocar.shm import ArenaFullError
 
@@ -118,7 +118,7 @@ def plan(
             shard_shape = tuple(data.sharding.shard_shape(shape))
             shards = [
                 (s.data, shard_bounds(s.index, shape), cluster.host_of(s.device), s.device)
-                for s in data.addressable_shards
+                for s in addressable_shards(data)
                 if s.replica_id == 0
             ]
         else:

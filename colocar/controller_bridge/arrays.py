@@ -72,14 +72,39 @@ def host_layout(
     return HostLayout(start, box, blocks)
 
 
-def gather(x: jax.Array, layout: HostLayout, out: np.ndarray) -> None:
-    """Copies the host's distinct shards of x into `out` (its bounding box): one copy each."""
-    shards = {shard.device: shard for shard in x.addressable_shards}
+def addressable_shards(x: jax.Array) -> list[Any]:
+    """x's addressable shards (`jax.Array.addressable_shards`), checked complete.
+
+    jaxlib builds an array's per-device buffers at their first access, and JAX keeps the first
+    shard list it makes; two threads making that first access together can leave one with a
+    partial list (seen in the suite: 4 of 8 shards), which JAX then keeps. Array calls read
+    the shards once on the caller's thread (the plan), and every reader checks the count: a
+    partial list is an error, never a missing or wrong block."""
+    shards = list(x.addressable_shards)
+    expected = len(x.sharding.addressable_devices)
+    if len(shards) != expected:
+        raise ArrayLayoutError(
+            f"JAX lists {len(shards)} addressable shards ({sorted(s.device.id for s in shards)}) of "
+            f"an array whose sharding {x.sharding} has {expected} on this process; its shard list "
+            "was probably first read from two threads at once: read x.addressable_shards once "
+            "before sharing a new array between threads"
+        )
+    return shards
+
+
+def by_device(x: jax.Array) -> dict[Any, jax.Array]:
+    """x's addressable shards' data (single-device arrays) by device."""
+    return {shard.device: shard.data for shard in addressable_shards(x)}
+
+
+def gather(shards: Mapping[Any, jax.Array], layout: HostLayout, out: np.ndarray) -> None:
+    """Copies the host's distinct shards of an array (`by_device`) into `out` (its bounding
+    box): one copy each."""
     for bounds, devices in layout.blocks.items():
-        shard = next((shards[d] for d in devices if d in shards), None)
-        if shard is None:
+        data = next((shards[d] for d in devices if d in shards), None)
+        if data is None:
             raise ArrayLayoutError(f"no addressable shard for block {bounds} of an input")
-        out[layout.local(bounds)] = np.asarray(shard.data)
+        out[layout.local(bounds)] = np.asarray(data)
 
 
 def key_data(x: Any) -> Any:
@@ -91,10 +116,9 @@ def key_data(x: Any) -> Any:
     return x
 
 
-def per_device(x: jax.Array, devices: Sequence[Any]) -> list[np.ndarray]:
-    """The shards of x on `devices`, in that order (for `per_device_shards=True`)."""
-    shards = {shard.device: shard for shard in x.addressable_shards}
-    return [np.asarray(shards[d].data) for d in devices if d in shards]
+def per_device(shards: Mapping[Any, jax.Array], devices: Sequence[Any]) -> list[np.ndarray]:
+    """An array's shards (`by_device`) on `devices`, in that order (for `per_device_shards=True`)."""
+    return [np.asarray(shards[d]) for d in devices if d in shards]
 
 
 def assemble(

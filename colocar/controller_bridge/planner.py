@@ -45,6 +45,9 @@ class CallPlan:
     positions: tuple[int, ...]  # where the jax.Array leaves are
     hosts: tuple[HostPlan, ...]
     in_specs: tuple[Any, Any]  # (args, kwargs) with arrays as ShapeDtypeStructs, for out_specs_fn
+    # per array argument, its shards' data by device: read once, on the caller's thread (the
+    # stagings run on several threads; see `arrays.addressable_shards`)
+    shards_by_device: tuple[dict[Any, jax.Array], ...]
 
     @property
     def arrays(self) -> list[jax.Array]:
@@ -57,12 +60,12 @@ class CallPlan:
 
     def fill(self, host: HostPlan, blocks: Sequence[np.ndarray]) -> None:
         """Copies the host's shards of each array argument into its block (device to host)."""
-        for x, layout, block in zip(self.arrays, host.layouts, blocks, strict=True):
-            arrays.gather(x, layout, block)
+        for shards, layout, block in zip(self.shards_by_device, host.layouts, blocks, strict=True):
+            arrays.gather(shards, layout, block)
 
     def shards(self, host: HostPlan) -> list[list[np.ndarray]]:
         """Each array argument as the list of its shards on the host (`per_device_shards`)."""
-        return [arrays.per_device(x, host.devices) for x in self.arrays]
+        return [arrays.per_device(shards, host.devices) for shards in self.shards_by_device]
 
     def arguments(self, values: Sequence[Any]) -> tuple[tuple, dict]:
         """The host's (args, kwargs): the arguments with `values` in place of the arrays."""
@@ -113,7 +116,8 @@ def plan_call(name: str, label: str, options: Options, args: tuple, kwargs: dict
         mine = tuple(addressable(host.devices))
         layouts = () if options.per_device_shards else _layouts(xs, host, mine, name)
         plans.append(HostPlan(host, mine, layouts))
-    return CallPlan(name, label, options, tuple(leaves), treedef, positions, tuple(plans), in_specs)
+    shards = tuple(arrays.by_device(x) for x in xs)
+    return CallPlan(name, label, options, tuple(leaves), treedef, positions, tuple(plans), in_specs, shards)
 
 
 def _local_devices(name: str, tree: Any, leaves: list[Any], positions: tuple[int, ...]) -> list[Any]:

@@ -20,6 +20,7 @@ import numpy as np
 
 from colocar.checkpoint import tree
 from colocar.checkpoint.save import Piece, shard_bounds
+from colocar.controller_bridge.arrays import addressable_shards
 from colocar.errors import SnapshotError
 
 from . import snap_agree, snap_mc_save
@@ -44,7 +45,7 @@ def plan(
         dtype = np.dtype(leaf.dtype)
         leaves[key] = {"index": index, "shape": list(shape), "dtype": dtype.name}
         seen = set()
-        for shard in leaf.addressable_shards:
+        for shard in addressable_shards(leaf):
             bounds = shard_bounds(shard.index, shape)
             if str(bounds) in seen:
                 continue
