@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 from checkpoint_helpers import MiB
 from helpers import wait_for
 from multi_helpers import stop, two_processes
@@ -77,6 +78,7 @@ def _replace(sidecars, h: int) -> None:
     assert sidecars.hosts[h].address != old
 
 
+@pytest.mark.slow  # the quick suite resumes in place from RAM in the reshard test's first restart
 def test_killed_trainers_resume_from_the_sidecars_ram(make_cluster, tmp_path, cluster):
     sidecars = make_cluster(hosts=2, arena_size=16 * MiB, persist=True, lease_seconds=5)
     directory = str(tmp_path / "unused")
@@ -131,6 +133,8 @@ def test_restart_restores_onto_other_shardings(make_cluster, tmp_path, cluster):
         cluster.make_current()
 
 
+# quick suite: test_elastic_manager_multi saves from the snapshots and restores from storage
+@pytest.mark.slow
 def test_save_to_writes_a_committed_checkpoint_from_the_sidecars(make_cluster, tmp_path, cluster):
     """After a restart, with one sidecar replaced by an empty one: `save_to` refills it, then
     each process's sidecar writes its replica-0 shards; CheckpointManager restores the step
