@@ -8,6 +8,7 @@ staged it, and can hold every staging until all hosts are being staged at once.
 from __future__ import annotations
 
 import gc
+import sys
 import threading
 
 import jax
@@ -60,15 +61,34 @@ def test_one_host_is_staged_on_the_callers_thread(cluster):
     assert probe.threads == [threading.current_thread().name]
 
 
-def test_a_partial_shard_list_kept_by_jax_is_an_error_not_a_missing_block(cluster):
+def test_new_arrays_staged_on_two_threads_get_every_block(cluster):
+    """Each host's staging thread reads the array's shards; JAX breaks the shard list of an
+    array first read from two threads at once (likely with a tiny switch interval). The plan
+    reads it once, on the caller's thread: every call gets every block."""
+    mesh = cluster.mesh(("data",))
+    call = colocar.colocated(plus)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for width in range(1, 41):  # new shard shapes: JAX's shape caches miss, as in a new program
+            x = jax.device_put(np.arange(8.0 * width).reshape(8, width), NamedSharding(mesh, P("data")))
+            y = call(x, 1)
+            np.testing.assert_array_equal(np.asarray(y), np.arange(8.0 * width).reshape(8, width) + 1)
+    finally:
+        sys.setswitchinterval(interval)
+
+
+def test_a_broken_shard_list_kept_by_jax_is_an_error_not_a_missing_block(cluster):
     """JAX keeps the first shard list it builds for an array; a first read from two threads at
-    once can leave a partial one (the plan reads it once, on the caller's thread, so array
-    calls never race on it). A partial list is refused before anything is staged."""
+    once can leave a partial or doubled one (the plan reads it once, on the caller's thread,
+    so array calls never race on it). A broken list is refused before anything is staged."""
     sharding = NamedSharding(cluster.mesh(("data",)), P("data"))
     x = jax.device_put(np.arange(64.0).reshape(8, 8), sharding)
-    x.__dict__["addressable_shards"] = list(x.addressable_shards)[:4]  # the state JAX was seen to keep
-    with pytest.raises(colocar.ArrayLayoutError, match="JAX lists 4 addressable shards"):
-        colocar.colocated(plus)(x, 1)
+    shards = list(x.addressable_shards)
+    for broken in (shards[:4], shards[:4] * 2, shards * 2):  # the lists JAX was seen to keep
+        x.__dict__["addressable_shards"] = broken
+        with pytest.raises(colocar.ArrayLayoutError, match=f"JAX lists {len(broken)} addressable shards"):
+            colocar.colocated(plus)(x, 1)
     fresh = jax.device_put(np.arange(64.0).reshape(8, 8), sharding)
     np.testing.assert_array_equal(
         np.asarray(colocar.colocated(plus)(fresh, 1)), np.arange(64.0).reshape(8, 8) + 1

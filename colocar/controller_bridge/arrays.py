@@ -9,6 +9,7 @@ on the devices; `jax.make_array_from_single_device_arrays` assembles the global 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -72,22 +73,30 @@ def host_layout(
     return HostLayout(start, box, blocks)
 
 
+# Serialises colocar's own shard reads (calls submitted from several threads on one new array).
+_shard_read = threading.Lock()
+
+
 def addressable_shards(x: jax.Array) -> list[Any]:
     """x's addressable shards (`jax.Array.addressable_shards`), checked complete.
 
-    jaxlib builds an array's per-device buffers at their first access, and JAX keeps the first
-    shard list it makes; two threads making that first access together can leave one with a
-    partial list (seen in the suite: 4 of 8 shards), which JAX then keeps. Array calls read
-    the shards once on the caller's thread (the plan), and every reader checks the count: a
-    partial list is an error, never a missing or wrong block."""
-    shards = list(x.addressable_shards)
-    expected = len(x.sharding.addressable_devices)
-    if len(shards) != expected:
+    jaxlib builds an array's per-device buffers at their first access and JAX keeps the first
+    shard list it makes; two threads making that first access together can leave a partial or
+    doubled list (4 or 16 shards of 8, with devices missing), which JAX then keeps. colocar
+    reads shards under one lock, array calls once on the caller's thread (the plan), and the
+    result must name each addressable device once: a broken list is an error, never a missing
+    or wrong block."""
+    with _shard_read:
+        shards = list(x.addressable_shards)
+    devices = [s.device for s in shards]
+    expected: set[Any] = set(x.sharding.addressable_devices)
+    if len(devices) != len(expected) or set(devices) != expected:
         raise ArrayLayoutError(
-            f"JAX lists {len(shards)} addressable shards ({sorted(s.device.id for s in shards)}) of "
-            f"an array whose sharding {x.sharding} has {expected} on this process; its shard list "
-            "was probably first read from two threads at once: read x.addressable_shards once "
-            "before sharing a new array between threads"
+            f"JAX lists {len(shards)} addressable shards (on devices {sorted(d.id for d in devices)}) "
+            f"of an array whose sharding {x.sharding} puts one on each of devices "
+            f"{sorted(d.id for d in expected)} of this process: its shard list was first read "
+            "from two threads at once, which leaves JAX holding a broken one; read a new array's "
+            "x.addressable_shards on one thread before sharing it between threads"
         )
     return shards
 
