@@ -17,6 +17,7 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 
 import psutil  # noqa: E402
 import pytest  # noqa: E402
+from helpers import kill_if_stopped  # noqa: E402
 
 _base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 SHM_DIR = tempfile.mkdtemp(prefix=f"colocar-test-{os.getpid()}-", dir=_base)
@@ -110,9 +111,7 @@ def make_cluster():
     yield make
     for c in made:
         for process in c.processes:
-            if process.poll() is None and psutil.Process(process.pid).status() == psutil.STATUS_STOPPED:
-                process.kill()  # a stopped sidecar cannot drain
-                process.wait(timeout=30)
+            kill_if_stopped(process)
         c.close()
         for process in c.processes:  # persist=True sidecars outlive close(); SIGTERM removes the arena
             if process.poll() is None:

@@ -202,6 +202,7 @@ def elastic_cluster(shm_dir: str, hosts: int = 3, lease_seconds: float = 2):
     import os
 
     import psutil
+    from helpers import kill_if_stopped
 
     import colocar
 
@@ -228,8 +229,7 @@ def elastic_cluster(shm_dir: str, hosts: int = 3, lease_seconds: float = 2):
     finally:
         note_processes()  # the sidecars restarted meanwhile
         for process in c.processes:
-            if process.poll() is None and psutil.Process(process.pid).status() == psutil.STATUS_STOPPED:
-                process.kill()  # a stopped sidecar cannot drain
+            kill_if_stopped(process)
         c.close()
     alive = psutil.wait_procs(started, timeout=30)[1]
     assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], alive

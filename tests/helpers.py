@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 import colocar
 from colocar.demo.gcs import FakeGcs as FakeGcs  # the demo's starter: the same server, the same way
@@ -55,3 +58,15 @@ def sidecar_pid():
 @colocar.colocated(processes=True)
 def worker_pid():
     return os.getpid()
+
+
+def kill_if_stopped(process: subprocess.Popen) -> None:
+    """Kills a sidecar left stopped (SIGSTOP) by a test: a stopped one cannot drain at close.
+    A process that exits meanwhile (another thread of the cluster may reap it) is left alone."""
+    try:
+        stopped = process.poll() is None and psutil.Process(process.pid).status() == psutil.STATUS_STOPPED
+    except psutil.NoSuchProcess:
+        return
+    if stopped:
+        process.kill()
+        process.wait(timeout=30)

@@ -28,6 +28,7 @@ from elastic_helpers import (
     plain_run,
     replicated,
 )
+from helpers import kill_if_stopped
 
 import colocar
 from colocar.checkpoint import CheckpointManager
@@ -60,8 +61,7 @@ def three_hosts(shm_dir: str, hosts: int = 3):
         yield c, started
     finally:
         for process in c.processes:
-            if process.poll() is None and psutil.Process(process.pid).status() == psutil.STATUS_STOPPED:
-                process.kill()  # a stopped sidecar cannot drain
+            kill_if_stopped(process)
         c.close()
     gone, alive = psutil.wait_procs(started, timeout=30)
     assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], alive
