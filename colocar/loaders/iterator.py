@@ -321,10 +321,16 @@ class DataIterator:
         for feed in getattr(self, "_fed", ()):
             feed.close()
         self._feeds, self._fed = [], []
-        for obj in self._remote:
+        closing = []
+        for obj in self._remote:  # every host at once: each joins its workers (~0.4 s)
             try:
-                obj.close()
+                closing.append(obj.close.submit())
             except Exception:  # a lost host: its session's lease frees everything
+                pass
+        for future in closing:
+            try:
+                future.result()
+            except Exception:
                 pass
         self._remote = []
 
