@@ -53,6 +53,7 @@ def _replace(sidecars, h: int) -> None:
     sidecars.restart_host(h, address="127.0.0.1:0")
 
 
+@pytest.mark.slow  # quick suite: the lost-host test's trainers resume from RAM (the peers' replicas)
 def test_killed_trainers_resume_the_manager_loop_from_ram(make_cluster, tmp_path, cluster):
     sidecars = make_cluster(hosts=2, arena_size=16 * MiB, persist=True, lease_seconds=5)
     directory = str(tmp_path / "ckpt")

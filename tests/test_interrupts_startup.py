@@ -77,7 +77,7 @@ def _interrupt_loader_start(seed: int, c: Any, cases: int) -> None:
 
 
 def test_interrupted_loader_start_up(make_cluster):
-    _interrupt_loader_start(0, make_cluster(hosts=2, processes=0, arena_size=32 << 20), cases=3)
+    _interrupt_loader_start(0, make_cluster(hosts=2, processes=0, arena_size=32 << 20), cases=2)
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 from ckpt_processes import saver, start  # noqa: E402
 
 process, cluster, directory = start()
-w, m = saver(cluster, directory)
+w, m = saver(cluster, directory, commit_timeout=2)  # every save here fails: waits kept short
 for step in [int(s) for s in sys.argv[6 + process].split(",") if s]:
     try:
         m.save(step, {"w": w})
