@@ -19,9 +19,10 @@ from multi_helpers import run_two, stop, two_processes
 PROGRAM = "elastic_multi_trainer"
 
 
-def _train_then_kill(sidecars, directory: str, *extra: str) -> list[dict]:
+def _train_then_kill(sidecars, directory: str, *extra: str, lapse: bool = True) -> list[dict]:
     """Both trainers run steps 0..6 from init (snapshots of 1..7, saves of 3 and 6; `extra`:
-    snapshot every that many steps instead), then are killed mid-run."""
+    snapshot every that many steps instead), then are killed mid-run; with `lapse`, their
+    sessions then lapse (a test that replaces the sidecars needs no wait)."""
     trainers = two_processes(PROGRAM, sidecars, directory, "train", *extra)
     try:
         reports = []
@@ -35,7 +36,9 @@ def _train_then_kill(sidecars, directory: str, *extra: str) -> list[dict]:
             reports.append(json.loads(line.split(" ", 1)[1]))
     finally:
         stop(trainers)  # SIGKILL: no close(), the keepers stay with their snapshots
-    for host in sidecars.hosts:  # the trainers' sessions lapse (this test's and a peer's stay)
+    for host in (
+        sidecars.hosts if lapse else ()
+    ):  # the trainers' sessions lapse (this test's and a peer's stay)
         wait_for(lambda host=host: host.stats()["sessions"] <= 2, "the killed trainers' sessions to lapse")
     return reports
 
@@ -108,7 +111,7 @@ def test_saves_come_from_the_snapshots_and_restore_from_storage_continues(make_c
     sidecars = make_cluster(hosts=2, arena_size=16 * MiB, persist=True, lease_seconds=5)
     directory = str(tmp_path / "ckpt")
     try:
-        trained = _train_then_kill(sidecars, directory, "2")
+        trained = _train_then_kill(sidecars, directory, "2", lapse=False)
         for r in trained:
             assert r["counts"]["snapshot"] == 3 and r["counts"]["save"] == 2, r
             assert r["saved_from"] == {"snapshot": 1, "devices": 1}, r
