@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -79,26 +80,47 @@ REQUIRED = {
 TEXT: dict = {"capture_output": True, "text": True, "timeout": 300}
 
 
-def _bench(name: str, *extra: str) -> dict:
-    done = subprocess.run(
-        [sys.executable, "-c", "from colocar.cli import main; main()", "bench", name, "--quick", "--json"]
-        + list(extra),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, f"colocar bench {name} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    lines = done.stdout.strip().splitlines()
+def _command(name: str) -> list[str]:
+    """`colocar bench NAME --quick --json`, one round: the suite checks the output, not the speed."""
+    cli = [sys.executable, "-c", "from colocar.cli import main; main()", "bench", name]
+    return [*cli, "--quick", "--json", "--repeats", "1"]
+
+
+def _result(name: str, returncode: int, stdout: str, stderr: str) -> dict:
+    assert returncode == 0, f"colocar bench {name} failed:\n{stdout[-3000:]}\n{stderr[-3000:]}"
+    lines = stdout.strip().splitlines()
     assert lines, f"colocar bench {name} printed nothing"
     result = json.loads(lines[-1])
     assert isinstance(result, dict)
     return result
 
 
-# rpc's JSON is checked by test_bench_runs_from_an_installed_wheel
-@pytest.mark.parametrize("name", sorted(set(REQUIRED) - {"rpc"}))
-def test_bench_quick_json(name: str) -> None:
-    result = _bench(name, "--repeats", "1")  # one round: the suite checks the output, not the speed
+@pytest.fixture(scope="module")
+def firstbatch_run(tmp_path_factory):
+    """firstbatch (six fresh Python processes, mostly starting up) runs alongside the other
+    benchmarks' tests, from the first of them; its own test, the last, collects it."""
+    folder = tmp_path_factory.mktemp("firstbatch")
+    with open(folder / "out", "w") as out, open(folder / "err", "w") as err:
+        process = subprocess.Popen(_command("firstbatch"), stdout=out, stderr=err, start_new_session=True)
+    yield process, folder
+    if process.poll() is None:  # its test did not run, or failed: the run and its sidecars go
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def _bench(name: str, firstbatch_run: tuple) -> dict:
+    if name == "firstbatch":
+        process, folder = firstbatch_run
+        returncode = process.wait(timeout=300)
+        return _result(name, returncode, (folder / "out").read_text(), (folder / "err").read_text())
+    done = subprocess.run(_command(name), capture_output=True, text=True, timeout=300)
+    return _result(name, done.returncode, done.stdout, done.stderr)
+
+
+# rpc's JSON is checked by test_bench_runs_from_an_installed_wheel; firstbatch comes last
+@pytest.mark.parametrize("name", [*sorted(set(REQUIRED) - {"rpc", "firstbatch"}), "firstbatch"])
+def test_bench_quick_json(name: str, firstbatch_run: tuple) -> None:
+    result = _bench(name, firstbatch_run)
     assert result["quick"] is True
     for key in REQUIRED[name]:
         value = result[key]
