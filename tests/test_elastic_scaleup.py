@@ -175,7 +175,10 @@ def test_replace_host_points_a_lost_host_at_a_new_sidecar(make_cluster, tmp_path
         host.connection.close()
 
 
-@pytest.mark.parametrize("lease", [30, pytest.param(2, marks=pytest.mark.slow)])
+# --slow only (~20 s): the quick suite has a stopped host lost (test_loss_busy) and a restarted
+# host rejoining (test_a_restarted_host_rejoins_bit_exactly_and_leaves_nothing_behind)
+@pytest.mark.slow
+@pytest.mark.parametrize("lease", [30, 2])
 def test_a_stopped_host_that_answers_again_rejoins(lease, shm_dir, tmp_path):
     """A hung sidecar (SIGSTOP) is lost; resumed, its session reconnects by itself and the run
     scales back up onto it. The workers the first loader had on it end too: the sidecar still
