@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 
 from .peers import PeerLinks, PeerOptions, Target, lower_priority
+from .stitch import Bounds, by_leaf, stitch
 
-Bounds = tuple[tuple[int, int], ...]  # ((start, stop), ...) in the global array
 Key = tuple[int, Bounds]  # (leaf index, bounds)
 ENDED = ("replicated", "failed")
 
@@ -243,11 +243,11 @@ class SnapshotKeeper:
         self._touch()
         with self._lock:
             snap = self._snap(step, attempt)
-            held = [item for blocks in [snap.own, *snap.replicas.values()] for item in blocks.items()]
+            held = by_leaf([snap.own, *snap.replicas.values()])
         out = []
         for leaf, dtype, bounds in requests:
             want = key_of(leaf, bounds)
-            result, covered = stitch(want[1], dtype, [(d, k[1]) for k, d in held if k[0] == want[0]])
+            result, covered = stitch(want[1], dtype, held.get(want[0], []))
             if covered != result.size:
                 raise KeyError(
                     f"host {self.host} holds {covered} of {result.size} elements of leaf {leaf} {bounds}"
@@ -374,27 +374,3 @@ def _flush() -> None:
         sidecar_runtime().flush()
     except RuntimeError:  # not in a sidecar (a unit test of the class): nothing to wait for
         pass
-
-
-def stitch(want: Bounds, dtype: Any, parts: list[tuple[np.ndarray, Bounds]]) -> tuple[np.ndarray, int]:
-    """A new arena array for slice `want`, filled from the parts of `parts` (blocks at their
-    bounds) inside it, and how many elements they covered (the caller refuses a shortfall)."""
-    import ml_dtypes  # noqa: F401 - registers bfloat16 & co. with numpy
-
-    from colocar.shm import empty
-
-    result = empty(tuple(b - a for a, b in want), np.dtype(dtype))
-    return result, sum(_copy_overlap(result, want, data, held) for data, held in parts)
-
-
-def _copy_overlap(out: np.ndarray, want: Bounds, data: np.ndarray, held: Bounds) -> int:
-    """Copies the part of block `data` (at `held` bounds) inside `want` into `out`; returns the
-    elements copied."""
-    lo = [max(a, c) for (a, _), (c, _) in zip(want, held, strict=True)]
-    hi = [min(b, d) for (_, b), (_, d) in zip(want, held, strict=True)]
-    if any(h <= low for low, h in zip(lo, hi, strict=True)):
-        return 0
-    dst = tuple(slice(a - w[0], b - w[0]) for a, b, w in zip(lo, hi, want, strict=True))
-    src = tuple(slice(a - h[0], b - h[0]) for a, b, h in zip(lo, hi, held, strict=True))
-    out[dst] = data[src]  # an assignment: a 0-d array's out[()] is no view to copy into
-    return int(np.prod([b - a for a, b in zip(lo, hi, strict=True)], dtype=np.int64))

@@ -22,8 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from .keeper import SnapshotKeeper, _flush, _Snap, key_of, stitch
+from .keeper import SnapshotKeeper, _flush, _Snap, key_of
 from .peers import PeerOptions, Target, send_chunks
+from .stitch import by_leaf, stitch
 
 BEGIN_WAIT_SECONDS = 120.0  # how long a replica waits for its receiver's process to begin the step
 
@@ -113,11 +114,11 @@ class MultiKeeper(SnapshotKeeper):
         """[(leaf, dtype, bounds)] -> arena arrays cut from this host's own blocks of `step`."""
         self._touch()
         with self._lock:
-            held = list(self._snap(step, attempt).own.items())
+            held = by_leaf([self._snap(step, attempt).own])
         out = []
         for leaf, dtype, bounds in requests:
             want = key_of(leaf, bounds)
-            result, covered = stitch(want[1], dtype, [(d, k[1]) for k, d in held if k[0] == want[0]])
+            result, covered = stitch(want[1], dtype, held.get(want[0], []))
             if covered != result.size:
                 raise KeyError(
                     f"host {self.host} holds {covered} of {result.size} elements of leaf {leaf} "

@@ -1,0 +1,48 @@
+"""Slices of a snapshot's leaf cut from the blocks that hold parts of it (in a keeper).
+
+A keeper holds each leaf as blocks at their bounds in the global array (its own shards and
+replicas of its peers'); a read asks for a slice, which `stitch` fills into a new arena array
+from every block that overlaps it. Shared by the single- and multi-controller keepers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+Bounds = tuple[tuple[int, int], ...]  # ((start, stop), ...) in the global array
+
+
+def by_leaf(held: list[dict[tuple[int, Bounds], np.ndarray]]) -> dict[int, list[tuple[np.ndarray, Bounds]]]:
+    """Blocks keyed (leaf, bounds), from several holdings, as each leaf's (block, bounds): the
+    parts `stitch` takes, grouped once for all requests."""
+    out: dict[int, list[tuple[np.ndarray, Bounds]]] = {}
+    for blocks in held:
+        for (leaf, bounds), data in blocks.items():
+            out.setdefault(leaf, []).append((data, bounds))
+    return out
+
+
+def stitch(want: Bounds, dtype: Any, parts: list[tuple[np.ndarray, Bounds]]) -> tuple[np.ndarray, int]:
+    """A new arena array for slice `want`, filled from the parts of `parts` (blocks at their
+    bounds) inside it, and how many elements they covered (the caller refuses a shortfall)."""
+    import ml_dtypes  # noqa: F401 - registers bfloat16 & co. with numpy
+
+    from colocar.shm import empty
+
+    result = empty(tuple(b - a for a, b in want), np.dtype(dtype))
+    return result, sum(_copy_overlap(result, want, data, held) for data, held in parts)
+
+
+def _copy_overlap(out: np.ndarray, want: Bounds, data: np.ndarray, held: Bounds) -> int:
+    """Copies the part of block `data` (at `held` bounds) inside `want` into `out`; returns the
+    elements copied."""
+    lo = [max(a, c) for (a, _), (c, _) in zip(want, held, strict=True)]
+    hi = [min(b, d) for (_, b), (_, d) in zip(want, held, strict=True)]
+    if any(h <= low for low, h in zip(lo, hi, strict=True)):
+        return 0
+    dst = tuple(slice(a - w[0], b - w[0]) for a, b, w in zip(lo, hi, want, strict=True))
+    src = tuple(slice(a - h[0], b - h[0]) for a, b, h in zip(lo, hi, held, strict=True))
+    out[dst] = data[src]  # an assignment: a 0-d array's out[()] is no view to copy into
+    return int(np.prod([b - a for a, b in zip(lo, hi, strict=True)], dtype=np.int64))
