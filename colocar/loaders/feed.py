@@ -4,7 +4,7 @@ When the controller maps a host's arena, each finished batch arrives as `(batch,
 socket of the pipeline's own, and the slot goes back on the ring's board once nothing reads it
 any more (see `host_backend` for the sidecar's end); otherwise the iterator falls back to calls.
 "Nothing reads it" is decided one way: the batch's views all derive from one anchor array, and
-the slot is queued when the anchor becomes unreachable (a weakref callback; `_Feed` says more).
+the slot is queued when the anchor becomes unreachable (a weakref callback; `Feed` says more).
 """
 
 from __future__ import annotations
@@ -22,17 +22,16 @@ import numpy as np
 from colocar.controller_bridge.cluster import Host
 from colocar.errors import HostLostError
 from colocar.protocol.messages import FEED_HEADER, FeedMessage
-from colocar.shm import ndarray_view
 from colocar.shm.ring import WAITING, board_words, store_load_hint
 
 from .errors import PipelineError
 from .layout import SlotLayout
 
-_LENDING: set[_Feed] = set()  # closed feeds whose batches still hold slots
+_LENDING: set[Feed] = set()  # closed feeds whose batches still hold slots
 AHEAD = 2  # a host with this many batches read but not yet taken is not woken for a slot
 
 
-class _Feed:
+class Feed:
     """The controller's end of a host's batch feed (see `host_backend`): batches in, slots back.
 
     A slot comes back by reachability alone. Each batch handed out gets fresh per-device views
@@ -56,7 +55,8 @@ class _Feed:
         assert conn.blocks.arena is not None
         self._arena = conn.blocks.arena
         self._slots = info["slots"]
-        self._board = ndarray_view(self._arena, info["board"], (board_words(len(self._slots)),), np.int64)
+        # int64 words as a memoryview: its item access is a fraction of numpy's scalar indexing
+        self._board = self._arena.buffer(info["board"], 8 * board_words(len(self._slots))).cast("q")
         self._recipe = _view_recipe(layout, [segment for _, segment in placed])
         # per slot: its bytes (the memoryview pins the mapping while an anchor lives), the
         # callback that returns it, the weakref to its current batch's anchor
@@ -74,6 +74,7 @@ class _Feed:
             raise
         self._sock = sock
         self._inbox = bytearray(1 << 12)  # received bytes [_start, _end): no allocation per recv
+        self._inbox_view = memoryview(self._inbox)  # recv target (released while the inbox is resized)
         self._start = self._end = 0
         self._pending: collections.deque[int] = collections.deque()  # slots to give back
         self._send_lock = threading.Lock()
@@ -81,18 +82,16 @@ class _Feed:
         self._closed = False
         self._ended = False
 
-    def _batch_views(self, slot: int) -> dict[str, list[np.ndarray]]:
-        """The slot's per-device views by field, over a new anchor whose death returns the slot."""
+    def views(self, slot: int) -> dict[str, list[np.ndarray]]:
+        """A received slot's per-device views by field (`placed` order), over a new anchor
+        whose death returns the slot."""
         anchor = np.frombuffer(self._regions[slot], np.uint8)  # its base: a memoryview, no array
         self._anchors[slot] = weakref.ref(anchor, self._returns[slot])
         return _slot_views(self._recipe, anchor)
 
     def _returned(self, slot: int, _anchor: weakref.ref) -> None:
-        """A slot's anchor died (a weakref callback: any thread, must not block): queue the
-        slot; `poll()` sends it, or this call once the feed is closed (nobody polls any more)."""
-        self._pending.append(slot)
-        if self._closed:
-            self.flush()
+        """A slot's anchor died (a weakref callback: any thread, must not block)."""
+        self.give_back(slot)
 
     def poll(self) -> None:
         """Gives back the slots whose batches died (run after JAX's deferred releases)."""
@@ -151,23 +150,25 @@ class _Feed:
             return message
         need = message
         if start + need > len(inbox):  # move the partial message to the front; grow for a long one
+            self._inbox_view.release()
             del inbox[:start]
             self._end -= start
             self._start = 0
             if need > len(inbox):
                 inbox.extend(bytes(need - len(inbox)))
+            self._inbox_view = memoryview(inbox)
         return None
 
-    def next_batch(self, k: int) -> tuple[dict[str, list[np.ndarray]], int] | None:
-        """Batch k: its per-device views by field (`placed` order) and its count of bad
-        records; None at the end of the data."""
+    def receive(self, k: int) -> int | None:
+        """The slot of batch k, lent to this end from now on (`views` or `give_back` it), or
+        None at the end of the data."""
         if self._ended:
             return None
         conn = self._conn
-        while (message := self._message()) is None:
+        # an empty inbox (both ends at 0: see `_message`) holds no message and has room
+        while (message := self._message() if self._end else None) is None:
             try:
-                with memoryview(self._inbox) as free:
-                    got = self._sock.recv_into(free[self._end :])
+                got = self._sock.recv_into(self._inbox_view[self._end :])
             except TimeoutError:
                 if conn.session.lost is not None:
                     raise HostLostError(str(conn.session.lost)) from None
@@ -183,7 +184,7 @@ class _Feed:
                 raise PipelineError(f"the pipeline on {self.host.name} closed its batch feed")
             self._end += got
         conn.session.alive_at = time.monotonic()  # spares a keepalive (see `Session`)
-        got, slot, bad, tail, _ = message
+        got, slot, _, tail, _ = message
         if tail is not None:  # ("end",) or ("error", text)
             self._ended = True
             if tail[0] == "error":
@@ -192,7 +193,15 @@ class _Feed:
         if got != k:
             raise RuntimeError(f"{self.host.name} fed batch {got}, expected {k}")
         self._outstanding += 1  # no lock: only `flush` after `close` runs in other threads
-        return self._batch_views(slot), bad
+        return slot
+
+    def give_back(self, slot: int) -> None:
+        """Queues a received slot that nothing reads any more (its anchor died, or its views
+        were never made): `poll()` sends it, or this call once the feed is closed (nobody
+        polls any more). Any thread; it must not block."""
+        self._pending.append(slot)
+        if self._closed:
+            self.flush()
 
 
 _Block = tuple[tuple[int, ...], np.dtype, int, tuple[int, ...]]  # np.ndarray's shape, dtype, offset, strides
@@ -230,14 +239,20 @@ def _slot_views(recipe: _Recipe, anchor: np.ndarray) -> dict[str, list[np.ndarra
     by_field = {}
     new = np.ndarray
     for name, blocks, picks in recipe:
-        views = [
-            v for shape, dtype, start, strides in blocks for v in new(shape, dtype, anchor, start, strides)
-        ]
+        if len(blocks) == 1:
+            shape, dtype, start, strides = blocks[0]
+            views = list(new(shape, dtype, anchor, start, strides))
+        else:
+            views = [
+                v
+                for shape, dtype, start, strides in blocks
+                for v in new(shape, dtype, anchor, start, strides)
+            ]
         by_field[name] = views if picks is None else [views[i] for i in picks]
     return by_field
 
 
-def open_feed(obj: Any, host: Host, layout: SlotLayout, placed: list[tuple[Any, int]]) -> _Feed | None:
+def open_feed(obj: Any, host: Host, layout: SlotLayout, placed: list[tuple[Any, int]]) -> Feed | None:
     """A feed to the host's pipeline when this process maps its arena, else None (calls)."""
     conn = host.connection
     if conn.blocks.arena is None:
@@ -246,6 +261,6 @@ def open_feed(obj: Any, host: Host, layout: SlotLayout, placed: list[tuple[Any, 
     if info is None or info["nonce"] != conn.blocks.arena.nonce:
         return None
     try:
-        return _Feed(host, info, layout, placed)
+        return Feed(host, info, layout, placed)
     except OSError:
         return None  # another network namespace: the sidecar gives up on it after a while

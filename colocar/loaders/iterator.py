@@ -34,6 +34,7 @@ from colocar.controller_bridge.cluster import Cluster
 
 from .agreement import Agreement, identity
 from .config import PipelineConfig, load_config
+from .feed import Feed
 from .host_backend import LoaderHost
 from .orders import STATE_KEY, saved_order
 from .plan import HostPlan, check_batch_axes, host_plans, local_groups
@@ -192,27 +193,43 @@ class DataIterator:
     def _gather(self, k: int, pieces: dict[str, list[np.ndarray]]) -> bool:
         """Adds every host's per-device views of batch `k` to `pieces`; True at the end of the data.
 
-        No local keeps a host's views after they went into `pieces` (a later host's failure
-        keeps this frame in its traceback)."""
+        The feeds' views are made once every host delivered, one after another: after a wait
+        for data only the first pays for cold caches. A slot received but not viewed (an error,
+        the end of the data) goes straight back, and nothing here keeps views after they went
+        into `pieces` (a later failure keeps this frame in its traceback)."""
         ended = False
-        for obj, feed, (_, layout, placed) in zip(self._remote, self._feeds, self._plan, strict=True):
-            if feed is not None:
-                got = feed.next_batch(k)
-                if got is None:
+        parts: list[tuple[Feed, int] | dict[str, list[np.ndarray]]] = []  # per host, plan order
+        try:
+            for obj, feed, (_, layout, placed) in zip(self._remote, self._feeds, self._plan, strict=True):
+                if feed is not None:
+                    lent = feed.receive(k)
+                    if lent is None:
+                        ended = True
+                    else:
+                        parts.append((feed, lent))
+                    continue
+                item = obj.next_batch()
+                if item is None:
                     ended = True
+                elif item["k"] != k:
+                    raise RuntimeError(f"{obj} returned batch {item['k']}, expected {k}")
                 else:
-                    _extend(pieces, got[0])
-                got = None
-                continue
-            item = obj.next_batch()
-            if item is None:
-                ended = True
-            elif item["k"] != k:
-                raise RuntimeError(f"{obj} returned batch {item['k']}, expected {k}")
-            else:
-                for name in self.fields:
-                    pieces[name] += [layout.segment_view(item["slot"], name, s) for _, s in placed]
-            item = None
+                    slot_view = item["slot"]
+                    parts.append(
+                        {n: [layout.segment_view(slot_view, n, s) for _, s in placed] for n in self.fields}
+                    )
+                item = slot_view = None
+            if not ended:
+                for i, part in enumerate(parts):
+                    if isinstance(part, tuple):
+                        parts[i] = part = part[0].views(part[1])
+                    for name, field_views in part.items():
+                        pieces[name] += field_views
+        finally:
+            for part in parts:
+                if isinstance(part, tuple):
+                    part[0].give_back(part[1])
+            parts.clear()
         return ended
 
     def __next__(self) -> dict[str, jax.Array]:
@@ -382,8 +399,3 @@ def load(
         several = jax.process_count() > 1
         mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",)) if several else cluster.mesh(("data",))
     return DataIterator(load_config(config), cluster, mesh, start, starve_timeout, progress, sync_timeout)
-
-
-def _extend(pieces: dict[str, list[np.ndarray]], views: dict[str, list[np.ndarray]]) -> None:
-    for name, field_views in views.items():
-        pieces[name] += field_views

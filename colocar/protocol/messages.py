@@ -186,7 +186,8 @@ class FeedMessage(NamedTuple):
         if end - start < need:
             return need
         tail = pickle.loads(buffer[start + FEED_HEADER.size : start + need]) if n else None
-        return FeedMessage(k, slot, bad, tail, need)
+        return _new_tuple(FeedMessage, (k, slot, bad, tail, need))  # ~2x faster than FeedMessage(...)
 
 
 FEED_HEADER = struct.Struct("<Iqiq")
+_new_tuple = tuple.__new__
