@@ -214,11 +214,8 @@ class DataIterator:
                 elif item["k"] != k:
                     raise RuntimeError(f"{obj} returned batch {item['k']}, expected {k}")
                 else:
-                    slot_view = item["slot"]
-                    parts.append(
-                        {n: [layout.segment_view(slot_view, n, s) for _, s in placed] for n in self.fields}
-                    )
-                item = slot_view = None
+                    parts.append(layout.slot_views(item["slot"], [s for _, s in placed]))
+                item = None
             if not ended:
                 for i, part in enumerate(parts):
                     if isinstance(part, tuple):

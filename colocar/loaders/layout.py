@@ -53,6 +53,10 @@ class SlotLayout:
         start = self.offsets[name][segment]
         return slot[start : start + count * dt.itemsize].view(dt).reshape((b - a, *shape))
 
+    def slot_views(self, slot: np.ndarray, segments: list[int]) -> dict[str, list[np.ndarray]]:
+        """Per field, the views of `segments` (in that order) of a slot."""
+        return {name: [self.segment_view(slot, name, s) for s in segments] for name in self.fields}
+
     def segment_of_row(self, row: int) -> tuple[int, int]:
         """(segment index, row within it) of a global row held by this host."""
         for i, (a, b) in enumerate(self.segments):

@@ -88,12 +88,7 @@ def main(conn: Any, arena_info: tuple, config_bytes: bytes, layout: Any, slots: 
     views = []
     for offset, nbytes in slots:
         whole = ndarray_view(arena, offset, (nbytes,), np.uint8)
-        views.append(
-            {
-                name: [layout.segment_view(whole, name, i) for i in range(len(layout.segments))]
-                for name in layout.fields
-            }
-        )
+        views.append(layout.slot_views(whole, list(range(len(layout.segments)))))
     r0, r1 = layout.rows
     while True:
         try:
