@@ -239,15 +239,9 @@ def _slot_views(recipe: _Recipe, anchor: np.ndarray) -> dict[str, list[np.ndarra
     by_field = {}
     new = np.ndarray
     for name, blocks, picks in recipe:
-        if len(blocks) == 1:
-            shape, dtype, start, strides = blocks[0]
-            views = list(new(shape, dtype, anchor, start, strides))
-        else:
-            views = [
-                v
-                for shape, dtype, start, strides in blocks
-                for v in new(shape, dtype, anchor, start, strides)
-            ]
+        views = [
+            v for shape, dtype, start, strides in blocks for v in new(shape, dtype, anchor, start, strides)
+        ]
         by_field[name] = views if picks is None else [views[i] for i in picks]
     return by_field
 
