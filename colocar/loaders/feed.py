@@ -74,7 +74,6 @@ class Feed:
             raise
         self._sock = sock
         self._inbox = bytearray(1 << 12)  # received bytes [_start, _end): no allocation per recv
-        self._inbox_view = memoryview(self._inbox)  # recv target (released while the inbox is resized)
         self._start = self._end = 0
         self._pending: collections.deque[int] = collections.deque()  # slots to give back
         self._send_lock = threading.Lock()
@@ -150,13 +149,11 @@ class Feed:
             return message
         need = message
         if start + need > len(inbox):  # move the partial message to the front; grow for a long one
-            self._inbox_view.release()
             del inbox[:start]
             self._end -= start
             self._start = 0
             if need > len(inbox):
                 inbox.extend(bytes(need - len(inbox)))
-            self._inbox_view = memoryview(inbox)
         return None
 
     def receive(self, k: int) -> int | None:
@@ -168,7 +165,8 @@ class Feed:
         # an empty inbox (both ends at 0: see `_message`) holds no message and has room
         while (message := self._message() if self._end else None) is None:
             try:
-                got = self._sock.recv_into(self._inbox_view[self._end :])
+                with memoryview(self._inbox) as free:
+                    got = self._sock.recv_into(free[self._end :])
             except TimeoutError:
                 if conn.session.lost is not None:
                     raise HostLostError(str(conn.session.lost)) from None

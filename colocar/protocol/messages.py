@@ -186,8 +186,7 @@ class FeedMessage(NamedTuple):
         if end - start < need:
             return need
         tail = pickle.loads(buffer[start + FEED_HEADER.size : start + need]) if n else None
-        return _new_tuple(FeedMessage, (k, slot, bad, tail, need))  # ~2x faster than FeedMessage(...)
+        return FeedMessage(k, slot, bad, tail, need)
 
 
 FEED_HEADER = struct.Struct("<Iqiq")
-_new_tuple = tuple.__new__
