@@ -28,6 +28,7 @@ from .errors import PipelineError
 from .layout import SlotLayout
 
 _LENDING: set[Feed] = set()  # closed feeds whose batches still hold slots
+HEADER = FEED_HEADER.size
 AHEAD = 2  # a host with this many batches read but not yet taken is not woken for a slot
 
 
@@ -104,20 +105,20 @@ class Feed:
         no wake-up (each costs both processes a context switch): the pump's periodic look at
         the board finds the slots, as it does when a flag read too early (no fence orders it
         after the counters, see `shm.ring`) loses the signal."""
-        while self._pending and self._send_lock.acquire(blocking=False):
+        pending, board = self._pending, self._board
+        while pending and self._send_lock.acquire(False):
             try:
-                board, n = self._board, 0
-                while self._pending:
-                    board[1 + self._pending.popleft()] += 1
-                    n += 1
-                self._outstanding -= n
+                while pending:
+                    board[1 + pending.popleft()] += 1
+                    self._outstanding -= 1
                 store_load_hint()  # best effort: see "Ordering" in shm/ring.py
-                if self._closed or (board[WAITING] and self._end - self._start < AHEAD * FEED_HEADER.size):
+                closed = self._closed
+                if closed or (board[WAITING] and self._end - self._start < AHEAD * HEADER):
                     try:
                         self._sock.sendall(b"\x01")
                     except OSError:
                         pass  # the sidecar is gone: its slots went with it
-                if self._closed and self._outstanding == 0:
+                if closed and self._outstanding == 0:
                     self._sock.close()
                     _LENDING.discard(self)
             finally:
@@ -137,61 +138,69 @@ class Feed:
                 _LENDING.add(self)  # the anchors' callbacks need the feed (and its socket)
         self.flush()
 
-    def _message(self) -> FeedMessage | None:
-        """The next message (see `protocol.messages.FeedMessage`), or None while none is
-        complete (then the inbox has room for the rest of it after `_end`)."""
+    def receive(self, k: int) -> int | None:
+        """The slot of batch k, lent to this end from now on (`views` or `give_back` it), or
+        None at the end of the data.
+
+        A batch's message is a bare header (`FEED_HEADER`, no tail), read here directly: this
+        runs once per batch, right after the trainer wakes with cold caches, where each line
+        costs about a microsecond. The last message (a tail) goes through `_last`."""
+        if self._ended:
+            return None
+        if self._end - self._start < HEADER:
+            self._fill(HEADER)
+        start = self._start
+        tail, got, slot, _ = FEED_HEADER.unpack_from(self._inbox, start)
+        if tail:
+            self._last()
+            return None
+        self._start = start = start + HEADER
+        if start == self._end:
+            self._start = self._end = 0
+        self._conn.session.alive_at = time.monotonic()  # spares a keepalive (see `Session`)
+        if got != k:
+            raise RuntimeError(f"{self.host.name} fed batch {got}, expected {k}")
+        self._outstanding += 1  # no lock: only `flush` after `close` runs in other threads
+        return slot
+
+    def _last(self) -> None:
+        """Reads the last message, `("end",)` or `("error", text)` (see `FeedMessage`)."""
+        while not isinstance(message := FeedMessage.read(self._inbox, self._start, self._end), FeedMessage):
+            self._fill(message)
+        self._ended = True
+        if message.tail is not None and message.tail[0] == "error":
+            raise PipelineError(message.tail[1])
+
+    def _fill(self, need: int) -> None:
+        """Receives until the inbox holds `need` bytes after `_start` (moving them to the
+        front, or growing the inbox, when they would not fit); raises if the host is lost or
+        the pipeline closed its feed."""
         inbox, start = self._inbox, self._start
-        message = FeedMessage.read(inbox, start, self._end)
-        if isinstance(message, FeedMessage):
-            self._start = start + message.size
-            if self._start == self._end:
-                self._start = self._end = 0
-            return message
-        need = message
-        if start + need > len(inbox):  # move the partial message to the front; grow for a long one
+        if start + need > len(inbox):
             del inbox[:start]
             self._end -= start
             self._start = 0
             if need > len(inbox):
                 inbox.extend(bytes(need - len(inbox)))
-        return None
-
-    def receive(self, k: int) -> int | None:
-        """The slot of batch k, lent to this end from now on (`views` or `give_back` it), or
-        None at the end of the data."""
-        if self._ended:
-            return None
-        conn = self._conn
-        # an empty inbox (both ends at 0: see `_message`) holds no message and has room
-        while (message := self._message() if self._end else None) is None:
+        session = self._conn.session
+        while self._end - self._start < need:
             try:
-                with memoryview(self._inbox) as free:
+                with memoryview(inbox) as free:
                     got = self._sock.recv_into(free[self._end :])
             except TimeoutError:
-                if conn.session.lost is not None:
-                    raise HostLostError(str(conn.session.lost)) from None
+                if session.lost is not None:
+                    raise HostLostError(str(session.lost)) from None
                 continue
             except OSError as e:
                 got = 0
                 if self._closed:
                     raise PipelineError(f"the batch feed of {self.host.name} is closed") from e
             if not got:
-                conn.session.heartbeat()  # a dead sidecar: find out now, not at the next heartbeat
-                if conn.session.lost is not None:
-                    raise HostLostError(str(conn.session.lost))
+                session.heartbeat()  # a dead sidecar: find out now, not at the next heartbeat
+                if session.lost is not None:
+                    raise HostLostError(str(session.lost))
                 raise PipelineError(f"the pipeline on {self.host.name} closed its batch feed")
             self._end += got
-        conn.session.alive_at = time.monotonic()  # spares a keepalive (see `Session`)
-        got, slot, _, tail, _ = message
-        if tail is not None:  # ("end",) or ("error", text)
-            self._ended = True
-            if tail[0] == "error":
-                raise PipelineError(tail[1])
-            return None
-        if got != k:
-            raise RuntimeError(f"{self.host.name} fed batch {got}, expected {k}")
-        self._outstanding += 1  # no lock: only `flush` after `close` runs in other threads
-        return slot
 
     def give_back(self, slot: int) -> None:
         """Queues a received slot that nothing reads any more (its anchor died, or its views

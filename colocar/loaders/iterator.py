@@ -190,15 +190,16 @@ class DataIterator:
         for feed in self._fed:
             feed.poll()
 
-    def _gather(self, k: int, pieces: dict[str, list[np.ndarray]]) -> bool:
-        """Adds every host's per-device views of batch `k` to `pieces`; True at the end of the data.
+    def _gather(self, k: int) -> dict[str, list[np.ndarray]] | None:
+        """Per field, every host's views of batch `k` (plan order); None at the end of the data.
 
         The feeds' views are made once every host delivered, one after another: after a wait
         for data only the first pays for cold caches. A slot received but not viewed (an error,
-        the end of the data) goes straight back, and nothing here keeps views after they went
-        into `pieces` (a later failure keeps this frame in its traceback)."""
+        the end of the data) goes straight back, and nothing here keeps views once it raised
+        (a failure keeps this frame in its traceback)."""
         ended = False
         parts: list[tuple[Feed, int] | dict[str, list[np.ndarray]]] = []  # per host, plan order
+        pieces: dict[str, list[np.ndarray]] | None = None  # the first host's views, then all
         try:
             for obj, feed, (_, layout, placed) in zip(self._remote, self._feeds, self._plan, strict=True):
                 if feed is not None:
@@ -216,33 +217,34 @@ class DataIterator:
                 else:
                     parts.append(layout.slot_views(item["slot"], [s for _, s in placed]))
                 item = None
-            if not ended:
-                for i, part in enumerate(parts):
-                    if isinstance(part, tuple):
-                        parts[i] = part = part[0].views(part[1])
+            if ended:
+                return None
+            for i, part in enumerate(parts):
+                if isinstance(part, tuple):
+                    parts[i] = part = part[0].views(part[1])
+                if pieces is None:
+                    pieces = part  # fresh lists: the first host's become the batch's
+                else:
                     for name, field_views in part.items():
                         pieces[name] += field_views
+            return pieces
+        except BaseException:
+            for part in parts:  # drop the views made so far now, not with the traceback
+                if isinstance(part, dict):
+                    part.clear()
+            raise
         finally:
             for part in parts:
                 if isinstance(part, tuple):
                     part[0].give_back(part[1])
             parts.clear()
-        return ended
 
     def __next__(self) -> dict[str, jax.Array]:
         self._free_dropped_slots()
         started = time.perf_counter()
         k = self.position
-        # Per field, every device's view, hosts in plan order, each host's devices as placed.
-        pieces: dict[str, list[np.ndarray]] = {name: [] for name in self.fields}
-        try:
-            ended = self._gather(k, pieces)
-        except BaseException:
-            # A host failed after others delivered: drop their views now, not when the
-            # traceback (which keeps this frame) is collected, so their slots go back.
-            pieces.clear()
-            raise
-        if ended:
+        pieces = self._gather(k)
+        if pieces is None:
             raise StopIteration
         self.wait_seconds += time.perf_counter() - started
         batch: dict[str, jax.Array] = {}
