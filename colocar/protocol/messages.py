@@ -160,7 +160,9 @@ class FeedMessage(NamedTuple):
 
     A batch has no tail; the last message has one: `("end",)` or `("error", text)` (slot -1).
     On the socket: struct `FEED_HEADER` (tail length, k, slot, bad) then the pickled tail;
-    `size` is the message's length there (set by `read`).
+    `size` is the message's length there (set by `read`). The controller's feed unpacks a
+    batch's bare header itself (`loaders.feed.Feed.receive`, once per batch) and `read`s only
+    a message with a tail.
     """
 
     k: int
@@ -176,8 +178,7 @@ class FeedMessage(NamedTuple):
     @staticmethod
     def read(buffer: bytearray, start: int, end: int) -> FeedMessage | int:
         """The message at `buffer[start:end]`, or while it is incomplete the length it needs
-        (the header's, then the header's and the tail's). A batch costs no allocation here
-        beyond the message itself."""
+        (the header's, then the header's and the tail's)."""
         need = FEED_HEADER.size
         if end - start < need:
             return need
