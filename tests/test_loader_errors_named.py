@@ -8,6 +8,7 @@ Each scenario runs `loaders.load` on the shared two-sidecar cluster; what can be
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import numpy as np
@@ -95,3 +96,27 @@ def test_a_corrupt_array_record_record_names_the_file_and_record(cluster, tmp_pa
     assert re.search(rf"record 10: .*cannot read record 2 of file '{re.escape(rot)}'", str(e.value)), str(
         e.value
     )
+
+
+LONG_TEXT = "".join(f"<{j:05d}>" for j in range(3000))  # 21 000 characters, each part distinct
+
+
+def _long_error_after_three_batches(record):
+    if int(record["index"]) >= 3 * 16:
+        raise ValueError(LONG_TEXT)
+    return {"label": np.int32(record["index"])}
+
+
+def test_an_error_longer_than_the_feed_inbox_arrives_whole_after_the_batches_before_it(cluster):
+    """The feed's last message (the error) is several times its 4 KiB inbox and follows
+    batches read in the same receive: the inbox moves the unread bytes to its front and
+    grows, and neither the batches nor the text lose a byte."""
+    cfg = config(transforms=[{"kind": "map", "fn": _long_error_after_three_batches}], shuffle=False)
+    got = []
+    with pytest.raises(PipelineError) as e:
+        with loaders.load({**cfg, "num_epochs": 1, "prefetch": 4}, cluster) as it:
+            time.sleep(1.0)  # the pipeline sends all: one receive reads batches and the error's start
+            for _ in range(4):
+                got.append(sorted(np.asarray(next(it)["label"]).tolist()))
+    assert got == [list(range(16 * k, 16 * k + 16)) for k in range(3)]
+    assert LONG_TEXT in str(e.value)
