@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from loaders_helpers import config
+from loaders_helpers import B, config
 
 from colocar import loaders
 from colocar.loaders.config import ConfigError
@@ -102,7 +102,7 @@ LONG_TEXT = "".join(f"<{j:05d}>" for j in range(3000))  # 21 000 characters, eac
 
 
 def _long_error_after_three_batches(record):
-    if int(record["index"]) >= 3 * 16:
+    if int(record["index"]) >= 3 * B:
         raise ValueError(LONG_TEXT)
     return {"label": np.int32(record["index"])}
 
@@ -118,5 +118,5 @@ def test_an_error_longer_than_the_feed_inbox_arrives_whole_after_the_batches_bef
             time.sleep(1.0)  # the pipeline sends all: one receive reads batches and the error's start
             for _ in range(4):
                 got.append(sorted(np.asarray(next(it)["label"]).tolist()))
-    assert got == [list(range(16 * k, 16 * k + 16)) for k in range(3)]
+    assert got == [list(range(B * k, B * (k + 1))) for k in range(3)]
     assert LONG_TEXT in str(e.value)
