@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,15 +40,21 @@ def wait_for(predicate: Callable[[], Any], what: str, timeout: float = DEADLINE)
         time.sleep(0.02)
 
 
-def captured_output_until(capfd: Any, text: str, timeout: float = DEADLINE) -> str:
-    """Reads the captured stdout until it contains `text` (forwarded sidecar log lines arrive
-    in the background) or `timeout` s passed; returns what was read."""
+@contextlib.contextmanager
+def recorded_stdout() -> Iterator[io.StringIO]:
+    """Records what this process prints to sys.stdout inside the block. Forwarded log lines come
+    from a background thread; capfd and capsys truncate their buffer after each read, so a line
+    written between their read and truncate is lost or cut. This record is only appended to."""
+    with contextlib.redirect_stdout(io.StringIO()) as record:
+        yield record
+
+
+def printed_until(record: io.StringIO, text: str, timeout: float = DEADLINE) -> str:
+    """The record once it contains `text` or `timeout` s passed."""
     deadline = time.monotonic() + timeout
-    seen = ""
-    while time.monotonic() < deadline and text not in seen:
-        seen += capfd.readouterr().out
+    while time.monotonic() < deadline and text not in record.getvalue():
         time.sleep(0.05)
-    return seen
+    return record.getvalue()
 
 
 # --- shipped functions shared by test modules -----------------------------------------------------

@@ -8,7 +8,7 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import captured_output_until
+from helpers import printed_until, recorded_stdout
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -269,15 +269,16 @@ def test_shipped_jax_sees_only_cpu(cluster):
     assert platforms.on(cluster.hosts[0])() == ["cpu"]
 
 
-def test_logs_reach_the_controller_with_host_prefix(cluster, capfd):
+def test_logs_reach_the_controller_with_host_prefix(cluster):
     @colocar.colocated
     def talk():
         print("hello from the sidecar")
         return 1
 
-    talk.on(cluster.hosts[1])()
-    seen = captured_output_until(capfd, "[host1] hello from the sidecar")
-    assert "[host1] hello from the sidecar" in seen
+    with recorded_stdout() as stdout:
+        talk.on(cluster.hosts[1])()
+        seen = printed_until(stdout, "[host1] hello from the sidecar")
+    assert "[host1] hello from the sidecar\n" in seen
 
 
 def test_generator_flow_control_bounds_items_in_flight(cluster):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import grpc
-from helpers import captured_output_until
+from helpers import printed_until, recorded_stdout
 
 import colocar
 from colocar.protocol import colocar_pb2 as pb
@@ -44,12 +44,13 @@ def test_code_is_resent_over_grpc_too(grpc_cluster):
     assert fresh_over_grpc.on(host).submit().result() == "ran"
 
 
-def test_logs_reach_the_controller_over_grpc(grpc_cluster, capfd):
+def test_logs_reach_the_controller_over_grpc(grpc_cluster):
     @colocar.colocated
     def talk_over_grpc():
         print("hello over grpc")
         return 1
 
-    talk_over_grpc.on(grpc_cluster.hosts[1])()
-    seen = captured_output_until(capfd, "[host1] hello over grpc")
-    assert "[host1] hello over grpc" in seen
+    with recorded_stdout() as stdout:
+        talk_over_grpc.on(grpc_cluster.hosts[1])()
+        seen = printed_until(stdout, "[host1] hello over grpc")
+    assert "[host1] hello over grpc\n" in seen

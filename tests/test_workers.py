@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import psutil
 import pytest
-from helpers import sidecar_pid, wait_for, worker_pid
+from helpers import recorded_stdout, sidecar_pid, wait_for, worker_pid
 
 import colocar
 from colocar.shm import block_of
@@ -243,20 +243,19 @@ def test_worker_killed_mid_call(host, tmp_path):
 
 
 # --- 5. logs ------------------------------------------------------------------------------------
-def test_worker_output_reaches_the_controller(host, capfd):
+def test_worker_output_reaches_the_controller(host):
     tag = f"tag-{os.getpid()}-{time.monotonic_ns()}"
-    assert talk.on(host)(tag) != sidecar_pid.on(host)()
-    seen = ""
 
     def arrived() -> bool:
-        nonlocal seen
-        seen += capfd.readouterr().out
+        seen = stdout.getvalue()
         return all(
             f"[{host.name}] {line} {tag}" in seen
             for line in ("hello from worker", "on stderr", "unterminated")
         )
 
-    wait_for(arrived, "the worker's lines on the controller's stdout")
+    with recorded_stdout() as stdout:
+        assert talk.on(host)(tag) != sidecar_pid.on(host)()
+        wait_for(arrived, "the worker's lines on the controller's stdout")
 
 
 # --- 6. no blocks leak --------------------------------------------------------------------------

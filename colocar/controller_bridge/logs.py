@@ -49,9 +49,13 @@ class LogForwarder:
 
 
 def _print_line(text: str) -> None:
-    """One forwarded line to stdout; a stdout that is closed or replaced meanwhile (test
-    capture, a redirected stream) costs that line, never the forwarding thread."""
+    """One forwarded line to stdout, in one write: `print` writes the line and its newline
+    separately, and on a write-through stdout (unbuffered, pytest's capture) another thread's
+    write can land between the two. A stdout closed or replaced meanwhile costs that line, never
+    the forwarding thread."""
     try:
-        print(text, file=sys.stdout, flush=True)
+        out = sys.stdout
+        out.write(text + "\n")
+        out.flush()
     except (ValueError, OSError):
         pass
