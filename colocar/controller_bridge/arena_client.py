@@ -26,6 +26,8 @@ from colocar.protocol import payload
 from colocar.shm import Arena, ShmUnavailableError, holds, ndarray_view
 from colocar.shm.views import BlockHandle
 
+from .sigint import sigint_held
+
 CHUNK_BYTES = 1 << 20
 
 
@@ -157,7 +159,9 @@ class ArenaClient(payload.BlockSpace):
 
         def receive(stub: Any, metadata: Any) -> int:
             position = 0
-            for chunk in stub.Download(request, metadata=metadata):
+            with sigint_held():  # see sigint.py
+                replies = stub.Download(request, metadata=metadata)
+            for chunk in replies:
                 n = len(chunk.data)
                 target[position : position + n] = np.frombuffer(chunk.data, np.uint8)
                 position += n

@@ -22,6 +22,7 @@ from colocar.protocol import colocar_pb2 as pb
 
 from .calls import ShippedCode, rebuild_exception
 from .connection import HostConnection
+from .sigint import sigint_held
 
 
 class RemoteIterator:
@@ -45,17 +46,19 @@ class RemoteIterator:
         except BaseException:  # never sent: the blocks of its arguments go back
             conn.releases.release_soon(request.consume_blocks)
             raise
-        self._responses = conn.grpc.stream("Stream", iter(self._requests.get, None))
-        self._replies: queue.SimpleQueue = queue.SimpleQueue()
-        # the reader holds no reference to self, so that a dropped iterator is collected
-        threading.Thread(
-            target=_read_stream, args=(self._responses, self._replies), name="colocar-stream", daemon=True
-        ).start()
-        self._name = request.name
-        self._closed = False
-        self._finished = False  # the server sent `done` or an error
-        self._interrupted = False
-        self._in_hand: Any = None  # a reply taken from the queue and not yet decoded
+        # A Ctrl-C from here on lands once the iterator is whole: dropped, it stops its stream
+        with sigint_held():
+            self._responses = conn.grpc.stream("Stream", iter(self._requests.get, None))
+            self._replies: queue.SimpleQueue = queue.SimpleQueue()
+            # the reader holds no reference to self, so that a dropped iterator is collected
+            threading.Thread(
+                target=_read_stream, args=(self._responses, self._replies), name="colocar-stream", daemon=True
+            ).start()
+            self._name = request.name
+            self._closed = False
+            self._finished = False  # the server sent `done` or an error
+            self._interrupted = False
+            self._in_hand: Any = None  # a reply taken from the queue and not yet decoded
 
     def __iter__(self) -> Iterator[Any]:
         return self

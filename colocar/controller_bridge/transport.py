@@ -27,6 +27,7 @@ from colocar.protocol.tokens import TOKEN_METADATA_KEY
 from colocar.shm import ArenaFullError
 
 from .link_client import LinkClient, LinkGone
+from .sigint import sigint_held
 
 MiB = 1 << 20
 LOST = (Status.UNAVAILABLE, Status.CANCELLED)
@@ -154,28 +155,29 @@ class GrpcTransport:
         return True
 
     def call(self, method: str, request: Any, timeout: float | None = None, unsent: Unsent = None) -> Any:
+        rpc = None
         try:
-            stub = getattr(self.stub, method)
-        except BaseException:
-            if unsent is not None:
-                unsent()
-            raise
-        rpc = stub.future(request, metadata=self.metadata)
-        try:
+            with sigint_held():  # see sigint.py: an interrupt inside the set-up strands the call
+                rpc = getattr(self.stub, method).future(request, metadata=self.metadata)
             return rpc.result(timeout)
         except grpc.FutureTimeoutError:
+            assert rpc is not None
             rpc.add_done_callback(self._discard_rpc)
             raise TransportError(Status.DEADLINE_EXCEEDED, "deadline exceeded") from None
         except grpc.RpcError as e:
             raise grpc_failure(e) from None
         except BaseException:
-            rpc.add_done_callback(self._discard_rpc)
+            if rpc is not None:
+                rpc.add_done_callback(self._discard_rpc)
+            elif unsent is not None:
+                unsent()
             raise
 
     def call_async(
         self, method: str, request: Any, timeout: float | None, done: Done, unsent: Unsent
     ) -> None:
-        rpc = getattr(self.stub, method).future(request, metadata=self.metadata, timeout=timeout)
+        """Also raises a Ctrl-C that came while the call started, once `done` is arranged (as
+        an interrupt just after this returned would)."""
 
         def finished(f: Any) -> None:
             try:
@@ -187,7 +189,9 @@ class GrpcTransport:
             else:
                 done(reply, None)
 
-        rpc.add_done_callback(finished)
+        with sigint_held():  # see sigint.py
+            rpc = getattr(self.stub, method).future(request, metadata=self.metadata, timeout=timeout)
+            rpc.add_done_callback(finished)
 
     def connect(self, request: Any, timeout: float) -> Any:
         """Opens the session (waits for the sidecar to be reachable, up to `timeout`)."""
@@ -198,7 +202,8 @@ class GrpcTransport:
 
     def stream(self, method: str, requests: Iterator[Any]) -> Any:
         """A streaming call's replies (a gRPC iterator; its errors are grpc.RpcError)."""
-        return getattr(self.stub, method)(requests, metadata=self.metadata)
+        with sigint_held():  # see sigint.py
+            return getattr(self.stub, method)(requests, metadata=self.metadata)
 
     def _discard_rpc(self, rpc: Any) -> None:
         try:
