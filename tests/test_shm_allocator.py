@@ -13,6 +13,7 @@ from colocar.shm import (
     HEADER_BYTES,
     Allocator,
     ArenaFullError,
+    OwnerEndedError,
     UnknownBlockError,
 )
 
@@ -177,3 +178,16 @@ def test_leases():
     assert alloc.stats()["default"]["blocks"] == 0
     with pytest.raises(UnknownBlockError):
         alloc.check(c.id, "s2")
+
+
+def test_an_ended_owner_is_freed_and_can_lease_nothing_more():
+    alloc = Allocator(HEADER_BYTES, 4 * MiB)
+    mine, other = alloc.allocate(1000, owner="s1"), alloc.allocate(1000, owner="s2")
+    assert alloc.end_owner("s1") == 1
+    with pytest.raises(OwnerEndedError, match="'s1' ended"):
+        alloc.allocate(1000, owner="s1")
+    with pytest.raises(OwnerEndedError):
+        alloc.acquire(other.id, "s1")
+    with pytest.raises(UnknownBlockError):
+        alloc.release(mine.id, "s1")
+    assert alloc.leases(other.id) == 1 and alloc.allocate(10, owner="s2").id > other.id

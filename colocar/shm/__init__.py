@@ -5,7 +5,7 @@ blocks in isolated pools (``allocator``, sidecar only), and zero-copy numpy view
 arena bytes (``views``, any process). Depends on numpy only: no JAX, no gRPC.
 """
 
-from .allocator import Allocator, ArenaFullError, Block, UnknownBlockError
+from .allocator import Allocator, ArenaFullError, Block, OwnerEndedError, UnknownBlockError
 from .arena import HEADER_BYTES, Arena, ShmUnavailableError, remove_stale_arenas
 from .context import empty, in_sidecar
 from .views import arena_offset, block_of, copy_into, holds, ndarray_view
@@ -16,6 +16,7 @@ __all__ = [
     "Arena",
     "ArenaFullError",
     "Block",
+    "OwnerEndedError",
     "ShmUnavailableError",
     "UnknownBlockError",
     "arena_offset",

@@ -20,10 +20,15 @@ SMALL_ALIGN = 64
 LARGE_ALIGN = 4096
 LARGE_THRESHOLD = 64 * 1024
 DEFAULT_POOL = "default"
+ENDED_KEPT = 65536  # ended owners remembered: a call can finish long after its session closed
 
 
 class ArenaFullError(MemoryError):
     """No room in the pool for the request, even after waiting."""
+
+
+class OwnerEndedError(RuntimeError):
+    """The owner ended (a closed session): it can hold no block any more."""
 
 
 class UnknownBlockError(KeyError):
@@ -148,6 +153,7 @@ class Allocator:
         self._blocks: dict[int, tuple[Block, int]] = {}  # id -> (block, bytes taken)
         self._leases: dict[int, Counter[str]] = {}
         self._owned: dict[str, set[int]] = {}
+        self._ended: dict[str, None] = {}  # owners that may lease nothing more, oldest first
 
     def _pool(self, name: str) -> _Pool:
         try:
@@ -170,6 +176,7 @@ class Allocator:
         with self._lock:
             p = self._pool(pool)
             while True:
+                self._check_not_ended(owner)  # also after a wait: the owner may have ended meanwhile
                 offset = p.take(align, taken) if taken + pinned <= p.size else None
                 if offset is not None:
                     block = Block(self._next_id, offset, nbytes, pool)
@@ -230,6 +237,7 @@ class Allocator:
         """Add one lease on a live block for ``owner``."""
         with self._lock:
             block, _ = self._live(block_id)
+            self._check_not_ended(owner)
             self._leases[block_id][owner] += 1
             self._owned.setdefault(owner, set()).add(block_id)
             return block
@@ -266,6 +274,19 @@ class Allocator:
             self._owned.pop(owner, None)
             self._note_release()
             return freed
+
+    def end_owner(self, owner: str) -> int:
+        """`release_owner`, and no lease for ``owner`` ever again: a call or stream item that
+        finishes after its session closed must not take blocks nobody will free."""
+        with self._lock:
+            self._ended[owner] = None
+            if len(self._ended) > ENDED_KEPT:
+                del self._ended[next(iter(self._ended))]
+        return self.release_owner(owner)
+
+    def _check_not_ended(self, owner: str) -> None:
+        if owner in self._ended:
+            raise OwnerEndedError(f"{owner!r} ended (its session closed): it can hold no block")
 
     def notify_release_listeners(self) -> None:
         """Calls the release listeners without a lease dropped (a slot ring got back a slot it

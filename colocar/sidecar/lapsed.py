@@ -42,7 +42,10 @@ class LapsedBlocks:
             with self._lock:
                 self._held[session_id] = controller
             return
-        self._allocator.release_owner(session_id)
+        if lapsed:  # its controller may come back under the same id
+            self._allocator.release_owner(session_id)
+        else:  # closed: the id never comes back, so a result that finishes late holds nothing
+            self._allocator.end_owner(session_id)
 
     def reconnected(self, session_id: str) -> None:
         """The session is back: its blocks are its own again."""

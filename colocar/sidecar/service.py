@@ -255,19 +255,18 @@ class SidecarService:
                 try:
                     with logs.routed_to(session.log):
                         item = next(iterator)
+                    encoded = self.arena.encode(item, session.id, f"item of {request.name}")
+                    del item
+                    result = self.arena.hand_over(encoded, session.id)
                 except StopIteration:
                     break
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:  # noqa: BLE001 - also a full arena, or the session closed
                     yield pb.CallReply(error=remote_error(e), done=True)
                     return
-                encoded = self.arena.encode(item, session.id, f"item of {request.name}")
-                del item
-                yield pb.CallReply(result=self.arena.hand_over(encoded, session.id))
+                yield pb.CallReply(result=result)
             yield pb.CallReply(done=True)
         finally:
-            close = getattr(iterator, "close", None)
-            if close is not None:
-                close()
+            getattr(iterator, "close", lambda: None)()
 
     def DeleteObject(self, request: pb.ObjectRef) -> pb.Empty:
         object_id = request.object_id
