@@ -1,5 +1,6 @@
 """The `colocar` command: `sidecar`, `demo`, `bench`, `ckpt` (inspect checkpoints), `k8s` (render manifests),
-`examples` (write the example pipeline's data).
+`examples` (write the example pipeline's data), `sessions` (list and end sessions), `clean` (what killed
+sidecars left).
 
 A user's mistake (a missing file, a bucket that does not exist, storage that does not answer)
 ends the command with one line on stderr naming what failed, and exit status 1; a traceback
@@ -11,7 +12,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-USAGE = """usage: colocar [--version] {sidecar,demo,bench,ckpt,k8s,examples} ...
+USAGE = """usage: colocar [--version] {sidecar,demo,bench,ckpt,k8s,examples,sessions,clean} ...
 
   sidecar   run a sidecar (colocar sidecar --help)
   demo      train on a local cluster, lose a host, recover from RAM (colocar demo --help)
@@ -19,6 +20,8 @@ USAGE = """usage: colocar [--version] {sidecar,demo,bench,ckpt,k8s,examples} ...
   ckpt      list and inspect checkpoints: colocar ckpt {ls PATH,show PATH STEP} [--timeout S]
   k8s       render Kubernetes manifests: colocar k8s render --topology T --image I --bucket B
   examples  write the data examples/pipeline.yaml reads: colocar examples write-data examples/data
+  sessions  list, end or stop sessions: colocar sessions {ls [ADDRESS...],close NAME [ADDRESS...],stop NAME}
+  clean     remove the arenas and folders killed sidecars and controllers left on this machine
 
 Each command's --help lists its flags and their defaults. Sizes are written one way everywhere:
 bytes, or a number with K, M, G or T (binary: 16G = 16Gi = 16GiB)."""
@@ -60,6 +63,14 @@ def _command(name: str) -> Callable[[list[str]], object] | None:
         from colocar.loaders.example_data import main as examples_main
 
         return examples_main
+    if name == "sessions":
+        from colocar.controller_bridge.sessions_cli import main as sessions_main
+
+        return sessions_main
+    if name == "clean":
+        from colocar.controller_bridge.clean_cli import main as clean_main
+
+        return clean_main
     return None
 
 
@@ -76,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     command, rest = argv[0], argv[1:]
     run = _command(command)
     if run is None:
-        known = "sidecar, demo, bench, ckpt, k8s, examples"
+        known = "sidecar, demo, bench, ckpt, k8s, examples, sessions, clean"
         print(f"colocar: unknown command {command!r} ({known})", file=sys.stderr)
         sys.exit(2)
     try:

@@ -11,6 +11,15 @@ class HostLostError(ColocarError):
     """A sidecar died, stopped answering or became unreachable; its calls cannot complete."""
 
 
+class SessionEndedError(ColocarError):
+    """This controller's session on a sidecar ended from elsewhere: another controller took the
+    named session over, or `colocar sessions close` closed it. Connect again to go on."""
+
+
+class ObjectNotFoundError(ColocarError, LookupError):
+    """No object of that name lives on the host (`host.object(name)`, `cluster.object(name)`)."""
+
+
 class RemoteError(ColocarError):
     """An exception raised by a shipped function that could not be re-raised as its own type."""
 

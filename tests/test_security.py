@@ -93,6 +93,10 @@ def _every_rpc(stub: pb_grpc.SidecarStub, session_id: str) -> dict[str, Callable
             pb.CancelRequest(session_id=sid, call_ids=[1]), metadata=md, timeout=t
         ),
         "Stats": lambda md: stub.Stats(pb.Empty(), metadata=md, timeout=t),
+        "ListSessions": lambda md: stub.ListSessions(pb.Empty(), metadata=md, timeout=t),
+        "CloseSession": lambda md: stub.CloseSession(
+            pb.SessionSelector(selector=sid), metadata=md, timeout=t
+        ),
     }
 
 

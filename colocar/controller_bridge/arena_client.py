@@ -68,6 +68,11 @@ class ArenaClient(payload.BlockSpace):
             except ShmUnavailableError:
                 self.arena = None
 
+    def detach(self) -> None:
+        """Drops this client's reference to the arena (its session ended): the mapping lives
+        as long as arrays over it, no longer."""
+        self.arena = None
+
     @property
     def mapped(self) -> bool:
         return self.arena is not None

@@ -8,6 +8,7 @@ that a colocated call can find the host of each device its array arguments live 
 from __future__ import annotations
 
 import os
+import re
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -16,11 +17,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from colocar.errors import ColocarError
+from colocar.errors import ColocarError, ObjectNotFoundError
 from colocar.protocol.tls import channel_credentials
 
 from .connection import HostConnection
 from .remote import RemoteObject, find_detached
+from .session import UNNAMED, SessionName
 
 # Open clusters, oldest first, held weakly: a cluster nobody holds can be collected (and a local
 # one then shuts its sidecars down). Read with `_open_clusters()`.
@@ -66,7 +68,8 @@ class Host:
         return values
 
     def object(self, name: str) -> RemoteObject:
-        """A handle on the detached object `name` living on this host (see `colocated_class`)."""
+        """A handle on the object `name` living on this host: this session's (a named one's),
+        else a detached one (see `colocated_class`)."""
         return find_detached(self, name)
 
     def __repr__(self) -> str:
@@ -88,6 +91,40 @@ class Cluster:
     def devices(self) -> list[Any]:
         """All devices, host-major."""
         return [d for h in self.hosts for d in h.devices]
+
+    @property
+    def session(self) -> str:
+        """The name of this controller's session on the sidecars ("" when unnamed)."""
+        return self.hosts[0].connection.session.session_name if self.hosts else ""
+
+    @property
+    def took_over(self) -> dict[str, str]:
+        """Per host, the controller ("hostname:pid") whose session of the same name this one
+        took over at connect (a controller that died, or an earlier connection of this one)."""
+        return {h.name: h.connection.session.took_over for h in self.hosts if h.connection.session.took_over}
+
+    def object(self, name: str) -> RemoteObject:
+        """A handle on the named object `name` on whichever host holds it: this session's own
+        (made with `Cls.on(host, name=...)` in a named session, also by a controller whose
+        session this one took over), else a detached one. Raises `ColocarError` when no host
+        or more than one holds such an object (then ask the host: `cluster.host(i).object`)."""
+        found = []
+        for host in self.hosts:
+            try:
+                found.append(host.object(name))
+            except ObjectNotFoundError:
+                pass
+        if len(found) == 1:
+            return found[0]
+        if not found:
+            raise ObjectNotFoundError(
+                f"no host of this cluster ({[h.name for h in self.hosts]}) holds an object named {name!r}"
+            )
+        holders = [repr(handle) for handle in found]
+        raise ColocarError(
+            f"{len(found)} hosts hold an object named {name!r} ({holders}): ask one, "
+            f"cluster.host(i).object({name!r})"
+        )
 
     def host_of(self, device: Any) -> Host | None:
         return self._device_hosts.get(device)
@@ -251,6 +288,25 @@ def split_devices(devices: Sequence[Any], hosts: int) -> list[list[Any]]:
     return [devices[i * per : (i + 1) * per] for i in range(hosts)]
 
 
+SESSION_NAME = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.:@-]{0,127}$")
+
+
+def session_name(session: str | None, grace_seconds: float | None) -> SessionName:
+    """A session's name and grace, checked: a name of up to 128 letters, digits and `_.:@-`,
+    starting with a letter, a digit, `_` or `.`."""
+    if session is None:
+        if grace_seconds is not None:
+            raise ValueError("grace_seconds applies to a named session: pass session= too")
+        return UNNAMED
+    if not isinstance(session, str) or not SESSION_NAME.match(session):
+        raise ValueError(
+            f"session name {session!r}: use up to 128 letters, digits and '_.:@-' (e.g. 'exp1', 'alice@nb')"
+        )
+    if grace_seconds is not None and grace_seconds <= 0:
+        raise ValueError(f"grace_seconds must be positive, not {grace_seconds}")
+    return SessionName(session, grace_seconds or 0.0)
+
+
 def _token_from_env(token: str | None, token_file: str | None) -> str | None:
     if token:
         return token
@@ -274,6 +330,8 @@ def connect(
     tls_ca: str | None = None,
     tls_cert: str | None = None,
     tls_key: str | None = None,
+    session: str | None = None,
+    grace_seconds: float | None = None,
 ) -> Cluster:
     """Connects to running sidecars.
 
@@ -282,36 +340,46 @@ def connect(
     one address gets this process's local devices (multi-controller JAX: one sidecar per
     process), several split them evenly. `shm=False` forces bulk data through gRPC streams.
     `lease_seconds=0` takes the sidecar's own lease (`--lease-seconds`).
+
+    `session` names this controller's session on every sidecar: it then outlives the
+    controller for `grace_seconds` (default: the sidecar's `--session-grace`, one hour), and a
+    controller connecting later under the same name and token takes it over, with its named
+    objects (`cluster.object(name)`); what else the old one held is freed. Without a name a
+    session ends with its controller (its lease, `lease_seconds`).
     """
-    if addresses is None:
-        addresses = os.environ.get("COLOCAR_SIDECARS", "")
-    if isinstance(addresses, str):
-        addresses = [a.strip() for a in addresses.split(",") if a.strip()]
-    if not addresses:
-        raise ColocarError("no sidecar addresses: pass connect([...]) or set COLOCAR_SIDECARS=host:port,...")
-    secret = _token_from_env(token, token_file)
+    addresses = sidecar_addresses(addresses)
     groups = (
         [list(g) for g in devices]
         if devices is not None
         else split_devices(jax.local_devices(), len(addresses))
     )
-    credentials = channel_credentials(tls_ca, tls_cert, tls_key)
+    options = dict(
+        shm=shm,
+        lease_seconds=lease_seconds,
+        heartbeat_seconds=heartbeat_seconds,
+        connect_timeout=connect_timeout,
+        credentials=channel_credentials(tls_ca, tls_cert, tls_key),
+        named=session_name(session, grace_seconds),
+    )
+    secret = _token_from_env(token, token_file)
     hosts = []
     try:
         for i, address in enumerate(addresses):
-            conn = HostConnection(
-                address,
-                f"host{i}",
-                secret,
-                shm=shm,
-                lease_seconds=lease_seconds,
-                heartbeat_seconds=heartbeat_seconds,
-                connect_timeout=connect_timeout,
-                credentials=credentials,
-            )
+            conn = HostConnection(address, f"host{i}", secret, **options)  # type: ignore[arg-type]
             hosts.append(Host(i, conn, groups[i]))
     except BaseException:
         for host in hosts:
             host.connection.close()
         raise
     return Cluster(hosts)
+
+
+def sidecar_addresses(addresses: str | Sequence[str] | None) -> list[str]:
+    """The addresses given (a list, or comma-separated), else those of `COLOCAR_SIDECARS`."""
+    if addresses is None:
+        addresses = os.environ.get("COLOCAR_SIDECARS", "")
+    if isinstance(addresses, str):
+        addresses = [a.strip() for a in addresses.split(",") if a.strip()]
+    if not addresses:
+        raise ColocarError("no sidecar addresses: pass connect([...]) or set COLOCAR_SIDECARS=host:port,...")
+    return list(addresses)

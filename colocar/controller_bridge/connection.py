@@ -31,7 +31,7 @@ from .lanes import Lanes
 from .link_client import LinkClient
 from .logs import LogForwarder
 from .releases import Releases
-from .session import Session
+from .session import UNNAMED, Session, SessionName
 from .transport import GrpcTransport, LinkTransport, grpc_failure, translate
 
 
@@ -51,6 +51,7 @@ class HostConnection:
         alloc_timeout: float = 30.0,
         credentials: grpc.ChannelCredentials | None = None,
         process_status: Callable[[], str | None] | None = None,
+        named: SessionName = UNNAMED,
     ):
         self._token = token or ""
         self._options: dict[str, Any] = dict(  # for `replacement`
@@ -60,6 +61,7 @@ class HostConnection:
             connect_timeout=connect_timeout,
             alloc_timeout=alloc_timeout,
             credentials=credentials,
+            named=named,
         )
         self.grpc = GrpcTransport(address, self._token, heartbeat_seconds, credentials, self._discard_reply)
         self.transport = LinkTransport(self.grpc, name, self._discard_reply)
@@ -72,6 +74,8 @@ class HostConnection:
             lease_seconds=lease_seconds,
             heartbeat_seconds=heartbeat_seconds,
             process_status=process_status,
+            named=named,
+            mapping=self._arena_mapping,
         )
         self.releases = Releases(name, self.session, self.transport)
         self.lanes = Lanes(self._discard_reply)
@@ -87,6 +91,10 @@ class HostConnection:
             stream,
             release_soon=self.releases.release_soon,
         )
+        self._open(connect_timeout)
+
+    def _open(self, connect_timeout: float) -> None:
+        """Connects, then starts the log forwarder and the heartbeat."""
         try:
             self.session.connect(connect_timeout)
         except BaseException:  # refused (token, version skew) or unreachable: leave nothing behind
@@ -126,6 +134,12 @@ class HostConnection:
                 link = None  # not reachable from here: every call goes through gRPC
         self.transport.attach(link)
 
+    def _arena_mapping(self) -> int:
+        """Where this process maps the sidecar's arena (0: it does not): the sidecar keeps the
+        blocks of an ended session while that mapping lives (arrays may alias them)."""
+        arena = self.blocks.arena
+        return arena.base_address if arena is not None else 0
+
     def _discard_reply(self, reply: Any) -> None:
         """Frees what a late reply of an abandoned call carries (the transports call this)."""
         self.releases.discard_reply(reply)
@@ -155,4 +169,5 @@ class HostConnection:
         self.releases.close()
         self.transport.close()
         self.grpc.close()
+        self.blocks.detach()  # arrays over the arena keep their mapping; the sidecar sees it go
         self.logs.join(timeout=5)

@@ -12,8 +12,9 @@ import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from colocar.errors import HostLostError
+from colocar.errors import HostLostError, ObjectNotFoundError
 from colocar.protocol import colocar_pb2 as pb
+from colocar.protocol.status import Status, TransportError
 
 from .calls import Call, CallFuture
 from .remote_iterator import RemoteIterator
@@ -117,9 +118,16 @@ class RemoteMethod:
 
 
 def find_detached(host: Host, name: str) -> RemoteObject:
-    """A handle on a detached object created earlier (by any controller) on `host`."""
+    """A handle on a named object created earlier on `host`: this session's (by this controller,
+    or by the one whose named session it took over), else a detached one (by any controller).
+    Raises `ObjectNotFoundError` when there is none."""
     conn = host.connection
-    found = conn.unary(
-        "FindObject", pb.ObjectRef(session_id=conn.session.session_id, object_name=name), timeout=30
-    )
+    request = pb.ObjectRef(session_id=conn.session.session_id, object_name=name)
+    conn.session.check_alive()
+    try:
+        found = conn.transport.call("FindObject", request, 30)
+    except TransportError as e:
+        if e.status == Status.NOT_FOUND:
+            raise ObjectNotFoundError(f"{host.name}: {e.details.removeprefix('object: ')}") from None
+        raise conn.translate(e, "FindObject") from None
     return RemoteObject(ObjectAddress.current(host, found.object_id, name, detached_name=name))

@@ -23,13 +23,25 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 
-from colocar.errors import AuthError, ColocarError, HostLostError, VersionSkewError
+from colocar.errors import AuthError, ColocarError, HostLostError, SessionEndedError, VersionSkewError
 from colocar.protocol import colocar_pb2 as pb
 from colocar.protocol import versions
 from colocar.protocol.status import Status, TransportError
 
 from .transport import GrpcTransport, Transport
+
+
+@dataclass(frozen=True)
+class SessionName:
+    """A named session's name ("" for none) and the grace it asks for (0: the sidecar's)."""
+
+    name: str = ""
+    grace_seconds: float = 0.0
+
+
+UNNAMED = SessionName()
 
 
 class Session:
@@ -46,13 +58,19 @@ class Session:
         lease_seconds: float,
         heartbeat_seconds: float,
         process_status: Callable[[], str | None] | None = None,
+        named: SessionName = UNNAMED,
+        mapping: Callable[[], int] = lambda: 0,
     ):
         self.address = address
         self.name = name
         self.lease_seconds = lease_seconds
         self.heartbeat_seconds = heartbeat_seconds
         self.session_id = uuid.uuid4().hex
+        self.session_name = named.name  # a named session outlives this controller (its grace)
+        self.grace_seconds = named.grace_seconds  # asked (0: the sidecar's); then the sidecar's answer
+        self.took_over = ""  # the controller whose session of the same name the first connect took over
         self.lost: HostLostError | None = None
+        self.ended: SessionEndedError | None = None  # taken over or closed from elsewhere
         self.unresponsive = False  # no answer at all, not even a refusal
         self.generation = 0  # bumped at every (re)connect: remote objects of older ones are gone
         self.known_code: set[bytes] = set()  # code hashes the sidecar has
@@ -69,6 +87,7 @@ class Session:
         self._grpc = grpc_transport
         self._on_connect = on_connect  # maps the arena, opens the link
         self._process_status = process_status
+        self._mapping = mapping  # where this controller maps the sidecar's arena (0: nowhere)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._call_ids = itertools.count(1)
@@ -85,11 +104,16 @@ class Session:
             cwd=os.getcwd(),
             lease_seconds=self.lease_seconds,
             controller=f"{socket.gethostname()}:{os.getpid()}",
+            session_name=self.session_name,
+            grace_seconds=self.grace_seconds,
         )
         try:
             reply = self._grpc.connect(request, timeout)
         except TransportError as e:
             raise self._connect_error(e) from None
+        if self.generation == 0:
+            self.took_over = reply.took_over
+        self.grace_seconds = reply.grace_seconds
         self._answered_at = time.monotonic()
         self.generation += 1
         self.known_code.clear()
@@ -111,6 +135,9 @@ class Session:
             )
         if e.status == Status.FAILED_PRECONDITION:
             return VersionSkewError(f"sidecar {self.name} at {self.address}: {e.details}")
+        if e.status == Status.ABORTED:
+            self.mark_ended(e.details)
+            return SessionEndedError(str(self.ended) if self.ended else e.details)
         return HostLostError(f"cannot reach sidecar {self.name} at {self.address}: {e.details}")
 
     def start(self) -> None:
@@ -144,13 +171,15 @@ class Session:
 
     def heartbeat(self) -> None:
         """Renews the session; reconnects after a sidecar restart; marks the host lost when silent."""
-        if self.closed:
+        if self.closed or self.ended is not None:
             return
         try:
-            reply = self._transport.call(
-                "Keepalive", pb.SessionRef(session_id=self.session_id), self.keepalive_seconds
-            )
+            request = pb.SessionRef(session_id=self.session_id, mapping=self._mapping())
+            reply = self._transport.call("Keepalive", request, self.keepalive_seconds)
         except TransportError as e:
+            if e.status == Status.ABORTED:  # taken over, or closed from elsewhere
+                self.mark_ended(e.details)
+                return
             silent = e.status == Status.DEADLINE_EXCEEDED
             why = f"no answer to keepalive ({e.status.name}: {e.details})"
             if silent:
@@ -183,12 +212,24 @@ class Session:
         return None
 
     def mark_lost(self, reason: str) -> None:
-        if self.lost is None and not self.closed:
+        if self.lost is None and not self.closed and self.ended is None:
             self.lost = HostLostError(f"sidecar {self.name} at {self.address} is lost: {reason}")
+
+    def mark_ended(self, reason: str) -> None:
+        """The sidecar ended this session from elsewhere (`reason` says who): it is not lost,
+        but nothing more can be done with it; the heartbeat stops."""
+        if self.ended is None and not self.closed:
+            self.ended = SessionEndedError(
+                f"sidecar {self.name} at {self.address}: {reason}; this connection can do nothing "
+                "more (its remote objects and arrays there are gone): connect again to go on"
+            )
+            self._stop.set()
 
     def check_alive(self) -> None:
         if self.closed:
             raise ColocarError(f"connection to sidecar {self.name} is closed")
+        if self.ended is not None:
+            raise SessionEndedError(str(self.ended))
         if self.lost is not None:
             raise HostLostError(str(self.lost))
 
@@ -199,10 +240,12 @@ class Session:
 
     def close(self) -> None:
         """Stops the heartbeat and ends the session on the sidecar (if it still answers)."""
+        mapping = self._mapping()
         self.closed = True
         self._stop.set()
-        if self.lost is None:
+        if self.lost is None and self.ended is None:
             try:
-                self._grpc.call("Disconnect", pb.SessionRef(session_id=self.session_id), timeout=5)
+                request = pb.SessionRef(session_id=self.session_id, mapping=mapping)
+                self._grpc.call("Disconnect", request, timeout=5)
             except TransportError:
                 pass

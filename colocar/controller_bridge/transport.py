@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import grpc
 
-from colocar.errors import AuthError, CallTimeoutError, ColocarError, HostLostError
+from colocar.errors import AuthError, CallTimeoutError, ColocarError, HostLostError, SessionEndedError
 from colocar.protocol import colocar_pb2_grpc as pb_grpc
 from colocar.protocol.link import MAX_FRAME, MAX_REQUEST
 from colocar.protocol.link import METHODS as LINK_METHODS
@@ -89,7 +89,11 @@ class Peer(Protocol):
     name: str
     address: str
 
+    ended: SessionEndedError | None
+
     def mark_lost(self, reason: str) -> None: ...
+
+    def mark_ended(self, reason: str) -> None: ...
 
 
 def translate(e: TransportError, what: str, peer: Peer) -> Exception:
@@ -102,6 +106,9 @@ def translate(e: TransportError, what: str, peer: Peer) -> Exception:
         return CallTimeoutError(f"{what} on {name} timed out (it may still run there)")
     if status == Status.UNAUTHENTICATED:
         return AuthError(f"{what} on {name}: {details}")
+    if status == Status.ABORTED:  # the session was taken over, or closed from elsewhere
+        peer.mark_ended(details)
+        return SessionEndedError(str(peer.ended) if peer.ended else f"{what} on {name}: {details}")
     if status == Status.FAILED_PRECONDITION and details.startswith("unknown session"):
         peer.mark_lost(details)
         return HostLostError(

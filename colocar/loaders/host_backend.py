@@ -87,7 +87,7 @@ class LoaderHost:
         workers = [
             ctx.Process(
                 target=worker.main,
-                args=(child, (a.path, a.size, a.nonce), config_bytes, layout, slots),
+                args=(child, (a.path, a.size, a.nonce), config_bytes, layout, slots, os.getpid()),
                 daemon=True,
                 name=f"colocar-pipeline-{host}-{i}",
             )

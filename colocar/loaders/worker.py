@@ -72,12 +72,17 @@ def _write_row(
         target[j] = value
 
 
-def main(conn: Any, arena_info: tuple, config_bytes: bytes, layout: Any, slots: list) -> None:
-    """Entry point of a worker process."""
+def main(
+    conn: Any, arena_info: tuple, config_bytes: bytes, layout: Any, slots: list, sidecar_pid: int
+) -> None:
+    """Entry point of a worker process; it ends with its sidecar, however that ends."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import cloudpickle
 
     from colocar.shm import Arena, ndarray_view
+    from colocar.sidecar.lifeline import end_with
+
+    end_with(sidecar_pid)
 
     arena = Arena.attach(*arena_info)
     config = cloudpickle.loads(config_bytes)

@@ -12,13 +12,53 @@ class Empty(_message.Message):
     def __init__(self) -> None: ...
 
 class SessionRef(_message.Message):
-    __slots__ = ("session_id",)
+    __slots__ = ("session_id", "mapping")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    MAPPING_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+    mapping: int
+    def __init__(self, session_id: _Optional[str] = ..., mapping: _Optional[int] = ...) -> None: ...
+
+class SessionInfo(_message.Message):
+    __slots__ = ("id_prefix", "name", "controller", "attached", "idle_seconds", "lease_seconds", "grace_seconds", "grace_left_seconds", "objects", "arena_bytes")
+    ID_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CONTROLLER_FIELD_NUMBER: _ClassVar[int]
+    ATTACHED_FIELD_NUMBER: _ClassVar[int]
+    IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    GRACE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    GRACE_LEFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    id_prefix: str
+    name: str
+    controller: str
+    attached: bool
+    idle_seconds: float
+    lease_seconds: float
+    grace_seconds: float
+    grace_left_seconds: float
+    objects: int
+    arena_bytes: int
+    def __init__(self, id_prefix: _Optional[str] = ..., name: _Optional[str] = ..., controller: _Optional[str] = ..., attached: _Optional[bool] = ..., idle_seconds: _Optional[float] = ..., lease_seconds: _Optional[float] = ..., grace_seconds: _Optional[float] = ..., grace_left_seconds: _Optional[float] = ..., objects: _Optional[int] = ..., arena_bytes: _Optional[int] = ...) -> None: ...
+
+class SessionList(_message.Message):
+    __slots__ = ("sessions",)
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionInfo]
+    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ...) -> None: ...
+
+class SessionSelector(_message.Message):
+    __slots__ = ("selector", "by")
+    SELECTOR_FIELD_NUMBER: _ClassVar[int]
+    BY_FIELD_NUMBER: _ClassVar[int]
+    selector: str
+    by: str
+    def __init__(self, selector: _Optional[str] = ..., by: _Optional[str] = ...) -> None: ...
 
 class ConnectRequest(_message.Message):
-    __slots__ = ("session_id", "python_version", "cloudpickle_version", "jax_version", "sys_path", "cwd", "lease_seconds", "controller")
+    __slots__ = ("session_id", "python_version", "cloudpickle_version", "jax_version", "sys_path", "cwd", "lease_seconds", "controller", "session_name", "grace_seconds")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PYTHON_VERSION_FIELD_NUMBER: _ClassVar[int]
     CLOUDPICKLE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +67,8 @@ class ConnectRequest(_message.Message):
     CWD_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CONTROLLER_FIELD_NUMBER: _ClassVar[int]
+    SESSION_NAME_FIELD_NUMBER: _ClassVar[int]
+    GRACE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     python_version: str
     cloudpickle_version: str
@@ -35,10 +77,12 @@ class ConnectRequest(_message.Message):
     cwd: str
     lease_seconds: float
     controller: str
-    def __init__(self, session_id: _Optional[str] = ..., python_version: _Optional[str] = ..., cloudpickle_version: _Optional[str] = ..., jax_version: _Optional[str] = ..., sys_path: _Optional[_Iterable[str]] = ..., cwd: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., controller: _Optional[str] = ...) -> None: ...
+    session_name: str
+    grace_seconds: float
+    def __init__(self, session_id: _Optional[str] = ..., python_version: _Optional[str] = ..., cloudpickle_version: _Optional[str] = ..., jax_version: _Optional[str] = ..., sys_path: _Optional[_Iterable[str]] = ..., cwd: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., controller: _Optional[str] = ..., session_name: _Optional[str] = ..., grace_seconds: _Optional[float] = ...) -> None: ...
 
 class ConnectReply(_message.Message):
-    __slots__ = ("sidecar_id", "hostname", "pid", "boot_id", "arena_path", "arena_size", "arena_nonce", "lease_seconds", "colocar_version", "link_path")
+    __slots__ = ("sidecar_id", "hostname", "pid", "boot_id", "arena_path", "arena_size", "arena_nonce", "lease_seconds", "colocar_version", "link_path", "grace_seconds", "took_over")
     SIDECAR_ID_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +93,8 @@ class ConnectReply(_message.Message):
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     COLOCAR_VERSION_FIELD_NUMBER: _ClassVar[int]
     LINK_PATH_FIELD_NUMBER: _ClassVar[int]
+    GRACE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TOOK_OVER_FIELD_NUMBER: _ClassVar[int]
     sidecar_id: str
     hostname: str
     pid: int
@@ -59,7 +105,9 @@ class ConnectReply(_message.Message):
     lease_seconds: float
     colocar_version: str
     link_path: str
-    def __init__(self, sidecar_id: _Optional[str] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., boot_id: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_size: _Optional[int] = ..., arena_nonce: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., colocar_version: _Optional[str] = ..., link_path: _Optional[str] = ...) -> None: ...
+    grace_seconds: float
+    took_over: str
+    def __init__(self, sidecar_id: _Optional[str] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., boot_id: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_size: _Optional[int] = ..., arena_nonce: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., colocar_version: _Optional[str] = ..., link_path: _Optional[str] = ..., grace_seconds: _Optional[float] = ..., took_over: _Optional[str] = ...) -> None: ...
 
 class KeepaliveReply(_message.Message):
     __slots__ = ("known",)

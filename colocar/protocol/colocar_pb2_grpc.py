@@ -49,6 +49,16 @@ class SidecarStub:
                 request_serializer=colocar__pb2.SessionRef.SerializeToString,
                 response_deserializer=colocar__pb2.Empty.FromString,
                 _registered_method=True)
+        self.ListSessions = channel.unary_unary(
+                '/colocar.v1.Sidecar/ListSessions',
+                request_serializer=colocar__pb2.Empty.SerializeToString,
+                response_deserializer=colocar__pb2.SessionList.FromString,
+                _registered_method=True)
+        self.CloseSession = channel.unary_unary(
+                '/colocar.v1.Sidecar/CloseSession',
+                request_serializer=colocar__pb2.SessionSelector.SerializeToString,
+                response_deserializer=colocar__pb2.SessionList.FromString,
+                _registered_method=True)
         self.Call = channel.unary_unary(
                 '/colocar.v1.Sidecar/Call',
                 request_serializer=colocar__pb2.CallRequest.SerializeToString,
@@ -130,6 +140,21 @@ class SidecarServicer:
 
     def Disconnect(self, request, context):
         """Ends a session now: its objects and arena blocks are freed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListSessions(self, request, context):
+        """The sessions this sidecar holds (`colocar sessions ls`).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CloseSession(self, request, context):
+        """Ends sessions by name or id prefix from outside (`colocar sessions close`); their
+        controllers are told who closed them. Returns the sessions it ended.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -236,6 +261,16 @@ def add_SidecarServicer_to_server(servicer, server):
                     servicer.Disconnect,
                     request_deserializer=colocar__pb2.SessionRef.FromString,
                     response_serializer=colocar__pb2.Empty.SerializeToString,
+            ),
+            'ListSessions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSessions,
+                    request_deserializer=colocar__pb2.Empty.FromString,
+                    response_serializer=colocar__pb2.SessionList.SerializeToString,
+            ),
+            'CloseSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseSession,
+                    request_deserializer=colocar__pb2.SessionSelector.FromString,
+                    response_serializer=colocar__pb2.SessionList.SerializeToString,
             ),
             'Call': grpc.unary_unary_rpc_method_handler(
                     servicer.Call,
@@ -379,6 +414,60 @@ class Sidecar:
             '/colocar.v1.Sidecar/Disconnect',
             colocar__pb2.SessionRef.SerializeToString,
             colocar__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSessions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/colocar.v1.Sidecar/ListSessions',
+            colocar__pb2.Empty.SerializeToString,
+            colocar__pb2.SessionList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/colocar.v1.Sidecar/CloseSession',
+            colocar__pb2.SessionSelector.SerializeToString,
+            colocar__pb2.SessionList.FromString,
             options,
             channel_credentials,
             insecure,

@@ -275,14 +275,20 @@ class Allocator:
             self._note_release()
             return freed
 
-    def end_owner(self, owner: str) -> int:
-        """`release_owner`, and no lease for ``owner`` ever again: a call or stream item that
-        finishes after its session closed must not take blocks nobody will free."""
+    def end_owner(self, owner: str, keep: bool = False) -> int:
+        """`release_owner` (unless `keep`: its leases stay until `release_owner`), and no new
+        lease for ``owner`` ever again: a call or stream item that finishes after its session
+        closed must not take blocks nobody will free."""
         with self._lock:
             self._ended[owner] = None
             if len(self._ended) > ENDED_KEPT:
                 del self._ended[next(iter(self._ended))]
-        return self.release_owner(owner)
+        return 0 if keep else self.release_owner(owner)
+
+    def owned_bytes(self, owner: str) -> int:
+        """Bytes of the blocks ``owner`` holds a lease on."""
+        with self._lock:
+            return sum(self._blocks[b][0].nbytes for b in self._owned.get(owner, ()))
 
     def _check_not_ended(self, owner: str) -> None:
         if owner in self._ended:

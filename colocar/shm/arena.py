@@ -23,6 +23,7 @@ import secrets
 import shutil
 import struct
 import threading
+import time
 import weakref
 
 HEADER_BYTES = 4096
@@ -262,38 +263,66 @@ class Arena:
 
 
 def remove_stale_arenas(shm_dir: str) -> list[str]:
-    """Remove arena files in ``shm_dir`` whose owner process is dead (its flock is free).
+    """Remove arena files in ``shm_dir`` whose owner process is dead (its flock is free), with
+    the local-link socket beside each, half-made arenas of creators that died (their
+    ``.tmp`` files, locked the same way) and sockets whose arena is gone.
 
     Files of other users, unreadable files and arenas of live processes are left alone.
     """
     removed: list[str] = []
-    uid = os.getuid()
-    for path in sorted(glob.glob(os.path.join(shm_dir, _GLOB))):
-        try:
-            st = os.stat(path, follow_symlinks=False)
-            if st.st_uid != uid or not os.path.isfile(path) or os.path.islink(path):
-                continue
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:
-            continue
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                continue  # a live owner holds the lock
-            try:
-                same = os.fstat(fd).st_ino == os.stat(path).st_ino
-            except OSError:
-                same = False  # removed meanwhile by another sweeper
-            if same:
-                try:
-                    os.unlink(path)
-                    removed.append(path)
-                except OSError:
-                    pass
-                # the owner's local-link socket lies beside its arena
-                with contextlib.suppress(OSError):
-                    os.unlink(path.removesuffix(".arena") + ".sock")
-        finally:
-            os.close(fd)
+    # a creator locks its .tmp file just after making it: one younger than a minute may be new
+    half_made = [p for p in glob.glob(os.path.join(shm_dir, f".{_GLOB}.tmp")) if _age(p) > 60.0]
+    for path in sorted(glob.glob(os.path.join(shm_dir, _GLOB))) + sorted(half_made):
+        if _remove_if_unlocked(path):
+            removed.append(path)
+    for sock in sorted(glob.glob(os.path.join(shm_dir, _GLOB.removesuffix(".arena") + ".sock"))):
+        if not os.path.exists(sock.removesuffix(".sock") + ".arena") and _ours(sock):
+            with contextlib.suppress(OSError):
+                os.unlink(sock)
+                removed.append(sock)
     return removed
+
+
+def _age(path: str) -> float:
+    try:
+        return time.time() - os.stat(path).st_mtime
+    except OSError:
+        return 0.0
+
+
+def _ours(path: str) -> bool:
+    try:
+        return os.stat(path, follow_symlinks=False).st_uid == os.getuid() and not os.path.islink(path)
+    except OSError:
+        return False
+
+
+def _remove_if_unlocked(path: str) -> bool:
+    """Removes an arena file nobody holds the lock of (and its socket); True if it did."""
+    try:
+        if not _ours(path) or not os.path.isfile(path):
+            return False
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False  # a live owner holds the lock
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except OSError:
+            same = False  # removed meanwhile by another sweeper
+        if not same:
+            return False
+        try:
+            os.unlink(path)
+        except OSError:
+            return False
+        # the owner's local-link socket lies beside its arena
+        with contextlib.suppress(OSError):
+            os.unlink(path.removesuffix(".arena") + ".sock")
+        return True
+    finally:
+        os.close(fd)

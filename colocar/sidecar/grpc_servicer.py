@@ -25,6 +25,8 @@ _UNARY = (
     "Connect",
     "Keepalive",
     "Disconnect",
+    "ListSessions",
+    "CloseSession",
     "Call",
     "Cancel",
     "DeleteObject",

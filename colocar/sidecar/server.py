@@ -38,7 +38,7 @@ from colocar.shm import context as shm_context  # noqa: E402
 from colocar.shm.arena import ShmUnavailableError  # noqa: E402
 from colocar.sizes import parse_size  # noqa: E402
 
-from . import auth, cancels, logs  # noqa: E402
+from . import auth, cancels, lifeline, logs  # noqa: E402
 from .blocks import SidecarArena  # noqa: E402
 from .grpc_servicer import GrpcServicer  # noqa: E402
 from .link_server import LinkServer  # noqa: E402
@@ -108,6 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-key", help="server private key (PEM)")
     p.add_argument("--tls-client-ca", help="CA for client certificates (mutual TLS)")
     p.add_argument("--lease-seconds", type=float, default=30.0, help="session lease")
+    p.add_argument(
+        "--session-grace",
+        type=float,
+        default=3600.0,
+        help="seconds a named session outlives its controller (keeping its objects and arrays) "
+        "for a controller to reattach; a controller may ask for its own",
+    )
     p.add_argument("--threads", type=int, default=32, help="concurrent shipped calls")
     p.add_argument("--processes", type=int, default=2, help="worker processes for CPU-bound calls")
     p.add_argument(
@@ -131,22 +138,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="address the metrics port binds (0.0.0.0: every interface, for a scraper on another machine)",
     )
     return p
-
-
-def _watch_parent(pid: int, stop: threading.Event) -> None:
-    """Exits the sidecar when the process that started it is gone (no orphans)."""
-    import psutil
-
-    try:
-        parent = psutil.Process(pid)
-    except psutil.NoSuchProcess:
-        stop.set()
-        return
-    while not stop.is_set():
-        if not parent.is_running() or parent.status() == psutil.STATUS_ZOMBIE:
-            stop.set()
-            return
-        stop.wait(1.0)
 
 
 def _start_link(service: SidecarService, arena_path: str, token: str | None) -> LinkServer | None:
@@ -208,6 +199,7 @@ def _start_service(args: argparse.Namespace, arena: SidecarArena) -> tuple[Sidec
     code's `colocar.shm.empty` allocates in `arena` from here on."""
     config = ServiceConfig(
         lease_seconds=args.lease_seconds,
+        session_grace_seconds=args.session_grace,
         max_concurrent_calls=args.threads,
         alloc_timeout_seconds=args.alloc_timeout,
     )
@@ -275,8 +267,8 @@ def _stop_event(parent_pid: int) -> tuple[threading.Event, list[str]]:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
-    if parent_pid:
-        threading.Thread(target=_watch_parent, args=(parent_pid, stop), daemon=True).start()
+    if parent_pid:  # no orphans: a local cluster's sidecar ends with its controller
+        lifeline.on_exit(parent_pid, stop.set, name="colocar-parent-watch")
     return stop, why
 
 

@@ -4,7 +4,8 @@ The handlers serve both gRPC (through `grpc_servicer`, which checks the token fi
 time, before any unpickling) and the local link (whose connections proved the token at hello).
 Each checks the session. User errors travel back inside the reply (`CallReply.error`); a
 handler raises `Refused` for protocol conditions the controller acts on: NOT_FOUND (unknown
-code hash: resend the code), FAILED_PRECONDITION (unknown session or version skew),
+code hash: resend the code), FAILED_PRECONDITION (unknown session or version skew), ABORTED
+(a session taken over by another controller, or closed from outside),
 INVALID_ARGUMENT (a malformed request or a descriptor outside the session's blocks),
 RESOURCE_EXHAUSTED (a full arena pool), UNAVAILABLE (draining).
 """
@@ -12,10 +13,7 @@ RESOURCE_EXHAUSTED (a full arena pool), UNAVAILABLE (draining).
 from __future__ import annotations
 
 import contextlib
-import os
 import queue
-import socket
-import sys
 import threading
 import time
 import uuid
@@ -24,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from colocar.protocol import colocar_pb2 as pb
-from colocar.protocol import versions
 from colocar.protocol.status import Refused, Status
 from colocar.shm import ArenaFullError, UnknownBlockError
 
@@ -32,15 +29,15 @@ from . import logs
 from .blocks import BoundsError, SidecarArena
 from .cancels import CallRegistry, cancellable
 from .func_backend import CodeCache, CodeLoadError, CodeNotFound, remote_error
-from .lapsed import LapsedBlocks
+from .held_blocks import HeldBlocks
 from .objects import ObjectTable, UnknownObjectError
-from .sessions import LAPSED, Session, SessionTable
+from .session_service import SessionHandlers
+from .sessions import Session, SessionTable
 from .stats import Stats
 from .streams import Credits, chain
 from .workers import WorkerDiedError, WorkerPool
 
 CHUNK_BYTES = 1 << 20
-UNKNOWN_SESSION = "unknown session"
 LOG_POLL_LINES = 1000  # lines per PollLogs reply at most
 
 
@@ -49,18 +46,12 @@ class ServiceConfig:
     lease_seconds: float = 30.0
     max_concurrent_calls: int = 32
     alloc_timeout_seconds: float = 30.0
+    session_grace_seconds: float = 3600.0  # how long a named session outlives its controller
 
 
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
-class SidecarService:
-    """The handlers: unary ones take the request; streaming ones also the gRPC context."""
+class SidecarService(SessionHandlers):
+    """The handlers: unary ones take the request; streaming ones also the gRPC context. The
+    session handlers, and the session check every handler makes, are in `session_service`."""
 
     def __init__(self, arena: SidecarArena, workers: WorkerPool | None, config: ServiceConfig):
         self.id = uuid.uuid4().hex
@@ -71,8 +62,8 @@ class SidecarService:
         self.objects = ObjectTable()
         self.code = CodeCache()
         self.cancels = CallRegistry()
-        self.lapsed = LapsedBlocks(arena.allocator, arena.arena.path)
-        self.sessions = SessionTable(config.lease_seconds, self._session_ended)
+        self.held = HeldBlocks(arena.allocator, arena.arena.path)
+        self.sessions = SessionTable(config.lease_seconds, self._session_ended, config.session_grace_seconds)
         # Tokens of a SimpleQueue bound concurrent calls (cheaper than a Semaphore per call).
         self._call_slots: queue.SimpleQueue[None] = queue.SimpleQueue()
         for _ in range(config.max_concurrent_calls):
@@ -82,72 +73,10 @@ class SidecarService:
         self.draining = False
         self.link_path = ""  # set by the server when the local link listens
 
-    # --- plumbing --------------------------------------------------------------------------
-    def session(self, session_id: str) -> Session:
-        """The caller's live session; refuses while draining or for an unknown session."""
-        if self.draining:
-            raise Refused(Status.UNAVAILABLE, "sidecar is shutting down")
-        session = self.sessions.get(session_id)
-        if session is None:
-            raise Refused(
-                Status.FAILED_PRECONDITION,
-                f"{UNKNOWN_SESSION} {session_id!r}: it expired or the sidecar restarted; reconnect",
-            )
-        return session
-
-    def _session_ended(self, session: Session, how: str) -> None:
-        self.objects.drop_session(session.id)
-        self.lapsed.session_ended(session.id, session.controller, how == LAPSED)
-
     def _sweep(self) -> None:
         while not self._sweeper_stop.wait(1.0):
             self.objects.sweep()
-            self.lapsed.sweep()
-
-    # --- sessions --------------------------------------------------------------------------
-    def Connect(self, request: pb.ConnectRequest) -> pb.ConnectReply:
-        if self.draining:
-            raise Refused(Status.UNAVAILABLE, "sidecar is shutting down")
-        controller = {
-            "python": request.python_version,
-            "cloudpickle": request.cloudpickle_version,
-            "jax": request.jax_version,
-        }
-        problems = versions.skew(controller, versions.local_versions())
-        if problems:
-            raise Refused(
-                Status.FAILED_PRECONDITION,
-                "version skew between controller and sidecar: "
-                + "; ".join(problems)
-                + ". Build the sidecar image from the same environment as the trainer.",
-            )
-        for entry in request.sys_path:
-            if entry and entry not in sys.path and os.path.isdir(entry):
-                sys.path.append(entry)
-        if request.cwd and os.path.isdir(request.cwd):
-            os.chdir(request.cwd)
-        self.lapsed.reconnected(request.session_id)
-        session = self.sessions.open(request.session_id, request.controller, request.lease_seconds)
-        a = self.arena.arena
-        return pb.ConnectReply(
-            sidecar_id=self.id,
-            hostname=socket.gethostname(),
-            pid=os.getpid(),
-            boot_id=_boot_id(),
-            arena_path=a.path,
-            arena_size=a.size,
-            arena_nonce=a.nonce,
-            lease_seconds=session.lease_seconds,
-            colocar_version=versions.colocar_version(),
-            link_path=self.link_path,
-        )
-
-    def Keepalive(self, request: pb.SessionRef) -> pb.KeepaliveReply:
-        return pb.KeepaliveReply(known=self.sessions.get(request.session_id) is not None)
-
-    def Disconnect(self, request: pb.SessionRef) -> pb.Empty:
-        self.sessions.close(request.session_id)
-        return pb.Empty()
+            self.held.sweep()
 
     # --- calls -----------------------------------------------------------------------------
     @cancellable
@@ -218,7 +147,7 @@ class SidecarService:
             del args, kwargs
             if request.kind == pb.CallRequest.NEW_OBJECT:
                 object_id = self.objects.add(
-                    value, session.id, request.object_name, request.object_ttl_seconds
+                    value, session.id, request.object_name, request.object_ttl_seconds, session.name
                 )
                 return pb.CallReply(object_id=object_id)
             timeout = self.config.alloc_timeout_seconds
@@ -269,18 +198,20 @@ class SidecarService:
             getattr(iterator, "close", lambda: None)()
 
     def DeleteObject(self, request: pb.ObjectRef) -> pb.Empty:
+        session = self.session(request.session_id)
         object_id = request.object_id
         if request.object_name:
             try:
-                object_id = self.objects.find(request.object_name)
+                object_id = self.objects.find(request.object_name, session.name)
             except UnknownObjectError:
                 return pb.Empty()
-        self.objects.delete(object_id, request.session_id)
+        self.objects.delete(object_id, session.id)
         return pb.Empty()
 
     def FindObject(self, request: pb.ObjectRef) -> pb.ObjectRef:
+        session = self.session(request.session_id)
         try:
-            object_id = self.objects.find(request.object_name)
+            object_id = self.objects.find(request.object_name, session.name)
         except UnknownObjectError as e:
             raise Refused(Status.NOT_FOUND, f"object: {e.args[0]}") from None
         return pb.ObjectRef(object_id=object_id, object_name=request.object_name)

@@ -30,6 +30,8 @@ from colocar.shm import Arena, ArenaFullError, holds, ndarray_view
 from colocar.shm import context as shm_context
 from colocar.shm.views import BlockHandle, reach
 
+from .lifeline import end_with
+
 
 class _PipeLog:
     """stdout/stderr of the worker while it runs a call: each line goes to the parent."""
@@ -158,9 +160,11 @@ class _Worker:
             return Failed(*error_fields(e), [], [])
 
 
-def main(conn: Any, arena_path: str, arena_size: int, arena_nonce: str) -> None:
-    """Entry point of a worker process (started with forkserver or spawn, never plain fork)."""
+def main(conn: Any, arena_path: str, arena_size: int, arena_nonce: str, sidecar_pid: int) -> None:
+    """Entry point of a worker process (started with forkserver or spawn, never plain fork);
+    it ends with its sidecar, however that ends."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    end_with(sidecar_pid)
     worker = _Worker(conn, Arena.attach(arena_path, arena_size, arena_nonce))
     shm_context.install(worker.empty)
     while True:

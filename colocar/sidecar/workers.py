@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -46,7 +47,7 @@ class _Process:
         self.known_code: set[bytes] = set()  # hashes this worker has loaded
         a = arena.arena
         self.process = ctx.Process(
-            target=worker_main.main, args=(child, a.path, a.size, a.nonce), daemon=True
+            target=worker_main.main, args=(child, a.path, a.size, a.nonce, os.getpid()), daemon=True
         )
         self.process.start()
         child.close()

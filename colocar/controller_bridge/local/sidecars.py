@@ -1,5 +1,15 @@
 """A sidecar process that `local_cluster` started: its process, log, ready pipe and files.
 
+Each sidecar runs in a session (and process group) of its own: a terminal's Ctrl-C reaches the
+whole foreground process group, and Jupyter interrupts (and, on a restart, kills) the kernel's
+process group, so sidecars in the controller's group would shut down on the first interrupt (or
+die without removing their arena). Outside that group they still end with the controller: one
+started with `--parent-pid` exits once its parent is gone.
+
+A sidecar of a persistent, named local cluster that an earlier controller started is
+*adopted* by the controller that reattaches to it (`adopt`): this process did not start it, so
+it is watched and stopped through its pid (`_Adopted`, the part of `Popen` used here).
+
 The sidecar says it is ready with one JSON line (address, pid, arena) on a pipe it inherits
 (`--ready-fd`); `wait_ready` waits on every sidecar's pipe at once (a selector, no polling)
 and fails as soon as one ends without its line (the sidecar exited).
@@ -16,25 +26,72 @@ import subprocess
 import time
 from typing import TYPE_CHECKING, Any
 
+import psutil
+
 from colocar.errors import ColocarError
 
 if TYPE_CHECKING:
-    from .connection import HostConnection
+    from ..connection import HostConnection
     from .exits import ExitWatch
 
 
-class Sidecar:
-    """One spawned sidecar process and its files."""
+class _Adopted:
+    """A sidecar process another controller started, as far as `Popen` is used here."""
 
-    def __init__(self, index: int, workdir: str, argv: list[str], env: dict[str, str], persist: bool):
+    def __init__(self, pid: int):
+        self.pid = pid
+        self._process = psutil.Process(pid)
+
+    def poll(self) -> int | None:
+        """None while it runs; 0 once it ended (its exit status is its parent's to know)."""
+        try:
+            running = self._process.is_running() and self._process.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            running = False
+        return None if running else 0
+
+    def wait(self, timeout: float | None = None) -> int:
+        try:
+            self._process.wait(timeout)
+        except psutil.TimeoutExpired:
+            raise subprocess.TimeoutExpired(f"sidecar pid {self.pid}", timeout or 0.0) from None
+        except psutil.NoSuchProcess:
+            pass
+        return 0
+
+    def send_signal(self, sig: int) -> None:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            self._process.send_signal(sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class Sidecar:
+    """One sidecar process of a local cluster and its files."""
+
+    process: subprocess.Popen | _Adopted
+
+    def __init__(self, index: int, workdir: str):
         self.index = index
         self.log_file = os.path.join(workdir, f"host{index}.log")
-        self.spawn(argv, env, persist)
+        self.info: dict[str, Any] | None = None
+        self.ready_fd: int | None = None
+        self.terminated = False
 
-    def spawn(self, argv: list[str], env: dict[str, str], persist: bool) -> None:
+    def adopt(self, info: dict[str, Any]) -> Sidecar:
+        """This sidecar is the running one `info` describes (address, pid, arena)."""
+        self.info = info
+        self.process = _Adopted(int(info["pid"]))
+        return self
+
+    def spawn(self, argv: list[str], env: dict[str, str]) -> Sidecar:
         """Starts the process (again, after `restart_host`: its log is appended to). It says it
         is ready on a pipe (`--ready-fd`), which `wait_ready` waits on (no polling)."""
-        self.info: dict[str, Any] | None = None
+        self.info = None
         self.terminated = False
         self._ready_buffer = b""
         read_end, write_end = os.pipe()
@@ -46,7 +103,7 @@ class Sidecar:
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     env=env,
-                    start_new_session=persist,
+                    start_new_session=True,  # out of the controller's process group
                     pass_fds=(write_end,),
                 )
         except BaseException:
@@ -55,7 +112,8 @@ class Sidecar:
         finally:
             os.close(write_end)
         os.set_blocking(read_end, False)
-        self.ready_fd: int | None = read_end
+        self.ready_fd = read_end
+        return self
 
     def poll_ready(self) -> bool:
         """Reads what the sidecar wrote on its ready pipe so far; True once its line is whole."""
@@ -85,13 +143,24 @@ class Sidecar:
 
     def status(self) -> str | None:
         code = self.process.poll()
-        return None if code is None else f"sidecar process exited with code {code}"
+        if code is None:
+            return None
+        if isinstance(self.process, _Adopted):
+            return f"sidecar process {self.process.pid} exited"
+        return f"sidecar process exited with code {code}"
 
     def watch_exit(self, exits: ExitWatch, connection: HostConnection) -> None:
-        """Marks `connection`'s session lost as soon as this process exits (bound to this
-        connection: a later one, after `restart_host`, is never marked by the old process)."""
-        session = connection.session
-        exits.watch(self.process.pid, lambda: session.mark_lost(self.status() or "sidecar process exited"))
+        """As soon as this process exits, marks `connection`'s session lost and removes the
+        files it could not (killed: an OOM kill leaves its arena's memory taken until someone
+        deletes the file). Bound to this process and connection: a later one, after
+        `restart_host`, is never marked, nor are its files removed, by the old one's exit."""
+        session, files = connection.session, self.files()
+
+        def exited() -> None:
+            session.mark_lost(self.status() or "sidecar process exited")
+            _remove(files)
+
+        exits.watch(self.process.pid, exited)
 
     def terminate(self) -> None:
         """Asks the sidecar to drain and exit (SIGTERM, once); `stop` waits for it."""
@@ -109,13 +178,20 @@ class Sidecar:
                 self.process.wait(timeout=10)
         self.remove_files()
 
+    def files(self) -> list[str]:
+        """The arena and link socket of the running sidecar (none before it said it is ready)."""
+        arena = (self.info or {}).get("arena")
+        return [arena, arena.removesuffix(".arena") + ".sock"] if arena else []
+
     def remove_files(self) -> None:
         """The arena and link socket of a sidecar killed before it could remove them."""
-        arena = (self.info or {}).get("arena")
-        if arena:
-            for path in (arena, arena.removesuffix(".arena") + ".sock"):
-                if os.path.exists(path):
-                    os.unlink(path)
+        _remove(self.files())
+
+
+def _remove(paths: list[str]) -> None:
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def wait_ready(sidecars: list[Sidecar], startup_timeout: float) -> None:

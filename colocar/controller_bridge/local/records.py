@@ -1,0 +1,105 @@
+"""Records of persistent, named local clusters, so that a later controller finds their sidecars.
+
+Runs in the controller. `local_cluster(persist=True, session="nb")` writes one JSON record per
+session name into the state directory (`COLOCAR_STATE_DIR`, default `<tmp>/colocar-<uid>`,
+mode 0700): the sidecars' addresses, pids, start times and arenas, the token file, the work
+folder and the command line they were started with. The same call in a new process (after a
+kernel restart) reads it back and, when every sidecar in it still runs, connects to them
+instead of starting new ones, taking the session over. `colocar sessions ls` lists them,
+`colocar sessions stop NAME` and `LocalCluster.shutdown()` stop them, `colocar clean` removes
+records whose sidecars are all gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+import tempfile
+from typing import Any
+
+import psutil
+
+SUFFIX = ".json"
+WORKDIR_RECORD = "cluster.json"
+
+
+def state_dir() -> str:
+    """The folder of the records (made, mode 0700, if missing)."""
+    path = os.environ.get("COLOCAR_STATE_DIR") or os.path.join(
+        tempfile.gettempdir(), f"colocar-{os.getuid()}"
+    )
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    return path
+
+
+def _path(session: str) -> str:
+    return os.path.join(state_dir(), session + SUFFIX)
+
+
+def write(path: str, record: dict[str, Any]) -> None:
+    """Writes a record atomically (a reader never sees half of it), mode 0600."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        json.dump(record, f, indent=1)
+    os.replace(tmp, path)
+
+
+def save(workdir: str, session: str, record: dict[str, Any]) -> None:
+    """Every local cluster's record in its work folder (`colocar clean` finds folders left by
+    killed controllers by it); a persistent named one's also in the state folder."""
+    write(os.path.join(workdir, WORKDIR_RECORD), record)
+    if session:
+        write(_path(session), {"session": session, **record})
+
+
+def read(session: str) -> dict[str, Any] | None:
+    """The record of `session`, or None (none, or unreadable: it is then ignored)."""
+    return read_file(_path(session))
+
+
+def read_file(path: str) -> dict[str, Any] | None:
+    try:
+        with open(path) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("hosts"), list) else None
+
+
+def remove(session: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(_path(session))
+
+
+def every() -> list[dict[str, Any]]:
+    """Every readable record of a persistent named cluster, by session name."""
+    names = sorted(n.removesuffix(SUFFIX) for n in os.listdir(state_dir()) if n.endswith(SUFFIX))
+    return [r for r in (read(n) for n in names) if r is not None]
+
+
+def left_over() -> list[dict[str, Any]]:
+    """The records of local clusters none of whose sidecars runs any more: in the state folder,
+    and in work folders (`colocar-*` in the temporary folder) whose controller did not remove
+    them (it was killed); each with its "path"."""
+    found = [{**r, "path": _path(r["session"])} for r in every()]
+    for folder in glob.glob(os.path.join(tempfile.gettempdir(), "colocar-*", WORKDIR_RECORD)):
+        record = read_file(folder)
+        if record is not None:
+            found.append({**record, "path": folder})
+    return [r for r in found if not any(running(h) for h in r["hosts"])]
+
+
+def running(host: dict[str, Any]) -> bool:
+    """Whether the sidecar of a record's host still runs (its pid, started when recorded)."""
+    try:
+        process = psutil.Process(int(host["pid"]))
+        return abs(process.create_time() - float(host["started"])) < 1.0 and process.is_running()
+    except (psutil.Error, KeyError, TypeError, ValueError):
+        return False
+
+
+def started(pid: int) -> float:
+    """A process's start time, as `running` compares it."""
+    return psutil.Process(pid).create_time()
