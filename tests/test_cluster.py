@@ -128,3 +128,17 @@ def test_a_sidecar_that_cannot_start_fails_local_cluster_at_once_with_its_log(tm
             hosts=2, arena_size=16 << 20, pools={"big": 64 << 20}, shm_dir=str(tmp_path), processes=0
         )
     assert time.monotonic() - started < 60  # not the 120 s startup timeout
+
+
+def test_a_closed_cluster_gives_no_warning(recwarn):
+    c = colocar.local_cluster(hosts=1, arena_size=16 << 20, processes=0)
+    processes = list(c.processes)
+    c.close()
+    del c
+    import gc
+
+    gc.collect()
+    from colocar.controller_bridge.local import ClusterDroppedWarning
+
+    assert not [w for w in recwarn if w.category is ClusterDroppedWarning]
+    assert all(p.poll() is not None for p in processes)

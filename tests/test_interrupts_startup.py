@@ -17,7 +17,7 @@ from helpers import wait_for
 from interrupts_helpers import (
     run_interrupted,
     settled,
-    used,
+    use_at_rest,
 )
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -62,7 +62,7 @@ def sidecar_descendants(c: Any) -> set[int]:
 
 def _interrupt_loader_start(seed: int, c: Any, cases: int) -> None:
     rng = random.Random(seed)
-    baseline = used(c)  # before any loader: a closed one gives its blocks back in the background
+    baseline = use_at_rest(c)  # before any loader: a closed one gives its blocks back in the background
     first_batch_is_right(c)  # starts the forkservers: part of the baseline
     gc.collect()
     processes = sidecar_descendants(c)
@@ -92,7 +92,7 @@ def _interrupt_saves(seed: int, c: Any, directory: str, cases: int) -> None:
     rng = random.Random(seed)
     mesh = c.mesh(("data",))
     sharding = NamedSharding(mesh, P("data"))
-    baseline = used(c)
+    baseline = use_at_rest(c)
     mngr = CheckpointManager(directory, c, stale_seconds=0.5)
     try:
         for step in range(cases):

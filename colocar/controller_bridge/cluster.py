@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from colocar import jax_compat
 from colocar.errors import ColocarError, ObjectNotFoundError
 from colocar.protocol.tls import channel_credentials
 
@@ -192,10 +193,12 @@ class Cluster:
                 _active.remove(weakref.ref(self))
 
     def close(self) -> None:
-        """Ends the sessions (freeing remote objects and blocks) and stops owned sidecars."""
+        """Ends the sessions (freeing remote objects and blocks) and stops owned sidecars.
+        Arrays the program still holds stay valid: their blocks are kept until they are gone."""
         if self._closed:
             return
         self.detach()
+        jax_compat.release_deferred()()  # JAX lets go of dropped arrays' views: their blocks go now
         for host in self.hosts:
             host.connection.close()
         if self._on_close is not None:

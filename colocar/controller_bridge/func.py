@@ -116,7 +116,14 @@ class HostCaller:
             return streams[0] if self._single else streams
         if self._single:
             return self._build(self._hosts[0], args, kwargs).run()
-        return [f.result() for f in self.submit(*args, **kwargs)]
+        futures = self.submit(*args, **kwargs)
+        try:
+            return [f.result() for f in futures]
+        except BaseException as e:
+            if not isinstance(e, Exception):  # an interrupt: every host's call is given up
+                for future in futures:
+                    future.cancel()
+            raise
 
     def submit(self, *args: Any, **kwargs: Any) -> Any:
         """Futures of the calls: one, or a list for a list of hosts."""

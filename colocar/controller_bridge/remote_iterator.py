@@ -119,8 +119,9 @@ class RemoteIterator:
                 threading.Thread(
                     target=_stop_stream, args=args, name="colocar-stream-close", daemon=True
                 ).start()
-            except RuntimeError:  # the interpreter is exiting: no thread, no draining
-                self._responses.cancel()
+            except (RuntimeError, AttributeError, TypeError):  # the interpreter is exiting
+                with contextlib.suppress(Exception):  # no thread, no draining: cancel it if gRPC still can
+                    self._responses.cancel()
 
 
 def _stop_stream(

@@ -121,7 +121,19 @@ class Session:
         self.unresponsive = False
         self._on_connect(reply)
         self.info = reply
+        self._report_mapping()
         return reply
+
+    def _report_mapping(self) -> None:
+        """Tells the sidecar at once where this process maps its arena (keepalives repeat it):
+        when the session ends, the sidecar keeps the blocks this mapping may still show."""
+        mapping = self._mapping()
+        if mapping:
+            try:
+                request = pb.SessionRef(session_id=self.session_id, mapping=mapping)
+                self._transport.call("Keepalive", request, self.keepalive_seconds)
+            except TransportError:
+                pass  # the heartbeat says it again
 
     def next_call_id(self) -> int:
         """An id for a call, unique in this session (a Cancel names calls by it)."""
@@ -221,7 +233,10 @@ class Session:
         if self.ended is None and not self.closed:
             self.ended = SessionEndedError(
                 f"sidecar {self.name} at {self.address}: {reason}; this connection can do nothing "
-                "more (its remote objects and arrays there are gone): connect again to go on"
+                "more (its remote objects there are gone; arrays it returned stay valid). Connect "
+                "again, and make anew on that cluster what used this one: loaders "
+                "(colocar.loaders.load, from a saved get_state) and checkpoint managers "
+                "(CheckpointManager(directory, cluster): committed steps stay in storage)"
             )
             self._stop.set()
 

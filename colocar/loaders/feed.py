@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from colocar.controller_bridge.cluster import Host
+from colocar.controller_bridge.sigint import sigint_held
 from colocar.errors import HostLostError
 from colocar.protocol.messages import FEED_HEADER, FeedMessage
 from colocar.shm.ring import WAITING, board_words, store_load_hint
@@ -82,6 +83,7 @@ class Feed:
         self._outstanding = 0  # slots handed to the program and not yet given back
         self._closed = False
         self._ended = False
+        self._failure = ""  # why the feed ended early (a pipeline error, a stop): raised again
 
     def views(self, slot: int) -> dict[str, list[np.ndarray]]:
         """A received slot's per-device views by field (`placed` order), over a new anchor
@@ -147,30 +149,42 @@ class Feed:
         runs once per batch, right after the trainer wakes with cold caches, where each line
         costs about a microsecond. The last message (a tail) goes through `_last`."""
         if self._ended:
+            if self._failure:
+                raise PipelineError(self._failure)
             return None
         if self._end - self._start < HEADER:
             self._fill(HEADER)
-        start = self._start
-        tail, got, slot, _ = FEED_HEADER.unpack_from(self._inbox, start)
+        with sigint_held():  # taken whole or not at all: an interrupted next() knows which
+            start = self._start
+            tail, got, slot, _ = FEED_HEADER.unpack_from(self._inbox, start)
+            if not tail:
+                self._start = start = start + HEADER
+                if start == self._end:
+                    self._start = self._end = 0
+                self._outstanding += 1  # no lock: only `flush` after `close` runs in other threads
         if tail:
             self._last()
             return None
-        self._start = start = start + HEADER
-        if start == self._end:
-            self._start = self._end = 0
         self._conn.session.alive_at = time.monotonic()  # spares a keepalive (see `Session`)
         if got != k:
             raise RuntimeError(f"{self.host.name} fed batch {got}, expected {k}")
-        self._outstanding += 1  # no lock: only `flush` after `close` runs in other threads
         return slot
 
     def _last(self) -> None:
-        """Reads the last message, `("end",)` or `("error", text)` (see `FeedMessage`)."""
+        """Reads the last message (see `FeedMessage`): the end of the data, or why there is no
+        more, which every later `receive` raises again (never taken for the end)."""
         while not isinstance(message := FeedMessage.read(self._inbox, self._start, self._end), FeedMessage):
             self._fill(message)
         self._ended = True
-        if message.tail is not None and message.tail[0] == "error":
-            raise PipelineError(message.tail[1])
+        tail = message.tail or ("end",)
+        if tail[0] == "error":
+            self._failure = tail[1]
+        elif tail[0] == "stopped":
+            self._failure = (
+                f"the pipeline on {self.host.name} was stopped on its sidecar before its data's end"
+            )
+        if self._failure:
+            raise PipelineError(self._failure)
 
     def _fill(self, need: int) -> None:
         """Receives until the inbox holds `need` bytes after `_start` (moving them to the
@@ -189,8 +203,7 @@ class Feed:
                 with memoryview(inbox) as free:
                     got = self._sock.recv_into(free[self._end :])
             except BlockingIOError:  # the kernel's timeout (`_set_kernel_timeout`)
-                if session.lost is not None:
-                    raise HostLostError(str(session.lost)) from None
+                session.check_alive()  # lost, or its session ended from elsewhere
                 continue
             except OSError as e:
                 got = 0

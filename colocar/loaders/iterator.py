@@ -15,6 +15,11 @@ see `feed`; over calls, the slot's block lease goes the same way with the block'
 `shm.views`). JAX on CPU keeps the views it aliased until its deferred releases run, so each
 step (and `release`, `close`) first runs them (`jax_compat.release_deferred`), then lets each
 feed send the slots that came free. No reference counts are compared.
+
+An interrupted `next()` (Ctrl-C) returns nothing and loses nothing: a feed takes a batch's
+header whole or not at all, and when some hosts had already handed the batch over (or a host
+is reached by calls, whose interrupted reply is dropped), the next `next()` starts the hosts'
+pipelines again at the same batch, so the stream of batches stays exact.
 """
 
 from __future__ import annotations
@@ -37,8 +42,9 @@ from .config import PipelineConfig, load_config
 from .feed import Feed
 from .host_backend import LoaderHost
 from .orders import STATE_KEY, saved_order
-from .plan import HostPlan, check_batch_axes, host_plans, local_groups
+from .plan import HostPlan, check_batch_axes, host_plans, local_groups, pipelines_gone
 from .progress import Progress, count_batches
+from .puts import batched_put_order, batched_puts
 from .start import open_hosts
 
 STATE_VERSION = 1
@@ -116,12 +122,16 @@ class DataIterator:
         self._agreement = Agreement(processes, jax.process_index(), sync_timeout)
         self._agreement.check("load", identity(config, mesh, axes, start))
         self._targets = [device for _, _, placed in self._plan for device, _ in placed]
-        self._put_order = self._batched_put_order()
-        self._puts = self._batched_puts()
+        self._put_order = batched_put_order(fields, self.shardings, self._targets)
+        self._puts = batched_puts(self._put_order, fields, self.shardings, self._targets, B)
         self._release_deferred = jax_compat.release_deferred()
         self.wait_seconds = 0.0
         self.batches = 0
         self._progress: Progress | None = None
+        self._remote: list[Any] = []
+        self._feeds: list[Feed | None] = []
+        self._fed: list[Feed] = []
+        self._out_of_step = False  # an interrupted next() left some hosts a batch ahead
         self._open(start)
         if progress:
             try:
@@ -131,49 +141,14 @@ class DataIterator:
                 raise
 
     def _open(self, start: int) -> None:
-        self.position = start
+        """The hosts' pipelines, from batch `start` on (an interrupt leaves none open)."""
         self._remote, self._feeds = open_hosts(
             RemoteLoaderHost.on, self._plan, self.config, start, self.starve_timeout
         )
         self._fed = [feed for feed in self._feeds if feed is not None]
-
-    def _batched_put_order(self) -> tuple[dict[str, list[int]], jax_compat.BatchedPut] | None:
-        """How `__next__` can put a field's per-device views in one call, or None (device_put).
-
-        JAX's `batched_device_put` takes one view per addressable device of the sharding, in its
-        order; it is internal API, so any mismatch (devices, dtypes JAX would convert, another
-        JAX version) falls back to the public path.
-        """
-        batched = jax_compat.batched_put()
-        if batched is None:
-            return None
-        devices = self._targets
-        position = {d: i for i, d in enumerate(devices)}
-        orders: dict[str, list[int]] = {}
-        for name, (_, dtype) in self.fields.items():
-            if jax.dtypes.canonicalize_dtype(np.dtype(dtype)) != np.dtype(dtype):
-                return None
-            wanted = jax_compat.sharding_device_order(self.shardings[name]) or []
-            if len(position) != len(devices) or set(wanted) != set(devices) or len(wanted) != len(devices):
-                return None
-            orders[name] = [position[d] for d in wanted]
-        return orders, batched
-
-    def _batched_puts(self) -> list[tuple[str, Any, Any, list[int] | None, list[Any]]]:
-        """Per field, for the batched put: (name, aval, sharding, order of the views or None
-        when it is the placed order, devices in that order)."""
-        if self._put_order is None:
-            return []
-        orders, batched = self._put_order
-        B = self.config.global_batch_size
-        puts = []
-        for name, (shape, dtype) in self.fields.items():
-            order = orders[name]
-            aval = batched.aval((B, *shape), np.dtype(dtype))
-            as_placed = order == list(range(len(order)))
-            devices = [self._targets[i] for i in order]
-            puts.append((name, aval, self.shardings[name], None if as_placed else order, devices))
-        return puts
+        self._generations = [host.connection.session.generation for host, _, _ in self._plan]
+        self.position = start
+        self._out_of_step = False
 
     def __iter__(self) -> DataIterator:
         return self
@@ -228,10 +203,12 @@ class DataIterator:
                     for name, field_views in part.items():
                         pieces[name] += field_views
             return pieces
-        except BaseException:
+        except BaseException as e:
             for part in parts:  # drop the views made so far now, not with the traceback
                 if isinstance(part, dict):
                     part.clear()
+            if not isinstance(e, Exception):  # an interrupt: hosts that handed batch k over are ahead
+                self._out_of_step = bool(parts) or None in self._feeds
             raise
         finally:
             for part in parts:
@@ -240,10 +217,19 @@ class DataIterator:
             parts.clear()
 
     def __next__(self) -> dict[str, jax.Array]:
+        if self._out_of_step:  # an interrupted next(): start the pipelines again at this batch
+            self._close_remote()
+            self._open(self.position)
         self._free_dropped_slots()
         started = time.perf_counter()
         k = self.position
-        pieces = self._gather(k)
+        try:
+            pieces = self._gather(k)
+        except Exception as e:
+            gone = pipelines_gone(self._plan, self._generations)
+            if gone is not None:  # not the pipeline's fault: say so, and how to go on
+                raise gone from e
+            raise
         if pieces is None:
             raise StopIteration
         self.wait_seconds += time.perf_counter() - started

@@ -17,7 +17,7 @@ import jax
 from jax.sharding import NamedSharding
 
 from colocar.controller_bridge.cluster import Cluster, Host
-from colocar.errors import ColocarError
+from colocar.errors import ColocarError, HostLostError, SessionEndedError
 
 from .checks import ConfigError, suggest
 from .layout import SlotLayout
@@ -106,3 +106,31 @@ def check_batch_axes(mesh: jax.sharding.Mesh, axes: tuple[str, ...], global_batc
             f"{sizes} that split each batch; use {options}, or shard the batch over other axes "
             "(batch_axes)",
         )
+
+
+RECREATE = (
+    "create the loader again on a connected cluster: colocar.loaders.load(config, cluster, mesh, "
+    "start=state['next_batch']) with the state of a saved get_state() (or set_state it), so that "
+    "the stream goes on from there"
+)
+
+
+def pipelines_gone(plans: list[HostPlan], generations: list[int]) -> ColocarError | None:
+    """Why the pipelines of these hosts can no longer be used, or None: a host's session ended
+    from elsewhere (taken over, closed), or was replaced (it lapsed past its grace, the sidecar
+    restarted) since `generations` were read (each session asks its sidecar first). The error
+    says how to re-create the loader; it is of the session's error's kind (`SessionEndedError`,
+    or `HostLostError` for a new session)."""
+    for (host, _, _), generation in zip(plans, generations, strict=True):
+        session = host.connection.session
+        session.heartbeat()  # what the sidecar says of the session now (a takeover, say)
+        if session.ended is not None:
+            return SessionEndedError(
+                f"the loader's pipeline on {host.name} is gone ({session.ended}); {RECREATE}"
+            )
+        if session.generation != generation:
+            return HostLostError(
+                f"the loader's pipeline on {host.name} is gone: its session there ended (its lease "
+                f"or grace ran out, or the sidecar restarted) and a new one began; {RECREATE}"
+            )
+    return None

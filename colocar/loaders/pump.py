@@ -141,8 +141,8 @@ class Pump:
             while not (self.stopped and self._feed is None):
                 if self.stopped:  # the feed stays served until its slots are back
                     self._unregister_workers(selector)
-                    if not self._feed_over:
-                        self._send(self._feed_next, tail=("end",))
+                    if not self._feed_over:  # not the data's end: a controller still reading must know
+                        self._send(self._feed_next, tail=("stopped",))
                 else:
                     self._check_starved(starve)
                     self._dispatch()

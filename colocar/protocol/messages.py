@@ -158,7 +158,8 @@ def receive_pickled(conn: Any) -> Any:
 class FeedMessage(NamedTuple):
     """Pump -> controller feed: batch `k` is in ring slot `slot`, `bad` records skipped so far.
 
-    A batch has no tail; the last message has one: `("end",)` or `("error", text)` (slot -1).
+    A batch has no tail; the last message has one: `("end",)` (the data ended), `("error",
+    text)`, or `("stopped",)` (the pipeline was closed on the sidecar first; slot -1).
     On the socket: struct `FEED_HEADER` (tail length, k, slot, bad) then the pickled tail;
     `size` is the message's length there (set by `read`). The controller's feed unpacks a
     batch's bare header itself (`loaders.feed.Feed.receive`, once per batch) and `read`s only

@@ -16,6 +16,7 @@ import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import psutil
 
@@ -75,6 +76,9 @@ class LocalCluster(Cluster):
     """A `Cluster` of sidecars this process started (or, persistent and named, reattached
     to); `restart_host` brings a dead one back, `shutdown` stops them even when persistent."""
 
+    processes: list[Any]  # each sidecar's process (Popen, or an adopted one's stand-in)
+    log_files: list[str]
+    token_file: str
     _spawn: Sidecars
     _exits: ExitWatch
 
@@ -100,7 +104,7 @@ class LocalCluster(Cluster):
         argv = list(spawn.argv)
         argv[argv.index("--address") + 1] = address
         sidecar.spawn(argv, spawn.env)
-        self.processes[self.hosts.index(target)] = sidecar.process  # type: ignore[attr-defined]
+        self.processes[self.hosts.index(target)] = sidecar.process
         wait_ready([sidecar], timeout)
         assert sidecar.info is not None
         target.connection = old.replacement(sidecar.info["address"], process_status=sidecar.status)
@@ -165,7 +169,7 @@ def owned_cluster(hosts: list[Host], spawn: Sidecars) -> LocalCluster:
     cluster._spawn = spawn
     dropped.append(weakref.finalize(cluster, _shutdown_dropped, hosts, shutdown, what, doing))
     dropped[0].atexit = False
-    cluster.processes = [s.process for s in spawn.sidecars]  # type: ignore[attr-defined]
-    cluster.log_files = [s.log_file for s in spawn.sidecars]  # type: ignore[attr-defined]
-    cluster.token_file = os.path.join(spawn.workdir, "token")  # type: ignore[attr-defined]
+    cluster.processes = [s.process for s in spawn.sidecars]
+    cluster.log_files = [s.log_file for s in spawn.sidecars]
+    cluster.token_file = os.path.join(spawn.workdir, "token")
     return cluster
