@@ -10,6 +10,7 @@ array unchanged> <the unnamed object's answer> <the loader's next batch>", EOF e
 
 import os
 import sys
+from typing import Any
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 os.environ["JAX_PLATFORMS"] = "cpu"
@@ -50,8 +51,9 @@ def filled(nbytes, value):
     return out
 
 
-counter = Counter.on(host, name="counter")(10)
-unnamed = Counter.on(host)(100)
+remote: Any = Counter  # colocated_class adds `.on`, which the type of a class does not show
+counter = remote.on(host, name="counter")(10)
+unnamed = remote.on(host)(100)
 kept = filled.on(host)(1 << 20, 7)
 it = loaders.load({"source": {"kind": "range", "n": 4096}, "global_batch_size": 8, "shuffle": False}, cluster)
 next(it)  # batch 0: the loader is running
