@@ -76,11 +76,14 @@ def test_persistent_sidecars_outlive_the_cluster(shm_dir):
     assert process.returncode == 0 and not os.path.exists(arena)
 
 
-def test_sidecars_exit_with_their_controller():
-    """A controller killed without closing its cluster leaves no sidecar and no arena behind."""
+@pytest.mark.parametrize("how", ["exit", "kill"])
+def test_sidecars_exit_with_their_controller(how):
+    """A controller that ends without closing its cluster (its script ends, or it is killed)
+    leaves no sidecar and no arena behind; one that exits leaves no work folder either."""
     import subprocess
     import sys
-    import time
+
+    from helpers import wait_for
 
     controller = subprocess.Popen(
         [sys.executable, program("cluster_controller")],
@@ -89,18 +92,25 @@ def test_sidecars_exit_with_their_controller():
         text=True,
     )
     try:
-        sidecar_pid, arena = controller.stdout.readline().split()
-        controller.kill()
-        controller.wait(timeout=30)
-        deadline = time.monotonic() + 30
-        while psutil.pid_exists(int(sidecar_pid)) and time.monotonic() < deadline:
+        sidecar_pid, arena, workdir = controller.stdout.readline().split()
+        sidecar = psutil.Process(int(sidecar_pid))
+        if how == "exit":
+            controller.stdin.close()  # the script reads stdin to its end, then ends
+            assert controller.wait(timeout=30) == 0
+        else:
+            controller.kill()
+            controller.wait(timeout=30)
+
+        def gone() -> bool:
             try:
-                if psutil.Process(int(sidecar_pid)).status() == psutil.STATUS_ZOMBIE:
-                    break
+                return sidecar.status() == psutil.STATUS_ZOMBIE
             except psutil.NoSuchProcess:
-                break
-            time.sleep(0.1)
+                return True
+
+        wait_for(gone, "the sidecar to end with its controller")
         assert not os.path.exists(arena)
+        if how == "exit":
+            assert not os.path.exists(workdir)
     finally:
         controller.kill()
         controller.wait(timeout=30)

@@ -90,6 +90,36 @@ def test_sigkill_mid_call_raises_host_lost(make_cluster, tmp_path, shm_dir):
     assert arena not in arena_files(shm_dir)
 
 
+@colocar.colocated(processes=True)
+def spin_in_a_worker(started):
+    open(started, "w").close()
+    while True:  # busy in user code: it never reads a stop message
+        pass
+
+
+def test_an_oom_killed_sidecar_leaves_no_process_and_no_file(make_cluster, tmp_path, shm_dir):
+    """SIGKILL, as the OOM killer sends it: the sidecar cannot stop its workers nor remove its
+    arena; its workers (a call busy in user code, a pipeline's) end with it, and its controller
+    removes the arena at once."""
+    c = make_cluster(processes=1)
+    host, process = c.hosts[0], c.processes[0]
+    arena = os.path.basename(host.connection.session.info.arena_path)
+    it = colocar.loaders.load({"source": {"kind": "range", "n": 1 << 16}, "global_batch_size": 8}, c)
+    next(it)
+    spinning = spin_in_a_worker.on(host).submit(str(tmp_path / "spinning"))
+    wait_for((tmp_path / "spinning").exists, "the worker to spin")
+    descendants = psutil.Process(process.pid).children(recursive=True)
+    assert len(descendants) >= 3  # the forkserver, a call worker, a pipeline worker
+    process.kill()
+    wait_for(
+        lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in descendants),
+        "every process of the killed sidecar to end",
+    )
+    wait_for(lambda: arena not in arena_files(shm_dir), "its controller to remove its arena")
+    assert isinstance(spinning.exception(timeout=DEADLINE), colocar.HostLostError)
+    it.close()
+
+
 def test_sigstop_mid_call_raises_host_lost(make_cluster, tmp_path, shm_dir):
     c = make_cluster()
     arena = os.path.basename(c.hosts[0].connection.session.info.arena_path)

@@ -75,9 +75,8 @@ def test_ctrl_c_during_a_call_on_several_hosts_frees_every_hosts_lane(cluster, t
     try:
         interrupted, _ = run_interrupted(lambda: wait_for_file.on(cluster.hosts)(stop), 1.0)
         assert interrupted
+        # this thread's next calls to every host go at once (a held lane would keep them queued)
         assert [ident.on(h).submit(h.name).result(DEADLINE) for h in cluster.hosts] == ["host0", "host1"]
-        xs = jax.device_put(np.arange(16), NamedSharding(cluster.mesh(("data",)), P("data")))
-        assert (np.asarray(plus_one.submit(xs).result(DEADLINE)) == np.arange(16) + 1).all()
         wait_for(
             lambda: all(h.stats()["abandoned_calls"] == 1 for h in cluster.hosts),
             "both sidecars to count the abandoned call",

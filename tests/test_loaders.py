@@ -351,7 +351,7 @@ def test_public_device_put_path_gives_the_same_batches(two_hosts, monkeypatch):
     c = two_hosts.make_current()
     with loaders.load(config(), c) as it:
         fast = take(it, 2, row_values)
-    monkeypatch.setattr(loaders.DataIterator, "_batched_put_order", lambda self: None)
+    monkeypatch.setattr(colocar.loaders.iterator, "batched_put_order", lambda *args: None)
     with loaders.load(config(), c) as it:
         assert it._put_order is None
         assert take(it, 2, row_values) == fast

@@ -53,4 +53,6 @@ def _why(session: sessions.Session) -> str:
         )
     if session.ended == sessions.STOPPED:
         return f"this sidecar shut down before {who} had handed over its part"
+    if session.ended == sessions.TAKEN_OVER:
+        return f"another controller took the session of {who} over before it had handed over its part"
     return f"{who} disconnected before handing over its part"

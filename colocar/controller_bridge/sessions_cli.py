@@ -129,15 +129,22 @@ def main(argv: list[str]) -> None:
         return
     tls = channel_credentials(args.tls_ca, args.tls_cert, args.tls_key)
     targets = _targets(args.addresses, args.token_file)
-    rows = []
-    for address, token in targets:
-        if args.verb == "ls":
-            reply = _ask(address, token, "ListSessions", pb.Empty(), tls)
-        else:
-            by = f"`colocar sessions close` on {socket.gethostname()} (pid {os.getpid()})"
-            request = pb.SessionSelector(selector=args.session, by=by)
-            reply = _ask(address, token, "CloseSession", request, tls)
+    rows, failed = [], []
+    for address, token in targets:  # a sidecar that does not answer does not hide the others
+        try:
+            if args.verb == "ls":
+                reply = _ask(address, token, "ListSessions", pb.Empty(), tls)
+            else:
+                by = f"`colocar sessions close` on {socket.gethostname()} (pid {os.getpid()})"
+                request = pb.SessionSelector(selector=args.session, by=by)
+                reply = _ask(address, token, "CloseSession", request, tls)
+        except ColocarError as e:
+            failed.append(str(e))
+            continue
         rows += [_row(address, s) for s in reply.sessions]
+    if rows or args.verb == "ls":
+        _print(rows, args.json)
+    if failed:
+        raise ColocarError("; ".join(failed))
     if args.verb == "close" and not rows:
         raise ColocarError(f"no session {args.session!r} on {[address for address, _ in targets]}")
-    _print(rows, args.json)

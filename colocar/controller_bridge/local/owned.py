@@ -3,8 +3,9 @@
 `close()` stops the sidecars (with `persist=True` they keep running, and only the files of
 those already killed are removed: nobody else would), `shutdown()` stops them whatever
 `persist` says, and a cluster nobody holds any more (a notebook cell run again) shuts down too,
-with a `ClusterDroppedWarning`. At interpreter exit nothing runs: `--parent-pid` stops them. A
-sidecar that dies marks its host lost at once (`ExitWatch`); `restart_host` brings it back.
+with a `ClusterDroppedWarning`. At interpreter exit only the work folder (token, logs) of
+sidecars that do not persist is removed: `--parent-pid` stops them. A sidecar that dies marks its
+host lost at once (`ExitWatch`); `restart_host` brings it back.
 """
 
 from __future__ import annotations
@@ -169,6 +170,8 @@ def owned_cluster(hosts: list[Host], spawn: Sidecars) -> LocalCluster:
     cluster._spawn = spawn
     dropped.append(weakref.finalize(cluster, _shutdown_dropped, hosts, shutdown, what, doing))
     dropped[0].atexit = False
+    if not spawn.persist:  # at exit the sidecars stop by themselves; their folder goes here
+        weakref.finalize(cluster, shutil.rmtree, spawn.workdir, True)
     cluster.processes = [s.process for s in spawn.sidecars]
     cluster.log_files = [s.log_file for s in spawn.sidecars]
     cluster.token_file = os.path.join(spawn.workdir, "token")

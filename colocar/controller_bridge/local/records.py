@@ -95,7 +95,8 @@ def running(host: dict[str, Any]) -> bool:
     """Whether the sidecar of a record's host still runs (its pid, started when recorded)."""
     try:
         process = psutil.Process(int(host["pid"]))
-        return abs(process.create_time() - float(host["started"])) < 1.0 and process.is_running()
+        same = abs(process.create_time() - float(host["started"])) < 1.0
+        return same and process.is_running() and process.status() != psutil.STATUS_ZOMBIE
     except (psutil.Error, KeyError, TypeError, ValueError):
         return False
 
