@@ -20,6 +20,18 @@ DEADLINE = 30.0
 PROGRAMS = Path(__file__).resolve().parent / "programs"
 
 
+def running(pids: list[int]) -> list[int]:
+    """Those of `pids` whose processes still run (a zombie nobody reaped has ended)."""
+    alive = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
 def program(name: str) -> str:
     """The path of tests/programs/<name>.py: a program a test runs as `sys.executable <path> args`."""
     return str(PROGRAMS / f"{name}.py")

@@ -22,9 +22,10 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 
 import psutil
-from helpers import program, wait_for
+from helpers import program, running, wait_for
 from notebook_helpers import REPO
 
 DEADLINE = 120.0
@@ -34,7 +35,9 @@ class Terminal:
     """A program on a pty: its output line by line, and ^C typed into it."""
 
     def __init__(self, argv: list[str], env: dict[str, str], sent_at: str):
-        self.pid, self.fd = pty.fork()
+        with warnings.catch_warnings():  # fork with JAX's threads around: the child only execs
+            warnings.simplefilter("ignore", RuntimeWarning)
+            self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child: a session leader whose controlling terminal is the pty
             os.execve(argv[0], argv, env)
         self.output = ""
@@ -118,17 +121,6 @@ class PausableProxy:
             s.close()
 
 
-def _running(pids: list[int]) -> list[int]:
-    alive = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                alive.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return alive
-
-
 def _interrupt(term: Terminal, stage: str, started: str, folder: str) -> None:
     """Waits for the stage's remote part to start, types ^C, waits for the KeyboardInterrupt
     (the program says how long it took to come), lifts the block."""
@@ -170,10 +162,10 @@ def test_ctrl_c_in_a_terminal_interrupts_each_kind_of_wait(tmp_path, gcs_server,
         assert term.expect("RESULT checkpoint") == "True"
         term.expect("DONE")
         assert term.wait() == 0
-        assert sorted(set(_running(sidecars))) == [] and os.listdir(shm) == []
+        assert running(sidecars) == [] and os.listdir(shm) == []
     finally:
         storage.close()
-        for pid in _running(sidecars):
+        for pid in running(sidecars):
             os.kill(pid, signal.SIGKILL)
         if psutil.pid_exists(term.pid):
             os.kill(term.pid, signal.SIGKILL)

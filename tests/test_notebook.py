@@ -17,7 +17,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers import wait_for
+from helpers import running, wait_for
 from notebook_helpers import REPO, Kernel, notebook_cells
 
 import colocar
@@ -35,17 +35,6 @@ def _env(shm: Path, state: Path) -> dict[str, str]:
     }
 
 
-def _running(pids: list[int]) -> list[int]:
-    alive = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                alive.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return alive
-
-
 def _sidecars_using(shm: Path) -> list[int]:
     """Every running sidecar process whose arena lives in `shm`."""
     found = []
@@ -53,7 +42,7 @@ def _sidecars_using(shm: Path) -> list[int]:
         command = process.info["cmdline"] or []
         if "colocar.sidecar" in command and str(shm) in command:
             found.append(process.pid)
-    return _running(found)
+    return running(found)
 
 
 @pytest.fixture
@@ -102,13 +91,13 @@ def test_the_example_notebook_in_a_real_kernel(folders):
 
         # the cluster cell once more: the same two sidecars, no others
         kernel.run(cells["cluster"], "cluster")
-        assert _sidecars_using(shm) == sorted(sidecars) == sorted(_running(sidecars))
+        assert _sidecars_using(shm) == sorted(sidecars) == sorted(running(sidecars))
         assert "counter: 2" in kernel.run(cells["counter"]).stdout
 
         # "Restart kernel": the group is killed; the persistent sidecars live on
         old_kernel = kernel.pid
         kernel.restart()
-        assert kernel.pid != old_kernel and sorted(_running(sidecars)) == sorted(sidecars)
+        assert kernel.pid != old_kernel and sorted(running(sidecars)) == sorted(sidecars)
         kernel.run(cells["setup"], "setup")
         took_over = kernel.run(cells["cluster"], "cluster").stdout
         assert re.search(rf"took over from: \['[^']*:{old_kernel}'\]", took_over), took_over
@@ -118,7 +107,7 @@ def test_the_example_notebook_in_a_real_kernel(folders):
         assert "counter: 3" in kernel.run(cells["counter"]).stdout  # made before the restart
 
         kernel.run(cells["shutdown"], "shutdown")
-        wait_for(lambda: not _running(sidecars), "the sidecars to stop")
+        wait_for(lambda: not running(sidecars), "the sidecars to stop")
         assert not os.listdir(shm) and not (state / "notebook.json").exists()
 
 
@@ -130,11 +119,11 @@ def test_a_kernel_restart_leaves_no_sidecar_and_no_arena(folders):
         cell = "cluster = colocar.local_cluster(hosts=2, arena_size=16 << 20)\n" + PIDS
         replaced = json.loads(kernel.run(cell).stdout)
         sidecars = json.loads(kernel.run(cell).stdout)  # the cell once more: the first cluster goes
-        wait_for(lambda: not _running(replaced), "the replaced cluster's sidecars to stop")
+        wait_for(lambda: not running(replaced), "the replaced cluster's sidecars to stop")
         assert _sidecars_using(shm) == sorted(sidecars)
         kernel.run(cells["functions"], "functions")
         assert "sum: 240.0" in kernel.run(cells["call"]).stdout
         assert len([name for name in os.listdir(shm) if name.endswith(".arena")]) == 2
         kernel.restart()  # SIGKILL to the kernel's process group: the sidecars are not in it
-        wait_for(lambda: not _running(sidecars), "the sidecars to end with their kernel")
+        wait_for(lambda: not running(sidecars), "the sidecars to end with their kernel")
         assert os.listdir(shm) == []

@@ -17,9 +17,8 @@ import subprocess
 import sys
 import tempfile
 
-import psutil
 import pytest
-from helpers import wait_for
+from helpers import running, wait_for
 from notebook_helpers import REPO
 
 import colocar
@@ -84,22 +83,12 @@ def _started_in_a_child(session: str, env: dict[str, str], persist: bool = True)
     return record
 
 
-def _gone(pids: list[int]) -> bool:
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                return False
-        except psutil.NoSuchProcess:
-            pass
-    return True
-
-
 def test_sessions_stop_ends_a_persistent_named_local_cluster(tmp_path, shm_dir, monkeypatch):
     env = {"COLOCAR_STATE_DIR": str(tmp_path / "state"), "COLOCAR_SHM_DIR": tempfile.mkdtemp(dir=shm_dir)}
     record = _started_in_a_child("kept", env)
     pids = [h["pid"] for h in record["hosts"]]
     try:
-        assert not _gone(pids)  # persistent: they outlived the killed controller
+        assert running(pids) == pids  # persistent: they outlived the killed controller
         monkeypatch.setenv("COLOCAR_STATE_DIR", env["COLOCAR_STATE_DIR"])
         with pytest.raises(colocar.ColocarError, match="2 persistent sidecars running.*sessions stop kept"):
             colocar.local_cluster(hosts=1, persist=True, session="kept")  # another size: not these
@@ -108,13 +97,13 @@ def test_sessions_stop_ends_a_persistent_named_local_cluster(tmp_path, shm_dir, 
         assert {s["name"] for s in json.loads(listed.stdout.splitlines()[-1])["sessions"]} == {"kept"}
         stopped = _colocar("sessions", "stop", "kept", env=env)
         assert stopped.returncode == 0, stopped.stderr
-        wait_for(lambda: _gone(pids), "the sidecars to stop")
+        wait_for(lambda: not running(pids), "the sidecars to stop")
         assert os.listdir(env["COLOCAR_SHM_DIR"]) == [] and not os.path.exists(record["workdir"])
         again = _colocar("sessions", "stop", "kept", env=env)
         assert again.returncode == 1 and "no persistent local cluster" in again.stderr
     finally:
         for pid in pids:
-            if not _gone([pid]):
+            if running([pid]):
                 os.kill(pid, signal.SIGKILL)
         os.rmdir(env["COLOCAR_SHM_DIR"])
 
@@ -127,7 +116,7 @@ def test_clean_removes_what_killed_sidecars_and_their_controller_left(tmp_path, 
     record = _started_in_a_child("left", env)
     for host in record["hosts"]:  # the sidecars die too, unable to clean (an OOM kill of all)
         os.kill(host["pid"], signal.SIGKILL)
-    wait_for(lambda: _gone([h["pid"] for h in record["hosts"]]), "the sidecars to die")
+    wait_for(lambda: not running([h["pid"] for h in record["hosts"]]), "the sidecars to die")
     arenas = [h["arena"] for h in record["hosts"]]
     assert all(os.path.exists(a) for a in arenas) and os.path.isdir(record["workdir"])
 

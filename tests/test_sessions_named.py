@@ -114,7 +114,7 @@ def test_arrays_kept_after_close_never_change(make_cluster):
 
 def test_a_named_session_outlives_its_controller_for_its_grace_then_frees_everything(make_cluster):
     sidecar = make_cluster(persist=True)
-    child, held = _holder(sidecar, "short", grace=3.0, lease=1.0)
+    child, held = _holder(sidecar, "short", grace=2.0, lease=1.0)
     child.kill()
     child.wait()
     wait_for(lambda: not _sessions(sidecar)["short"]["attached"], "the session to be detached")
