@@ -82,10 +82,10 @@ def test_the_example_notebook_in_a_real_kernel(folders):
         token_file = os.path.join(record["workdir"], "token")
 
         # ■ during a call that runs in a worker process on both sidecars
-        running = kernel.start(cells["long-call"])
+        long_call = kernel.start(cells["long-call"])
         wait_for(lambda: _in_flight(addresses, token_file), "the long call to run on both sidecars")
         kernel.interrupt()
-        assert kernel.wait(running).error == "KeyboardInterrupt"
+        assert kernel.wait(long_call).error == "KeyboardInterrupt"
         again = kernel.run(cells["call-again"]).stdout
         assert "sum: 240.0 slow: ['done', 'done']" in again, again
 
