@@ -112,11 +112,7 @@ def make_cluster():
     for c in made:
         for process in c.processes:
             kill_if_stopped(process)
-        c.close()
-        for process in c.processes:  # persist=True sidecars outlive close(); SIGTERM removes the arena
-            if process.poll() is None:
-                process.terminate()
-                process.wait(timeout=30)
+        c.shutdown()  # persist=True sidecars too (they outlive close()), and their work folder
 
 
 @pytest.fixture(scope="session")
