@@ -66,7 +66,7 @@ def test_single_controller_finds_sidecars_by_jobset_dns(topology: str) -> None:
 
 
 def test_manifest_env_is_what_connect_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from colocar.controller_bridge import cluster
+    from colocar.controller_bridge import addresses
 
     (jobset,) = of_kind(render_case("v5e-16", "multi-controller"), "JobSet")
     env = env_of(containers_of(pod_templates(jobset)["workers"]["spec"])[TRAINER])
@@ -75,8 +75,8 @@ def test_manifest_env_is_what_connect_reads(tmp_path: Path, monkeypatch: pytest.
     monkeypatch.delenv("COLOCAR_TOKEN", raising=False)
     monkeypatch.setenv("COLOCAR_TOKEN_FILE", str(token_file))
     assert Path(env["COLOCAR_TOKEN_FILE"]).name == "token"
-    assert cluster._token_from_env(None, None) == "s3cret"
-    source = Path(cluster.__file__).read_text()
+    assert addresses.token_from_env(None, None) == "s3cret"
+    source = Path(addresses.__file__).read_text()
     assert 'os.environ.get("COLOCAR_SIDECARS"' in source and 'environ.get("COLOCAR_TOKEN_FILE")' in source
 
 

@@ -127,3 +127,26 @@ def test_clean_removes_what_killed_sidecars_and_their_controller_left(tmp_path, 
     assert os.path.exists(live_arena) and ident.on(live.hosts[0])(2) == 2
     live.close()
     os.rmdir(folder)
+
+
+def test_a_stale_record_never_signals_a_process_that_took_its_sidecars_number(tmp_path, monkeypatch):
+    """A record whose sidecars died long ago: their pids may name other processes by now."""
+    from colocar.controller_bridge.local import records
+
+    monkeypatch.setenv("COLOCAR_STATE_DIR", str(tmp_path / "state"))
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        workdir = tmp_path / "work"
+        workdir.mkdir()
+        host = {"pid": bystander.pid, "started": records.started(bystander.pid) - 3600, "address": "x"}
+        records.save(
+            str(workdir), "stale", {"workdir": str(workdir), "argv": [], "arena_bytes": 0, "hosts": [host]}
+        )
+        assert not records.running(host)
+        stopped = _colocar("sessions", "stop", "stale", env={"COLOCAR_STATE_DIR": str(tmp_path / "state")})
+        assert stopped.returncode == 0, stopped.stderr
+        assert bystander.poll() is None  # untouched
+        assert records.read("stale") is None and not workdir.exists()
+    finally:
+        bystander.kill()
+        bystander.wait()

@@ -7,7 +7,6 @@ that a colocated call can find the host of each device its array arguments live 
 
 from __future__ import annotations
 
-import os
 import re
 import threading
 import weakref
@@ -21,6 +20,7 @@ from colocar import jax_compat
 from colocar.errors import ColocarError, ObjectNotFoundError
 from colocar.protocol.tls import channel_credentials
 
+from .addresses import sidecar_addresses, token_from_env
 from .connection import HostConnection
 from .remote import RemoteObject, find_detached
 from .session import UNNAMED, SessionName
@@ -310,16 +310,6 @@ def session_name(session: str | None, grace_seconds: float | None) -> SessionNam
     return SessionName(session, grace_seconds or 0.0)
 
 
-def _token_from_env(token: str | None, token_file: str | None) -> str | None:
-    if token:
-        return token
-    token_file = token_file or os.environ.get("COLOCAR_TOKEN_FILE")
-    if token_file:
-        with open(token_file) as f:
-            return f.read().strip()
-    return os.environ.get("COLOCAR_TOKEN") or None
-
-
 def connect(
     addresses: str | Sequence[str] | None = None,
     *,
@@ -364,7 +354,7 @@ def connect(
         credentials=channel_credentials(tls_ca, tls_cert, tls_key),
         named=session_name(session, grace_seconds),
     )
-    secret = _token_from_env(token, token_file)
+    secret = token_from_env(token, token_file)
     hosts = []
     try:
         for i, address in enumerate(addresses):
@@ -375,14 +365,3 @@ def connect(
             host.connection.close()
         raise
     return Cluster(hosts)
-
-
-def sidecar_addresses(addresses: str | Sequence[str] | None) -> list[str]:
-    """The addresses given (a list, or comma-separated), else those of `COLOCAR_SIDECARS`."""
-    if addresses is None:
-        addresses = os.environ.get("COLOCAR_SIDECARS", "")
-    if isinstance(addresses, str):
-        addresses = [a.strip() for a in addresses.split(",") if a.strip()]
-    if not addresses:
-        raise ColocarError("no sidecar addresses: pass connect([...]) or set COLOCAR_SIDECARS=host:port,...")
-    return list(addresses)

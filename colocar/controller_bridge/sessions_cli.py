@@ -27,6 +27,7 @@ from colocar.protocol import colocar_pb2_grpc as pb_grpc
 from colocar.protocol.tls import channel_credentials
 from colocar.protocol.tokens import TOKEN_METADATA_KEY
 
+from .addresses import sidecar_addresses, token_from_env
 from .local import records
 
 TIMEOUT = 10.0
@@ -34,14 +35,12 @@ TIMEOUT = 10.0
 
 def _targets(addresses: list[str], token_file: str | None) -> list[tuple[str, str]]:
     """(address, token) of each sidecar to ask."""
-    if not addresses and os.environ.get("COLOCAR_SIDECARS"):
-        addresses = [a.strip() for a in os.environ["COLOCAR_SIDECARS"].split(",") if a.strip()]
-    if addresses:
-        token = _token(token_file)
-        return [(address, token) for address in addresses]
+    if addresses or os.environ.get("COLOCAR_SIDECARS"):
+        token = token_from_env(None, token_file) or ""
+        return [(address, token) for address in sidecar_addresses(addresses or None)]
     found = []
     for record in records.every():
-        token = _token(os.path.join(record["workdir"], "token"))
+        token = token_from_env(None, os.path.join(record["workdir"], "token")) or ""
         found += [(host["address"], token) for host in record["hosts"] if records.running(host)]
     if not found:
         raise ColocarError(
@@ -49,17 +48,6 @@ def _targets(addresses: list[str], token_file: str | None) -> list[tuple[str, st
             "local cluster runs on this machine"
         )
     return found
-
-
-def _token(token_file: str | None) -> str:
-    path = token_file or os.environ.get("COLOCAR_TOKEN_FILE")
-    if path:
-        try:
-            with open(path) as f:
-                return f.read().strip()
-        except OSError as e:
-            raise ColocarError(f"token file {path}: {e.strerror}") from None
-    return os.environ.get("COLOCAR_TOKEN", "")
 
 
 def _ask(address: str, token: str, method: str, request: Any, tls: Any) -> pb.SessionList:

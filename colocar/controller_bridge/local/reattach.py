@@ -11,7 +11,6 @@ A record of another number of hosts is an error that says how to stop its sideca
 
 from __future__ import annotations
 
-import shutil
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -26,21 +25,27 @@ from .sidecars import Sidecar
 Connect = Callable[[list[Sidecar], list[list[Any]], str], list[Host]]
 
 
+def _recorded(session: str, env: dict[str, str]) -> Sidecars | None:
+    """The sidecars the record of `session` names (adopted: this process did not start them)."""
+    record = records.read(session)
+    if record is None:
+        return None
+    sidecars = [Sidecar(i, record["workdir"]).adopt(info) for i, info in enumerate(record["hosts"])]
+    return Sidecars(sidecars, record["argv"], env, record["workdir"], True, session, record["arena_bytes"])
+
+
 def reattach(
     session: str, groups: list[list[Any]], connect: Connect, env: dict[str, str]
 ) -> LocalCluster | None:
     """The cluster of the recorded sidecars of `session`, connected (`connect(sidecars,
     groups, token)`), or None when there is none to reattach to (no record, or a stale one,
     now removed)."""
-    record = records.read(session)
-    if record is None:
+    spawn = _recorded(session, env)
+    if spawn is None:
         return None
-    hosts: list[dict[str, Any]] = record["hosts"]
-    sidecars = [Sidecar(i, record["workdir"]).adopt(info) for i, info in enumerate(hosts)]
-    spawn = Sidecars(sidecars, record["argv"], env, record["workdir"], True, session, record["arena_bytes"])
-    gone = [f"host{i}" for i, host in enumerate(hosts) if not records.running(host)]
+    gone = [f"host{s.index}" for s in spawn.sidecars if s.status() is not None]
     if gone:
-        if len(gone) < len(hosts):
+        if len(gone) < len(spawn.sidecars):
             warnings.warn(
                 f"colocar: session {session!r}: the persistent sidecars of {gone} are gone; stopping "
                 "the others and starting a new cluster",
@@ -48,30 +53,22 @@ def reattach(
             )
         spawn.stop(persist=False)
         return None
-    if len(hosts) != len(groups):
+    if len(spawn.sidecars) != len(groups):
         raise ColocarError(
-            f"session {session!r} has {len(hosts)} persistent sidecars running, not {len(groups)}: "
-            f"ask for hosts={len(hosts)}, or stop them first (`colocar sessions stop {session}`)"
+            f"session {session!r} has {len(spawn.sidecars)} persistent sidecars running, not "
+            f"{len(groups)}: ask for hosts={len(spawn.sidecars)}, or stop them first "
+            f"(`colocar sessions stop {session}`)"
         )
-    with open(f"{record['workdir']}/token") as f:
+    with open(f"{spawn.workdir}/token") as f:
         token = f.read().strip()
-    return owned_cluster(connect(sidecars, groups, token), spawn)
+    return owned_cluster(connect(spawn.sidecars, groups, token), spawn)
 
 
 def stop(session: str) -> bool:
-    """Stops the recorded sidecars of `session` and removes the record; False if none."""
-    record = records.read(session)
-    if record is None:
+    """Stops the recorded sidecars of `session`, removes their files, folder and the record;
+    False if there is none."""
+    spawn = _recorded(session, {})
+    if spawn is None:
         return False
-    sidecars = [Sidecar(i, record["workdir"]).adopt(info) for i, info in enumerate(record["hosts"])]
-    for sidecar, host in zip(sidecars, record["hosts"], strict=True):
-        if records.running(host):
-            sidecar.terminate()
-    for sidecar, host in zip(sidecars, record["hosts"], strict=True):
-        if records.running(host):
-            sidecar.stop(grace=10)
-        else:
-            sidecar.remove_files()
-    shutil.rmtree(record["workdir"], ignore_errors=True)
-    records.remove(session)
+    spawn.stop(persist=False)
     return True

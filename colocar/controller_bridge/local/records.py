@@ -91,14 +91,26 @@ def left_over() -> list[dict[str, Any]]:
     return [r for r in found if not any(running(h) for h in r["hosts"])]
 
 
-def running(host: dict[str, Any]) -> bool:
-    """Whether the sidecar of a record's host still runs (its pid, started when recorded)."""
+def process_of(host: dict[str, Any]) -> psutil.Process | None:
+    """The process of a record's host, if its pid still names it (started when recorded)."""
     try:
         process = psutil.Process(int(host["pid"]))
-        same = abs(process.create_time() - float(host["started"])) < 1.0
-        return same and process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+        return process if abs(process.create_time() - float(host["started"])) < 1.0 else None
     except (psutil.Error, KeyError, TypeError, ValueError):
+        return None
+
+
+def alive(process: psutil.Process | None) -> bool:
+    """Whether `process` still runs (a zombie nobody reaped has ended)."""
+    try:
+        return process is not None and process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
         return False
+
+
+def running(host: dict[str, Any]) -> bool:
+    """Whether the sidecar of a record's host still runs."""
+    return alive(process_of(host))
 
 
 def started(pid: int) -> float:

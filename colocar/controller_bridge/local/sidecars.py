@@ -30,38 +30,40 @@ import psutil
 
 from colocar.errors import ColocarError
 
+from . import records
+
 if TYPE_CHECKING:
     from ..connection import HostConnection
     from .exits import ExitWatch
 
 
 class _Adopted:
-    """A sidecar process another controller started, as far as `Popen` is used here."""
+    """A sidecar process another controller started, as far as `Popen` is used here. It is the
+    recorded process only while its start time matches (`records.process_of`): a number the
+    system gave to another process since is never waited on nor signalled."""
 
-    def __init__(self, pid: int):
-        self.pid = pid
-        self._process = psutil.Process(pid)
+    def __init__(self, host: dict[str, Any]):
+        self.pid = int(host["pid"])
+        self._process = records.process_of(host)
 
     def poll(self) -> int | None:
         """None while it runs; 0 once it ended (its exit status is its parent's to know)."""
-        try:
-            running = self._process.is_running() and self._process.status() != psutil.STATUS_ZOMBIE
-        except psutil.Error:
-            running = False
-        return None if running else 0
+        return None if records.alive(self._process) else 0
 
     def wait(self, timeout: float | None = None) -> int:
-        try:
-            self._process.wait(timeout)
-        except psutil.TimeoutExpired:
-            raise subprocess.TimeoutExpired(f"sidecar pid {self.pid}", timeout or 0.0) from None
-        except psutil.NoSuchProcess:
-            pass
+        if self._process is not None:
+            try:
+                self._process.wait(timeout)
+            except psutil.TimeoutExpired:
+                raise subprocess.TimeoutExpired(f"sidecar pid {self.pid}", timeout or 0.0) from None
+            except psutil.NoSuchProcess:
+                pass
         return 0
 
     def send_signal(self, sig: int) -> None:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            self._process.send_signal(sig)
+        if self.poll() is None:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                self._process.send_signal(sig)  # type: ignore[union-attr]
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
@@ -83,9 +85,9 @@ class Sidecar:
         self.terminated = False
 
     def adopt(self, info: dict[str, Any]) -> Sidecar:
-        """This sidecar is the running one `info` describes (address, pid, arena)."""
+        """This sidecar is the recorded one `info` describes (address, pid, start, arena)."""
         self.info = info
-        self.process = _Adopted(int(info["pid"]))
+        self.process = _Adopted(info)
         return self
 
     def spawn(self, argv: list[str], env: dict[str, str]) -> Sidecar:

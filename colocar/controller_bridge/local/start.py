@@ -205,7 +205,7 @@ def _start(
     connect: Callable[[list[Sidecar], list[list[Any]], str], list[Host]],
 ) -> LocalCluster:
     """Starts the sidecars of `spawn` and connects to them; a failed start leaves nothing
-    running. A persistent named cluster's record is written once they all answered."""
+    running. Its record (`records.save`) is written with their pids first, then complete."""
     spawn.sidecars = [Sidecar(i, spawn.workdir).spawn(spawn.argv, spawn.env) for i in range(hosts)]
     try:
         spawn.save()  # the pids first: a controller killed while they start leaves a record
