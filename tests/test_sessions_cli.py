@@ -150,3 +150,29 @@ def test_a_stale_record_never_signals_a_process_that_took_its_sidecars_number(tm
     finally:
         bystander.kill()
         bystander.wait()
+
+
+def test_reattaching_when_one_recorded_sidecar_died_starts_anew(tmp_path, shm_dir, monkeypatch):
+    """The session lost part of what it held: the survivor is stopped (a warning says so) and
+    the cluster starts again, under the same name."""
+    env = {"COLOCAR_STATE_DIR": str(tmp_path / "state"), "COLOCAR_SHM_DIR": tempfile.mkdtemp(dir=shm_dir)}
+    record = _started_in_a_child("half", env)
+    old = [h["pid"] for h in record["hosts"]]
+    os.kill(old[1], signal.SIGKILL)
+    wait_for(lambda: running(old) == old[:1], "one sidecar to die")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    try:
+        with pytest.warns(UserWarning, match=r"sidecars of \['host1'\] are gone; stopping the others"):
+            c = colocar.local_cluster(hosts=2, arena_size=16 << 20, processes=0, persist=True, session="half")
+        try:
+            assert c.took_over == {} and running(old) == []
+            assert not set(old) & {p.pid for p in c.processes}
+            assert ident.on(c.hosts[1])(3) == 3
+        finally:
+            c.shutdown()
+        assert os.listdir(env["COLOCAR_SHM_DIR"]) == []
+    finally:
+        for pid in running(old):
+            os.kill(pid, signal.SIGKILL)
+        os.rmdir(env["COLOCAR_SHM_DIR"])
