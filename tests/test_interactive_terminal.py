@@ -18,28 +18,42 @@ import pty
 import select
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
 import time
-import warnings
 
-import psutil
 from helpers import program, running, wait_for
 from notebook_helpers import REPO
 
 DEADLINE = 120.0
+# the child's first step: make the pty on its stdin its controlling terminal, then run argv
+TAKE_TERMINAL = """
+import fcntl, os, sys, termios
+fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+os.execv(sys.argv[1], sys.argv[1:])
+"""
 
 
 class Terminal:
     """A program on a pty: its output line by line, and ^C typed into it."""
 
     def __init__(self, argv: list[str], env: dict[str, str], sent_at: str):
-        with warnings.catch_warnings():  # fork with JAX's threads around: the child only execs
-            warnings.simplefilter("ignore", RuntimeWarning)
-            self.pid, self.fd = pty.fork()
-        if self.pid == 0:  # the child: a session leader whose controlling terminal is the pty
-            os.execve(argv[0], argv, env)
+        # Started as a shell starts it: a session leader whose controlling terminal is the pty
+        # (so its group is the foreground one). Not with pty.fork(): a Python-level fork of
+        # this process, whose gRPC and JAX threads run, can crash the child before its exec.
+        self.fd, tty = pty.openpty()
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", TAKE_TERMINAL, *argv],
+            stdin=tty,
+            stdout=tty,
+            stderr=tty,
+            env=env,
+            start_new_session=True,
+        )
+        os.close(tty)
+        self.pid = self.process.pid
         self.output = ""
         self._sent_at = sent_at
 
@@ -70,9 +84,9 @@ class Terminal:
         os.write(self.fd, b"\x03")
 
     def wait(self) -> int:
-        _, status = os.waitpid(self.pid, 0)
+        code = self.process.wait(timeout=DEADLINE)
         os.close(self.fd)
-        return os.waitstatus_to_exitcode(status)
+        return code
 
 
 class PausableProxy:
@@ -167,8 +181,8 @@ def test_ctrl_c_in_a_terminal_interrupts_each_kind_of_wait(tmp_path, gcs_server,
         storage.close()
         for pid in running(sidecars):
             os.kill(pid, signal.SIGKILL)
-        if psutil.pid_exists(term.pid):
-            os.kill(term.pid, signal.SIGKILL)
+        term.process.kill()
+        term.process.wait(timeout=DEADLINE)
         for name in os.listdir(shm):
             os.unlink(os.path.join(shm, name))
         os.rmdir(shm)
