@@ -38,6 +38,7 @@ FORMAT_1 = "colocar-checkpoint/1"  # everything directly in the step directory (
 READABLE_FORMATS = (FORMAT, FORMAT_2, FORMAT_1)
 KEYPATH_LAYOUT = "keypath"  # arrays/<the entry's "dir">: the leaf's escaped key path
 INDEX_LAYOUT = "index"  # arrays/<the entry's "index"> (formats 1 and 2)
+ORBAX_LAYOUT = "orbax"  # Orbax's layout: the entry's "dir" is its parameter name (`orbax.names`)
 FORMAT_FIELDS = {"format": FORMAT, "array_layout": KEYPATH_LAYOUT}  # what a save's manifest says
 WRITER_LEASE = "writer.json"
 MANIFEST = "manifest.json"
@@ -119,10 +120,11 @@ def array_layout(manifest: dict[str, Any]) -> str:
     name = manifest.get("array_layout")
     if name is None and manifest.get("format") in (FORMAT_1, FORMAT_2):
         name = INDEX_LAYOUT
-    if name not in (KEYPATH_LAYOUT, INDEX_LAYOUT):
+    if name not in (KEYPATH_LAYOUT, INDEX_LAYOUT, ORBAX_LAYOUT):
         raise CheckpointError(
             f"step {manifest.get('step')}: unknown array layout {name!r} (format "
-            f"{manifest.get('format')!r}); this colocar reads {KEYPATH_LAYOUT!r} and {INDEX_LAYOUT!r}"
+            f"{manifest.get('format')!r}); this colocar reads {KEYPATH_LAYOUT!r}, {INDEX_LAYOUT!r} "
+            f"and {ORBAX_LAYOUT!r}"
         )
     return name
 

@@ -31,11 +31,14 @@ from colocar.controller_bridge.cluster import Cluster, current_cluster
 from colocar.errors import CheckpointError
 
 from . import from_blocks, layout, save, tree
+from .catalog import Catalog, steps_of
 from .inflight import InFlight, Save, SaveStats, save_failed
 from .lease import WriterLease
+from .orbax import files as orbax_files
+from .orbax import shardings
 from .restore import RestoreStats, restore_leaves
 from .save import Piece
-from .steps import STALE_SECONDS, StepDirs
+from .steps import STALE_SECONDS
 from .storage import open_storage
 from .topology import topology_of
 from .writer_backend import WriterOptions
@@ -79,12 +82,15 @@ class CheckpointManager:
         storage_timeout: float = 30.0,
         lease_seconds: float = 60.0,
         save_on_preemption: bool = False,
+        layout: str = "colocar",
     ):
         if max_to_keep is not None and max_to_keep < 1:
             raise ValueError(f"max_to_keep must be at least 1 (or None to keep all), got {max_to_keep}")
         self.directory = directory
         self.storage = open_storage(directory, storage_timeout)
-        self.steps = StepDirs(self.storage)
+        self.layout = layout
+        self.steps = steps_of(self.storage, layout)  # what this manager writes
+        self.catalog = Catalog(self.storage)  # what it reads: both layouts
         self.cluster = cluster if cluster is not None else current_cluster()
         self.save_interval_steps = save_interval_steps
         self.queue = queue
@@ -102,6 +108,7 @@ class CheckpointManager:
             keep_period=keep_period,
             storage_timeout=storage_timeout,
             owner=self._id,
+            layout=layout,
         )
         self._saves = 0  # save() calls past the interval check; names a save in every process
         self._ordinal = next(_ORDINALS[directory])  # managers of this directory made before, here
@@ -132,8 +139,9 @@ class CheckpointManager:
 
     # --- listing ------------------------------------------------------------------------------
     def all_steps(self) -> list[int]:
-        """Committed steps, ascending (steps being written or abandoned are not listed)."""
-        return self.steps.committed()
+        """Committed steps of either layout, ascending (steps being written or abandoned, and
+        unfinished Orbax steps, are not listed)."""
+        return self.catalog.committed()
 
     def latest_step(self) -> int | None:
         steps = self.all_steps()
@@ -141,11 +149,12 @@ class CheckpointManager:
 
     def metadata(self, step: int | None = None) -> dict[str, Any]:
         """The user metadata saved with `step` (default: the latest)."""
-        return self.steps.committed_manifest(step)[1]["metadata"]
+        return self.catalog.committed_manifest(step)[1].get("metadata") or {}
 
     def delete(self, step: int) -> None:
         """Deletes a step: its commit marker first, so it is never half-restorable."""
-        self.steps.delete(step)
+        holder = self.catalog.holder(step)
+        (holder or self.steps).delete(step)
 
     # --- saving -------------------------------------------------------------------------------
     def should_save(self, step: int) -> bool:
@@ -172,7 +181,7 @@ class CheckpointManager:
                     self._inflight.wait_one(self._inflight.saves[0], timeout=None)
                 if self.topology.leader and self._lease.acquire():  # one lease per job: the leader's
                     self._fenced += self._writers.fence_others()  # earlier holders' writers stop first
-                if any(s.step == step for s in self._inflight.saves) or self.steps.is_committed(step):
+                if any(s.step == step for s in self._inflight.saves) or self.catalog.holder(step):
                     raise CheckpointError(
                         f"step {step} already exists in {self.storage.url}; delete it first"
                     )
@@ -225,7 +234,7 @@ class CheckpointManager:
             plan = save.plan(named, dirs, self.cluster, self._chunk_bytes(), host_data=self.topology.leader)
         pieces = {self.topology.storage_id(h): p for h, p in plan.pieces.items()}  # this process's hosts
         hosts = self.topology.save_hosts(list(pieces))
-        manifest = {
+        manifest: dict[str, Any] = {
             **layout.FORMAT_FIELDS,  # format and array_layout
             "step": step,
             "attempt": attempt,
@@ -236,6 +245,10 @@ class CheckpointManager:
             "metadata": tree.json_value("metadata", metadata),
             "jax_version": jax.__version__,
         }
+        if self.layout == "orbax":
+            orbax_files.annotate(manifest)  # Orbax's names and key paths (refuses a clash of names)
+            if not isinstance(state, from_blocks.Held):
+                shardings.add_shardings(manifest["leaves"], named)
         record = Save(step, hosts, started, SaveStats(step=step), attempt)
         try:
             self.topology.check_fits(pieces)
@@ -318,14 +331,16 @@ class CheckpointManager:
         it, arrays come back with their saved shardings (the same devices must exist) as plain
         dicts and lists; `keys` restricts that to some top-level keys.
         """
-        step, manifest = self.steps.committed_manifest(step)
+        step, manifest, steps = self.catalog.committed_manifest(step)
+        spec_of = functools.partial(steps.read_spec, step, manifest)
         if target is not None:
             leaves, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=tree._is_none)
-            targets = {jax.tree_util.keystr(path): leaf for path, leaf in leaves}
+            keys = shardings.match_keys([path for path, _ in leaves], manifest)
+            targets = {key: leaf for key, (_, leaf) in zip(keys, leaves, strict=True)}
             values, self._restore_stats = restore_leaves(
-                self.storage.url, step, manifest, targets, self.cluster, self.storage_timeout
+                self.storage.url, step, manifest, targets, self.cluster, self.storage_timeout, spec_of
             )
-            return jax.tree_util.tree_unflatten(treedef, [values[k] for k in targets])
+            return jax.tree_util.tree_unflatten(treedef, [values[k] for k in keys])
         wanted = set(manifest["leaves"])
         if keys is not None:
             prefixes = tuple(jax.tree_util.keystr((jax.tree_util.DictKey(k),)) for k in keys)
@@ -336,7 +351,13 @@ class CheckpointManager:
             if missing:
                 raise CheckpointError(f"keys {missing} are not in step {step}")
         values, self._restore_stats = restore_leaves(
-            self.storage.url, step, manifest, dict.fromkeys(wanted), self.cluster, self.storage_timeout
+            self.storage.url,
+            step,
+            manifest,
+            dict.fromkeys(wanted),
+            self.cluster,
+            self.storage_timeout,
+            spec_of,
         )
         skeleton = tree.prune(manifest["tree"], wanted) if keys is not None else manifest["tree"]
         return tree.rebuild(skeleton, values) if skeleton is not None else None

@@ -7,7 +7,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from . import layout
 from .steps import StepDirs
 
 AWAIT_HOSTS_POLL_SECONDS = 0.1  # the primary lists the done markers this often (the commit's latency)
@@ -58,4 +57,4 @@ def retain(steps: StepDirs, options: Any, latest: int, attempt: str, active: set
     for s in all_steps:
         if s not in active and s not in committed:
             if steps.is_abandoned(s, options.stale_seconds, latest):
-                steps.storage.delete_tree(layout.step_dir(s))
+                steps.remove_debris(s)

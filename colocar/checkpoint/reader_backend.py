@@ -9,6 +9,7 @@ mismatch or a missing chunk raises with the object's name.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
@@ -33,30 +34,25 @@ def bytes_read() -> int:
 
 
 def read_slices(
-    url: str, arrays: str, requests: list[tuple[str, str, list[list[int]]]], storage_timeout: float
+    url: str, requests: list[tuple[dict[str, Any], str, list[list[int]]]], storage_timeout: float
 ) -> tuple[list[np.ndarray], int]:
-    """[(array name, stored dtype, [[start, stop], ...])] of the arrays under `arrays` (see
-    `layout.arrays_root` and `layout.array_name`) -> (arena arrays, bytes read)."""
+    """[(tensorstore spec of an array, stored dtype, [[start, stop], ...])] of the checkpoint
+    at `url` (its layout's `read_spec`) -> (arena arrays, bytes read)."""
     import tensorstore as ts
 
     storage = open_storage(url, storage_timeout)
     context = ts.Context(storage.context_spec())
-    opened = {
-        name: ts.open(
-            layout.read_spec(storage.kvstore(f"{arrays}/{name}")),
-            context=context,
-            open=True,
-        )
-        for name in {r[0] for r in requests}
-    }
+    specs = {json.dumps(r[0], sort_keys=True): r[0] for r in requests}
+    opened = {name: ts.open(spec, context=context, open=True) for name, spec in specs.items()}
     stores = {name: future.result() for name, future in opened.items()}
     before = bytes_read()
     outputs, pending = [], []
     try:
-        for name, dtype, bounds in requests:
+        for spec, dtype, bounds in requests:
             out = empty(tuple(b - a for a, b in bounds), np.dtype(dtype))
             target = ts.array(out, copy=False, write=True)
-            pending.append(target.write(stores[name][layout.slices_of(bounds)]))
+            store = stores[json.dumps(spec, sort_keys=True)]
+            pending.append(target.write(store[layout.slices_of(bounds)]))
             outputs.append(out)
     except BaseException:
         _settle(pending, raise_first=False)

@@ -18,7 +18,7 @@ import numpy as np
 from colocar.controller_bridge.func import colocated
 from colocar.errors import CheckpointError
 
-from . import layout, tree
+from . import tree
 from .reader_backend import read_slices
 from .save import shard_bounds
 from .storage import describe
@@ -82,7 +82,7 @@ def _target_leaf(key: str, entry: dict[str, Any], target: Any, devices: list[Any
 
 
 Requests = dict[int, list[tuple[int, str, list[list[int]]]]]  # host -> [(leaf index, dtype, bounds)]
-Reads = dict[int, list[tuple[str, str, list[list[int]]]]]  # the same, by array name (`layout.array_name`)
+Reads = dict[int, list[tuple[dict[str, Any], str, list[list[int]]]]]  # the same, by tensorstore spec
 Where = dict[tuple[str, int, str], int]  # (key, host, bounds) -> request number on that host
 
 
@@ -167,23 +167,22 @@ def _plan(leaves: list[_Leaf], cluster: Any, stats: RestoreStats) -> tuple[Reque
     return requests, where
 
 
-def _by_name(manifest: dict[str, Any], requests: Requests) -> Reads:
-    """The requests naming each leaf's array by its directory under the arrays root."""
+def _by_spec(manifest: dict[str, Any], requests: Requests, spec_of: Any) -> Reads:
+    """The requests naming each leaf's array by the tensorstore spec that opens it."""
     leaves = manifest["leaves"].values()
-    names = {e["index"]: layout.array_name(manifest, e) for e in leaves if e["kind"] != "value"}
-    return {h: [(names[i], dtype, bounds) for i, dtype, bounds in r] for h, r in requests.items()}
+    specs = {e["index"]: spec_of(e) for e in leaves if e["kind"] != "value"}
+    return {h: [(specs[i], dtype, bounds) for i, dtype, bounds in r] for h, r in requests.items()}
 
 
 def _read_all(
     url: str,
-    root: str,
     step: int,
     requests: Reads,
     cluster: Any,
     storage_timeout: float,
     stats: RestoreStats,
 ) -> dict[int, list[np.ndarray]]:
-    """Every host reads its slices at once (on its sidecar) from the arrays under `root`;
+    """Every host reads its slices at once (on its sidecar);
     host -> arrays in request order. Records the bytes each host read in `stats`. When one
     host fails, every other host's read is given up (cancelled, or its arrays freed): a failed
     restore keeps no block."""
@@ -193,7 +192,7 @@ def _read_all(
     try:
         for host in cluster.hosts:
             if requests[host.index]:
-                futures[host.index] = _read.on(host).submit(url, root, requests[host.index], storage_timeout)
+                futures[host.index] = _read.on(host).submit(url, requests[host.index], storage_timeout)
         for h, future in futures.items():
             results[h] = _host_result(step, h, future, stats)
         return results
@@ -220,17 +219,18 @@ def restore_leaves(
     targets: dict[str, Any],
     cluster: Any,
     storage_timeout: float,
+    spec_of: Any,
 ) -> tuple[dict[str, Any], RestoreStats]:
     """The values of the keys in `targets` (key -> target leaf or None) at `step`; None at a
-    saved subtree restores that whole subtree as saved."""
+    saved subtree restores that whole subtree as saved. `spec_of(entry)`: the tensorstore spec
+    of an array leaf's entry (its layout's `read_spec`)."""
     # Saved shardings come back over the job's devices (under multi-controller JAX, every
     # process's): each process then reads only its own devices' slices (`_placements`).
     wanted = _expand_subtrees(manifest, targets)
     values, leaves = _split_targets(manifest["leaves"], wanted, jax.devices(), step)
     stats = RestoreStats()
     requests, where = _plan(leaves, cluster, stats)
-    root = layout.arrays_root(step, manifest)
-    results = _read_all(url, root, step, _by_name(manifest, requests), cluster, storage_timeout, stats)
+    results = _read_all(url, step, _by_spec(manifest, requests, spec_of), cluster, storage_timeout, stats)
     for leaf in leaves:
         values[leaf.key] = _assemble(leaf, cluster, where, results)
     return _subtrees(manifest, targets, values), stats

@@ -29,10 +29,37 @@ class ManifestError(ValueError):
 
 
 class StepDirs:
-    """The `step_<N>` directories of one storage root."""
+    """The `step_<N>` directories of one storage root (colocar's format; Orbax's layout:
+    `orbax.steps.OrbaxSteps`, the same questions answered for its directories)."""
+
+    layout = "colocar"
 
     def __init__(self, storage: Storage):
         self.storage = storage
+
+    # --- where a save's arrays lie --------------------------------------------------------------
+    def write_spec(self, step: int, attempt: str, host: int, entry: dict[str, Any]) -> dict[str, Any]:
+        """The tensorstore spec host `host` writes an array leaf's entry of save `attempt` with."""
+        kvstore = self.storage.kvstore(f"{layout.attempt_dir(step, attempt)}/{entry['array_dir']}")
+        shape, outer, inner = (
+            tuple(entry["stored_shape"]),
+            tuple(entry["chunks"]),
+            tuple(entry["inner_chunks"]),
+        )
+        return layout.array_spec(kvstore, shape, entry["stored_dtype"], outer, inner)
+
+    def read_spec(self, step: int, manifest: dict[str, Any], entry: dict[str, Any]) -> dict[str, Any]:
+        """The tensorstore spec a restore reads an array leaf's entry of committed `step` with."""
+        name = f"{layout.arrays_root(step, manifest)}/{layout.array_name(manifest, entry)}"
+        return layout.read_spec(self.storage.kvstore(name))
+
+    def heartbeat_name(self, step: int, attempt: str) -> str:
+        """The object a save in progress rewrites to show it is alive."""
+        return self._name(step, layout.HEARTBEAT)
+
+    def remove_debris(self, step: int) -> None:
+        """Deletes what an abandoned, uncommitted save of `step` left."""
+        self.storage.delete_tree(layout.step_dir(step))
 
     # --- listing ------------------------------------------------------------------------------
     def all(self) -> list[int]:

@@ -10,6 +10,7 @@ Every storage call is bounded: GCS calls retry transient errors with backoff for
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -90,6 +91,12 @@ class Storage:
     def exists(self, name: str) -> bool:
         return self.read(name) is not None
 
+    can_rename = False  # a directory moves at once (local disk), or not at all (GCS)
+
+    def rename(self, name: str, to: str) -> bool:
+        """Moves directory `name` to `to` atomically; False when `to` exists already."""
+        raise NotImplementedError(f"{self.url} cannot rename")
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.url}>"
 
@@ -162,6 +169,21 @@ class LocalStorage(Storage):
         except OSError as e:
             raise StorageError(f"cannot delete {self._path(name)}: {e}") from e
         _fsync_dir(os.path.dirname(self._path(name)))
+
+    can_rename = True
+
+    def rename(self, name: str, to: str) -> bool:
+        target = self._path(to)
+        try:
+            if os.path.lexists(target):
+                return False
+            os.rename(self._path(name), target)  # (onto an empty directory it would succeed)
+        except OSError as e:
+            if e.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                return False
+            raise StorageError(f"cannot rename {self._path(name)} to {target}: {e}") from e
+        _fsync_dir(os.path.dirname(target))
+        return True
 
     def delete_tree(self, name: str) -> None:
         """Removes everything under `name/` (like a GCS prefix: a file named `name` stays)."""

@@ -30,7 +30,8 @@ import numpy as np
 from colocar.sidecar import instruments
 
 from . import fencing, layout, primary
-from .steps import STALE_SECONDS, StepDirs
+from .catalog import steps_of
+from .steps import STALE_SECONDS
 from .storage import Storage, describe, open_storage
 from .trainer_watch import caller, watch_caller
 
@@ -77,6 +78,7 @@ class WriterOptions:
     storage_timeout: float = 30.0
     nice: int = 5  # scheduling priority of the writer threads (0: as the sidecar)
     owner: str = ""  # the manager whose writer this is: commits only while it holds the lease
+    layout: str = "colocar"  # colocar's format, or "orbax" (Orbax's own layout: `checkpoint.orbax`)
 
 
 @dataclass
@@ -113,7 +115,7 @@ class CheckpointWriter:
         self.host = host
         self.options = options
         self.storage: Storage = open_storage(url, options.storage_timeout)
-        self.steps = StepDirs(self.storage)
+        self.steps = steps_of(self.storage, options.layout)
         self._jobs: dict[int, _Job] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(
@@ -240,11 +242,7 @@ class CheckpointWriter:
         return self._context
 
     def _spec(self, job: _Job, leaf: int) -> dict[str, Any]:
-        e = job.leaves[leaf]
-        where = f"{layout.attempt_dir(job.step, job.attempt)}/{e['array_dir']}"
-        kvstore = self.storage.kvstore(where)
-        shape, outer, inner = tuple(e["stored_shape"]), tuple(e["chunks"]), tuple(e["inner_chunks"])
-        return layout.array_spec(kvstore, shape, e["stored_dtype"], outer, inner)
+        return self.steps.write_spec(job.step, job.attempt, self.host, job.leaves[leaf])
 
     def _store(self, job: _Job, leaf: int) -> Any:
         import tensorstore as ts
@@ -321,14 +319,16 @@ class CheckpointWriter:
     # --- the primary: plan, heartbeat, commit, retention -----------------------------------
     def _primary(self, job: _Job) -> None:  # (its rules: `primary`)
         _lower_priority(self.options.nice)
-        step = layout.step_dir(job.step)
         stop = threading.Event()
+        heartbeat = threading.Thread(target=self._heartbeat, args=(job, stop), daemon=True)
         try:
-            self.storage.write(f"{step}/{layout.HEARTBEAT}", b"%f" % time.time())
-            threading.Thread(target=self._heartbeat, args=(job, stop), daemon=True).start()
+            self.storage.write(self.steps.heartbeat_name(job.step, job.attempt), b"%f" % time.time())
+            heartbeat.start()
             self._create_arrays(job)
             self.steps.write_manifest(job.step, job.attempt, job.manifest)
             primary.await_hosts(self.steps, job, self.options.commit_timeout)
+            stop.set()
+            heartbeat.join()  # no heartbeat written into a step the commit moves or finishes
             self._commit(job)
             job.finished = time.monotonic()  # durable from here on
             instruments.save_ended("committed", job.finished - job.started)
@@ -360,7 +360,7 @@ class CheckpointWriter:
                 raise RuntimeError(f"step {job.step} was committed by another writer meanwhile")
 
     def _heartbeat(self, job: _Job, stop: threading.Event) -> None:
-        name = f"{layout.step_dir(job.step)}/{layout.HEARTBEAT}"
+        name = self.steps.heartbeat_name(job.step, job.attempt)
         while not stop.wait(self.options.heartbeat_seconds):
             try:
                 self.storage.write(name, b"%f" % time.time())

@@ -1,0 +1,83 @@
+"""Which layout a step is in, and every readable step of a root (controller, sidecar writer,
+`colocar ckpt`; no JAX).
+
+A manager writes one layout (`steps_of`: colocar's `step_<N>` directories, or Orbax's `<N>`)
+and reads both, so a directory Orbax wrote is restored and continued by colocar, and a
+directory holding both (a job moved mid-run) lists every finished step of either.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from colocar.errors import CheckpointError
+
+from .orbax.steps import OrbaxSteps
+from .steps import ManifestError, StepDirs
+from .storage import Storage
+
+LAYOUTS = ("colocar", "orbax")
+
+
+def steps_of(storage: Storage, layout: str) -> StepDirs:
+    """The step directories a manager of `layout` writes."""
+    if layout == "colocar":
+        return StepDirs(storage)
+    if layout == "orbax":
+        return OrbaxSteps(storage)
+    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+class Catalog:
+    """The committed steps of both layouts under one root."""
+
+    def __init__(self, storage: Storage):
+        self.storage = storage
+        self.layouts = [StepDirs(storage), OrbaxSteps(storage)]
+
+    def committed(self) -> list[int]:
+        return sorted({s for steps in self.layouts for s in steps.committed()})
+
+    def holder(self, step: int) -> StepDirs | None:
+        """The layout in which `step` is committed (colocar's first, when both hold it)."""
+        return next((steps for steps in self.layouts if steps.is_committed(step)), None)
+
+    def committed_manifest(self, step: int | None) -> tuple[int, dict[str, Any], StepDirs]:
+        """`step` (default: the latest committed one), its manifest and its layout; raises
+        CheckpointError as `StepDirs.committed_manifest` does."""
+        latest = step is None
+        if step is None:
+            committed = self.committed()
+            if not committed:
+                raise CheckpointError(f"no committed checkpoint in {self.storage.url}{self._unfinished()}")
+            step = committed[-1]
+        steps = self.holder(step)
+        if steps is None:
+            raise CheckpointError(
+                f"step {step} is not a committed checkpoint in {self.storage.url} "
+                f"(committed: {self.committed()}){self._unfinished(step)}"
+            )
+        try:
+            return (*steps.committed_manifest(step), steps)
+        except CheckpointError as e:
+            if latest and not str(e).endswith("older one to restore"):
+                raise CheckpointError(f"{e}{self.older_than(step)}") from None
+            raise
+
+    def older_than(self, step: int) -> str:
+        older = [s for s in self.committed() if s < step]
+        if not older:
+            return f"; step {step} is the only committed step: there is no older one to restore"
+        return f"; step {step} is the latest committed step: restore(step={older[-1]}) picks an older one"
+
+    def _unfinished(self, step: int | None = None) -> str:
+        """Names the unfinished steps (an Orbax step without its commit), which are never read."""
+        pending = sorted({s for steps in self.layouts for s in steps.all() if not steps.is_committed(s)})
+        if step is not None:
+            pending = [s for s in pending if s == step]
+        if not pending:
+            return ""
+        return f"; unfinished, never restored: steps {pending}"
+
+
+__all__ = ["LAYOUTS", "Catalog", "ManifestError", "steps_of"]
