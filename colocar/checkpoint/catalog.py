@@ -8,6 +8,7 @@ directory holding both (a job moved mid-run) lists every finished step of either
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from colocar.errors import CheckpointError
@@ -49,7 +50,7 @@ class Catalog:
         if step is None:
             committed = self.committed()
             if not committed:
-                raise CheckpointError(f"no committed checkpoint in {self.storage.url}{self._unfinished()}")
+                return self._single()
             step = committed[-1]
         steps = self.holder(step)
         if steps is None:
@@ -60,9 +61,25 @@ class Catalog:
         try:
             return (*steps.committed_manifest(step), steps)
         except CheckpointError as e:
-            if latest and not str(e).endswith("older one to restore"):
+            if latest:
                 raise CheckpointError(f"{e}{self.older_than(step)}") from None
             raise
+
+    def _single(self) -> tuple[Any, dict[str, Any], StepDirs]:
+        """A root that is one Orbax checkpoint itself (no steps): step None."""
+        orbax = self.layouts[1]
+        assert isinstance(orbax, OrbaxSteps)
+        item = orbax.single_item()
+        if item is None:
+            raise CheckpointError(f"no committed checkpoint in {self.storage.url}{self._unfinished()}")
+        body = orbax.manifest_at(item, None)
+        try:
+            manifest = json.loads(body or b"null")
+        except ValueError as e:
+            raise CheckpointError(f"{self.storage.url}: its Orbax metadata is unreadable: {e}") from None
+        if not isinstance(manifest, dict):
+            raise CheckpointError(f"{self.storage.url}: its Orbax metadata is not a JSON object")
+        return None, manifest, orbax
 
     def older_than(self, step: int) -> str:
         older = [s for s in self.committed() if s < step]

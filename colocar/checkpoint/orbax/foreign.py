@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 from typing import Any
 
 from colocar.checkpoint import layout
@@ -88,7 +89,7 @@ def _describe(entry: dict[str, Any], future: Any, shardings: dict[str, Any], ste
         value = store.read().result()
         entry["value"] = value.item()
         return
-    chunks = [int(n) for n in store.chunk_layout.read_chunk.shape]
+    chunks = [int(n) for n in (store.chunk_layout.read_chunk.shape or shape)]
     entry.update(
         dtype=dtype, stored_dtype=dtype, shape=shape, stored_shape=shape, chunks=chunks, inner_chunks=chunks
     )
@@ -117,6 +118,10 @@ def _shardings(storage: Any, item_dir: str) -> dict[str, Any]:
                 "device_ids": ids,
                 "spec": spec,
             }
+        elif sharding.get("sharding_type") == "SingleDeviceSharding":
+            number = re.search(r"(\d+)", str(sharding.get("device_str", "")))
+            if number:
+                found[name] = {"type": "SingleDeviceSharding", "device_id": int(number.group(1))}
     return found
 
 
@@ -151,11 +156,9 @@ def _skeleton(node: dict[Any, Any], paths_kinds: dict[tuple, int], prefix: tuple
 def _step_metadata(storage: Any, item_dir: str) -> dict[str, Any]:
     """The user's metadata of the step (`_CHECKPOINT_METADATA`'s `custom_metadata`)."""
     step_dir = item_dir.rpartition("/")[0]
+    name = f"{step_dir}/{names.CHECKPOINT_METADATA}" if step_dir else names.CHECKPOINT_METADATA
     try:
-        body = json.loads(
-            storage.read(f"{step_dir}/{names.CHECKPOINT_METADATA}" if step_dir else names.CHECKPOINT_METADATA)
-            or b"{}"
-        )
+        body = json.loads(storage.read(name) or b"{}")
     except ValueError:
         return {}
     return body.get("custom_metadata") or {}

@@ -50,7 +50,7 @@ def parse_step_name(name: str) -> tuple[int, bool] | None:
     """(step, unfinished) of a step directory's name (`3`, `ckpt_3`, `3.orbax-checkpoint-tmp-…`),
     or None for any other name."""
     match = _STEP.match(name.rstrip("/"))
-    if match is None:
+    if match is None or name.startswith(PROCESS_PREFIX):  # a database of an item, not a step
         return None
     return int(match.group("step")), match.group("tmp") is not None
 

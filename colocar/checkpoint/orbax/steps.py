@@ -75,14 +75,42 @@ class OrbaxSteps(StepDirs):
         return bool(self.storage.children(directory))
 
     def item_dir(self, step: int) -> str:
-        return f"{self.step_dir(step)}/{self.item}"
+        return self._item_in(self.step_dir(step))
 
-    def item_metadata(self, step: int) -> dict[str, Any] | None:
+    def _item_in(self, directory: str) -> str:
+        """The item of a finished step directory: `default` (ocp.CheckpointManager's one item),
+        `state` (v1's), or its only item; `directory` itself for a StandardCheckpointer's."""
+        prefix = f"{directory}/" if directory else ""
+        if self.storage.exists(f"{prefix}{names.METADATA}"):
+            return directory
+        candidates = [self.item, names.V1_ITEM]
         try:
-            body = json.loads(self.storage.read(f"{self.item_dir(step)}/{names.METADATA}") or b"null")
+            handlers = json.loads(self.storage.read(f"{prefix}{names.CHECKPOINT_METADATA}") or b"{}")
+            candidates += sorted(handlers.get("item_handlers") or {})
+        except (ValueError, AttributeError):
+            pass
+        for item in candidates:
+            if self.storage.exists(f"{prefix}{item}/{names.METADATA}"):
+                return f"{prefix}{item}"
+        return f"{prefix}{self.item}"
+
+    def single_item(self) -> str | None:
+        """The item dir when the root itself is one checkpoint (a StandardCheckpointer's
+        directory, v1's `save_pytree`, or a step directory), else None."""
+        if not (self.storage.exists(names.METADATA) or self.storage.exists(names.CHECKPOINT_METADATA)):
+            return None
+        return self._item_in("")
+
+    def _metadata_at(self, item_dir: str) -> dict[str, Any] | None:
+        prefix = f"{item_dir}/" if item_dir else ""
+        try:
+            body = json.loads(self.storage.read(f"{prefix}{names.METADATA}") or b"null")
         except ValueError:
             return None
         return body if isinstance(body, dict) else None
+
+    def item_metadata(self, step: int) -> dict[str, Any] | None:
+        return self._metadata_at(self.item_dir(step))
 
     def committed_attempt(self, step: int) -> str | None:
         if not self.is_committed(step):
@@ -105,15 +133,20 @@ class OrbaxSteps(StepDirs):
             ages = [(self.storage.age(self._manifest(step, a)), a) for a in self.attempts(step)]
             alive = sorted((age, a) for age, a in ages if age is not None)
             return self.storage.read(self._manifest(step, alive[0][1])) if alive else None
-        metadata = self.item_metadata(step)
+        return self.manifest_at(self.item_dir(step), step)
+
+    def manifest_at(self, item_dir: str, step: int | None) -> bytes | None:
+        """The manifest of the finished item at `item_dir`: colocar's own (in `_METADATA`'s
+        custom metadata), or made from what Orbax wrote (`foreign`)."""
+        metadata = self._metadata_at(item_dir)
         if metadata is None:
-            return self.storage.read(f"{self.item_dir(step)}/{names.METADATA}")  # unreadable: says why
+            return self.storage.read(f"{item_dir}/{names.METADATA}")  # unreadable: the caller says why
         ours = (metadata.get("custom_metadata") or {}).get(names.COLOCAR)
         if not isinstance(ours, dict):
             from . import foreign
 
-            ours = foreign.manifest(self.storage, step, self.item_dir(step), metadata)
-        ours["orbax"] = {**ours.get("orbax", {}), "item_dir": self.item_dir(step)}
+            ours = foreign.manifest(self.storage, step, item_dir, metadata)
+        ours["orbax"] = {**ours.get("orbax", {}), "item_dir": item_dir}
         return json.dumps(ours).encode()
 
     def age(self, step: int) -> float | None:
