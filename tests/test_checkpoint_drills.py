@@ -10,6 +10,7 @@ restorable.
 
 from __future__ import annotations
 
+import os
 import random
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from checkpoint_helpers import MiB, abstract, drill_state
 from helpers import program
 
 from colocar.checkpoint import CheckpointError, CheckpointManager
-from colocar.checkpoint.steps import StepDirs
+from colocar.checkpoint.catalog import steps_of
 from colocar.checkpoint.storage import open_storage
 
 ROWS = 8192  # 2 MiB of int32 in 16 KiB chunks: the dead trainer's writers run for a while
@@ -41,7 +42,12 @@ def _check_step(m: CheckpointManager, step: int, savers: set[int]) -> None:
 
 
 def _run_trainer(
-    sidecars, url: str, generation: int, rnd: random.Random, kill_sidecar: bool = False
+    sidecars,
+    url: str,
+    generation: int,
+    rnd: random.Random,
+    kill_sidecar: bool = False,
+    layout: str = "colocar",
 ) -> list[str]:
     """Starts a trainer (it restores the latest step and saves the next ones) and SIGKILLs it
     at a seeded random point: right after a save returned (its writers are busy), or a little
@@ -61,6 +67,7 @@ def _run_trainer(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env={**os.environ, "COLOCAR_DRILL_LAYOUT": layout},
     )
     lines: list[str] = []
     try:
@@ -83,11 +90,17 @@ def _run_trainer(
 
 
 def _drill(
-    make_cluster, url: str, seed: int, trials: int, env: dict | None = None, elsewhere: bool = False
+    make_cluster,
+    url: str,
+    seed: int,
+    trials: int,
+    env: dict | None = None,
+    elsewhere: bool = False,
+    layout: str = "colocar",
 ) -> Counter:
     """`trials` crash-and-restart rounds; returns the counts it prints. `elsewhere`: the
     restarted trainer uses other sidecars, which cannot fence the dead trainer's writers (the
-    lease they check before they commit stops them)."""
+    lease they check before they commit stops them). `layout`: colocar's or Orbax's."""
     rnd = random.Random(seed)
     sidecars = make_cluster(hosts=2, arena_size=32 * MiB, persist=True, env=env or {})
     restarts = make_cluster(hosts=2, arena_size=32 * MiB, env=env or {}) if elsewhere else sidecars
@@ -96,13 +109,13 @@ def _drill(
     counts: Counter = Counter()
     for trial in range(trials):
         for dead in range(3 * trial + 1, 3 * trial + 1 + rnd.choice([1, 1, 2])):  # the 2nd: at once
-            for line in _run_trainer(sidecars, url, dead, rnd):
+            for line in _run_trainer(sidecars, url, dead, rnd, layout=layout):
                 what, _, step = line.partition(" ")
                 if what == "saving" and step:  # (a line the kill cut short: its save never began)
                     savers[int(step)].add(dead)
                 counts["steps the dead trainer committed meanwhile"] += what == "exists"
             counts["trainers killed"] += 1
-        m = CheckpointManager(url, restarts, max_chunk_bytes=16 * 1024)  # at once, same host
+        m = CheckpointManager(url, restarts, max_chunk_bytes=16 * 1024, layout=layout)  # at once
         _restart(m, 3 * trial + 3, savers, counts)
         m.close()
         counts["trials"] += 1
@@ -110,9 +123,9 @@ def _drill(
     for step in fresh.all_steps():  # the dead trainers' writers may have committed steps too
         _check_step(fresh, step, savers[step])
     counts["committed steps"] = len(fresh.all_steps())
-    counts["leftover attempts"] = _leftovers(url, fresh.all_steps())
+    counts["leftover attempts"] = _leftovers(url, fresh.all_steps(), layout)
     fresh.close()
-    print(f"crash drill {url} seed {seed}: {dict(counts)}")
+    print(f"crash drill {url} ({layout} layout) seed {seed}: {dict(counts)}")
     if not elsewhere:  # the restart fenced them: none commits once the restart's save began
         assert not counts["steps a dead trainer's writer committed first"]
     return counts
@@ -188,44 +201,50 @@ def _save_next(
             step += 1
 
 
-def _leftovers(url: str, committed: list[int]) -> int:
+def _leftovers(url: str, committed: list[int], layout: str) -> int:
     """Attempt directories besides the committed one in committed steps (debris of dead saves)."""
-    steps = StepDirs(open_storage(url))
+    steps = steps_of(open_storage(url), layout)
     return sum(len(steps.attempts(s)) - 1 for s in committed)
 
 
+@pytest.mark.parametrize("layout", ["colocar", "orbax"])
 @pytest.mark.parametrize("seed", [1])
-def test_crash_and_immediate_restart_on_local_disk(make_cluster, tmp_path, cluster, seed):
+def test_crash_and_immediate_restart_on_local_disk(make_cluster, tmp_path, cluster, seed, layout):
     try:
-        _drill(make_cluster, str(tmp_path / "drill"), seed, trials=2)
+        _drill(make_cluster, str(tmp_path / "drill"), seed, trials=2, layout=layout)
     finally:
         cluster.make_current()
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("layout", ["colocar", "orbax"])
 @pytest.mark.parametrize("seed", range(2, 12))
-def test_crash_and_immediate_restart_on_local_disk_many_seeds(make_cluster, tmp_path, cluster, seed):
+def test_crash_and_immediate_restart_on_local_disk_many_seeds(make_cluster, tmp_path, cluster, seed, layout):
     try:
-        _drill(make_cluster, str(tmp_path / "drill"), seed, trials=4)
+        _drill(make_cluster, str(tmp_path / "drill"), seed, trials=4, layout=layout)
     finally:
         cluster.make_current()
 
 
+@pytest.mark.parametrize("layout", ["colocar", "orbax"])
 @pytest.mark.parametrize("seed", [1])
-def test_crash_and_immediate_restart_on_gcs(make_cluster, gcs_server, cluster, seed):
-    gcs_server.create_bucket(f"colocar-drill-{seed}")
+def test_crash_and_immediate_restart_on_gcs(make_cluster, gcs_server, cluster, seed, layout):
+    bucket = f"colocar-drill-{seed}-{layout}"
+    gcs_server.create_bucket(bucket)
     try:
-        _drill(make_cluster, f"gs://colocar-drill-{seed}/run", seed, trials=1, env=gcs_server.env)
+        _drill(make_cluster, f"gs://{bucket}/run", seed, trials=1, env=gcs_server.env, layout=layout)
     finally:
         cluster.make_current()
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("layout", ["colocar", "orbax"])
 @pytest.mark.parametrize("seed", range(2, 8))
-def test_crash_and_immediate_restart_on_gcs_many_seeds(make_cluster, gcs_server, cluster, seed):
-    gcs_server.create_bucket(f"colocar-drill-{seed}")
+def test_crash_and_immediate_restart_on_gcs_many_seeds(make_cluster, gcs_server, cluster, seed, layout):
+    bucket = f"colocar-drill-{seed}-{layout}"
+    gcs_server.create_bucket(bucket)
     try:
-        _drill(make_cluster, f"gs://colocar-drill-{seed}/run", seed, trials=3, env=gcs_server.env)
+        _drill(make_cluster, f"gs://{bucket}/run", seed, trials=3, env=gcs_server.env, layout=layout)
     finally:
         cluster.make_current()
 
@@ -253,20 +272,22 @@ def test_sidecar_killed_mid_save_then_restart_many_seeds(make_cluster, tmp_path,
         cluster.make_current()
 
 
+@pytest.mark.parametrize("layout", ["colocar", "orbax"])
 @pytest.mark.parametrize("seed", [1])
-def test_crash_and_immediate_restart_elsewhere(make_cluster, tmp_path, cluster, seed):
+def test_crash_and_immediate_restart_elsewhere(make_cluster, tmp_path, cluster, seed, layout):
     """The restart reaches other sidecars: the dead trainer's writers are not fenced by it, but
     they commit nothing once the lease names another manager."""
     try:
-        _drill(make_cluster, str(tmp_path / "drill"), seed, trials=2, elsewhere=True)
+        _drill(make_cluster, str(tmp_path / "drill"), seed, trials=2, elsewhere=True, layout=layout)
     finally:
         cluster.make_current()
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("layout", ["colocar", "orbax"])
 @pytest.mark.parametrize("seed", range(2, 8))
-def test_crash_and_immediate_restart_elsewhere_many_seeds(make_cluster, tmp_path, cluster, seed):
+def test_crash_and_immediate_restart_elsewhere_many_seeds(make_cluster, tmp_path, cluster, seed, layout):
     try:
-        _drill(make_cluster, str(tmp_path / "drill"), seed, trials=4, elsewhere=True)
+        _drill(make_cluster, str(tmp_path / "drill"), seed, trials=4, elsewhere=True, layout=layout)
     finally:
         cluster.make_current()

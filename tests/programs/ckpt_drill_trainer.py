@@ -6,7 +6,7 @@ checkpoint directory, generation, number of steps, rows. Every step's state is
 `drill_state(step, generation, rows)` (so a restore shows which trainer wrote each chunk). It
 prints "saving <step>" before a save, "saved <step>" once `save` returned, "exists <step>" when
 a dead trainer's writers committed that step meanwhile (it goes on with the next), and "done"
-after the last one is committed.
+after the last one is committed. $COLOCAR_DRILL_LAYOUT: the layout it saves in (colocar's).
 """
 
 import os
@@ -24,7 +24,10 @@ from colocar.checkpoint import CheckpointError, CheckpointManager  # noqa: E402
 addresses, token_file, directory = sys.argv[1].split(","), sys.argv[2], sys.argv[3]
 generation, count, rows = (int(a) for a in sys.argv[4:7])
 cluster = colocar.connect(addresses, token_file=token_file)
-m = CheckpointManager(directory, cluster, max_chunk_bytes=16 * 1024, queue=True, concurrent_writes=1)
+layout = os.environ.get("COLOCAR_DRILL_LAYOUT", "colocar")
+m = CheckpointManager(
+    directory, cluster, max_chunk_bytes=16 * 1024, queue=True, concurrent_writes=1, layout=layout
+)
 latest = m.latest_step()
 if latest is not None:
     m.restore(latest, target=abstract(drill_state(latest, 0, rows)))  # the test checks every step
