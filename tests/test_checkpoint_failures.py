@@ -24,6 +24,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from colocar.checkpoint import CheckpointError, CheckpointManager, layout
+from colocar.checkpoint.catalog import steps_of
+from colocar.checkpoint.storage import open_storage
 
 
 def _kill_during_save(make_cluster, directory: str, seed: int) -> None:
@@ -100,7 +102,8 @@ def test_sidecar_killed_at_random_points(make_cluster, tmp_path, cluster, seed):
         cluster.make_current()
 
 
-def test_trainer_killed_after_save_still_commits(make_cluster, tmp_path, cluster):
+@pytest.mark.parametrize("layout", ["colocar", "orbax"])
+def test_trainer_killed_after_save_still_commits(make_cluster, tmp_path, cluster, layout):
     sidecars = make_cluster(hosts=2, arena_size=16 * MiB, persist=True, lease_seconds=2)
     directory = str(tmp_path / "orphan")
     try:
@@ -111,14 +114,16 @@ def test_trainer_killed_after_save_still_commits(make_cluster, tmp_path, cluster
                 ",".join(h.address for h in sidecars.hosts),
                 sidecars.token_file,
                 directory,
+                layout,
             ],
             capture_output=True,
             text=True,
             timeout=180,
         )
         assert trainer.returncode == -signal.SIGKILL, trainer.stderr[-3000:]
+        steps = steps_of(open_storage(directory), layout)
         wait_for(
-            lambda: os.path.exists(os.path.join(directory, layout.step_dir(1), layout.COMMITTED)),
+            lambda: steps.is_committed(1),
             "the sidecars to commit the dead trainer's step",
             timeout=60,
         )

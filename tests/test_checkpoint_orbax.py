@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -18,6 +19,7 @@ import orbax_states
 import pytest
 from checkpoint_helpers import MiB, make_state
 from helpers import program
+from multi_helpers import run_two
 
 from colocar.checkpoint import CheckpointError, CheckpointManager
 from colocar.checkpoint.orbax import names
@@ -191,3 +193,35 @@ def test_the_layout_is_the_one_this_orbax_writes(cluster, orbax_written, tmp_pat
     assert shardings[0] == shardings[1]
     steps = [json.loads((side / names.CHECKPOINT_METADATA).read_text()) for side in (ours, theirs)]
     assert steps[0].keys() == steps[1].keys() and steps[0]["item_handlers"] == steps[1]["item_handlers"]
+
+
+def test_multi_controller_both_ways(make_cluster, tmp_path, cluster):
+    """Two jax.distributed processes, each with its own sidecar, write Orbax's layout (one
+    OCDBT database per host, merged at commit) and Orbax restores it in one process; two Orbax
+    processes write a step and the two colocar processes restore it."""
+    sidecars = make_cluster(hosts=2, arena_size=16 * MiB, persist=True)
+    directory = tmp_path / "multi"
+    try:
+        run_two(sidecars, "ckpt_multi_orbax", str(directory), "save")  # each checks its restore
+        item = directory / "2" / names.ITEM
+        assert {"ocdbt.process_0", "ocdbt.process_1"} <= set(os.listdir(item))
+        assert peer("restore", directory, 2, 11) == ["restored"]
+        written = tmp_path / "orbax-multi"
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = str(s.getsockname()[1])
+        peers = [
+            subprocess.Popen(
+                [sys.executable, program("orbax_peer"), "save-multi", str(written), "12", str(i), port],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for i in range(2)
+        ]
+        for p in peers:
+            out = p.communicate(timeout=240)[0]
+            assert p.returncode == 0 and out.strip().endswith("saved"), out[-3000:]
+        run_two(sidecars, "ckpt_multi_orbax", str(written), "restore")
+    finally:
+        cluster.make_current()

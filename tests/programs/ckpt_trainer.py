@@ -1,7 +1,7 @@
 """A trainer that saves one step and SIGKILLs itself right after `save` returned.
 
 Run by test_checkpoint_failures.py; argv: sidecar addresses (comma-separated), token file,
-checkpoint directory.
+checkpoint directory and optionally the layout (colocar's by default).
 """
 
 import os
@@ -23,6 +23,7 @@ cluster = colocar.connect(addresses, token_file=token_file)
 mesh = Mesh(np.array(jax.devices()).reshape(8), ("d",))
 values = np.arange(8 * 1024 * 64, dtype=np.float32).reshape(8 * 1024, 64)
 w = jax.device_put(values, NamedSharding(mesh, P("d")))
-m = CheckpointManager(directory, cluster, max_chunk_bytes=64 * 1024)
+layout = sys.argv[4] if len(sys.argv) > 4 else "colocar"
+m = CheckpointManager(directory, cluster, max_chunk_bytes=64 * 1024, layout=layout)
 m.save(1, {"w": w, "note": "from a dead trainer"})
 os.kill(os.getpid(), signal.SIGKILL)  # right after save returned: nothing else runs here

@@ -10,13 +10,16 @@ Run by test_checkpoint_orbax.py. argv:
   prints "restored" when both are bit for bit `values(SEED)`, else what differs.
 - `continue DIR SEED`: an Orbax job picking up DIR: restores its latest step, saves the next
   one with Orbax (SEED's state), prints "continued <step>".
+- `save-multi DIR SEED PROCESS PORT`: one of two jax.distributed processes (4 devices each)
+  saving SEED's state as step 1 together; prints "saved".
 Prints "colocar imported" and exits 3 if anything imported colocar.
 """
 
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+DEVICES = 4 if sys.argv[1] == "save-multi" else 8  # two processes of 4, or one of 8
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES}"
 os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
 
@@ -60,12 +63,24 @@ def continue_job(directory: str, seed: int) -> None:
     print("continued", latest + 1, flush=True)
 
 
+def save_multi(directory: str, seed: int, process: int, port: str) -> None:
+    import jax
+
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process)
+    with ocp.CheckpointManager(directory) as m:
+        m.save(1, args=ocp.args.StandardSave(orbax_states.state(seed)))
+        m.wait_until_finished()
+    print("saved", flush=True)
+
+
 if __name__ == "__main__":
     command, args = sys.argv[1], sys.argv[2:]
     if command == "save":
         save(args[0], int(args[1]))
     elif command == "restore":
         restore(args[0], int(args[1]), int(args[2]))
+    elif command == "save-multi":
+        save_multi(args[0], int(args[1]), int(args[2]), args[3])
     else:
         continue_job(args[0], int(args[1]))
     if any(name.split(".")[0] == "colocar" for name in sys.modules):

@@ -118,6 +118,9 @@ class OrbaxSteps(StepDirs):
         ours = ((self.item_metadata(step) or {}).get("custom_metadata") or {}).get(names.COLOCAR)
         return str(ours["attempt"]) if isinstance(ours, dict) and ours.get("attempt") else None
 
+    def is_committed_by(self, step: int, attempt: str) -> bool:
+        return self.committed_attempt(step) == attempt
+
     def attempts(self, step: int) -> list[str]:
         found = set()
         if self.in_place:
