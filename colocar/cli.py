@@ -17,7 +17,7 @@ USAGE = """usage: colocar [--version] {sidecar,demo,bench,ckpt,k8s,examples,sess
   sidecar   run a sidecar (colocar sidecar --help)
   demo      train on a local cluster, lose a host, recover from RAM (colocar demo --help)
   bench     run a benchmark: colocar bench {rpc,transfer,loader,ckpt} [--json] [--quick]
-  ckpt      list and inspect checkpoints: colocar ckpt {ls PATH,show PATH STEP} [--timeout S]
+  ckpt      list, inspect and convert checkpoints: colocar ckpt {ls PATH,show PATH STEP,convert SRC DST}
   k8s       render Kubernetes manifests: colocar k8s render --topology T --image I --bucket B
   examples  write the data examples/pipeline.yaml reads: colocar examples write-data examples/data
   sessions  list, end or stop sessions: colocar sessions {ls [ADDRESS...],close NAME [ADDRESS...],stop NAME}

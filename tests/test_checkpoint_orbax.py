@@ -225,3 +225,67 @@ def test_multi_controller_both_ways(make_cluster, tmp_path, cluster):
         run_two(sidecars, "ckpt_multi_orbax", str(written), "restore")
     finally:
         cluster.make_current()
+
+
+def test_a_damaged_or_lost_data_file_is_a_clear_error(cluster, tmp_path):
+    """colocar's zarr3 chunks carry a crc32c, in Orbax's layout too: a flipped byte in a host's
+    OCDBT data file, or the file gone, fails the restore naming the host; never a wrong value."""
+    directory = tmp_path / "damaged"
+    state = orbax_states.state(3)
+    with CheckpointManager(str(directory), cluster, layout="orbax") as m:
+        m.save(1, state)
+        m.wait()
+        data = directory / "1" / names.ITEM / "ocdbt.process_0" / "d"
+        biggest = max(data.iterdir(), key=lambda f: f.stat().st_size)
+        body = bytearray(biggest.read_bytes())
+        body[len(body) // 2] ^= 0x40
+        biggest.write_bytes(bytes(body))
+        with pytest.raises(
+            CheckpointError, match=r"restoring step 1 on host \d failed: .*(?i:checksum|digest|crc)"
+        ):
+            m.restore(1, orbax_states.target(3))
+        biggest.unlink()
+        with pytest.raises(CheckpointError, match=r"restoring step 1 on host \d failed"):
+            m.restore(1, orbax_states.target(3))
+
+
+def _ckpt(*args) -> subprocess.CompletedProcess:
+    """`colocar ckpt ARGS` as a user runs it (a process of its own, no sidecar)."""
+    run = [sys.executable, "-m", "colocar", "ckpt", *map(str, args)]
+    return subprocess.run(run, capture_output=True, text=True, timeout=120)
+
+
+def test_ckpt_ls_show_and_convert_both_ways(cluster, orbax_written, tmp_path):
+    """`colocar ckpt` lists and shows steps of either layout; `convert` turns Orbax's into
+    colocar's format and colocar's into Orbax's layout, which Orbax then restores."""
+    mixed = tmp_path / "mixed"
+    shutil.copytree(orbax_written / "ocdbt", mixed)  # Orbax's step 1
+    with CheckpointManager(str(mixed), cluster) as m:  # colocar's format: step 2
+        m.save(2, orbax_states.state(8))
+        m.wait()
+    listing = json.loads(_ckpt("ls", mixed, "--json").stdout.strip().splitlines()[-1])
+    assert [(s["step"], s["status"], s["layout"]) for s in listing["steps"]] == [
+        (1, "committed", "orbax"),
+        (2, "committed", "colocar"),
+    ]
+    show = _ckpt("show", mixed, 1)
+    assert (
+        show.returncode == 0
+        and "['params']['dense']['kernel']" in show.stdout
+        and "orbax layout" in show.stdout
+    )
+    converted = tmp_path / "converted"
+    run = _ckpt("convert", mixed, converted)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines() == [
+        "step 1: orbax -> colocar (6 arrays)",
+        "step 2: colocar -> orbax (6 arrays)",
+    ]
+    with CheckpointManager(str(converted), cluster) as m:
+        assert m.all_steps() == [1, 2]
+        assert m.catalog.holder(1).layout == "colocar" and m.catalog.holder(2).layout == "orbax"
+        for step, seed in ((1, 7), (2, 8)):
+            assert orbax_states.mismatches(m.restore(step, orbax_states.target(seed)), seed) == []
+    assert peer("restore", converted, 2, 8) == ["restored"]
+    again = _ckpt("convert", mixed, converted, "--step", 2)
+    assert again.returncode == 2 and "step 2 exists" in again.stderr

@@ -1,7 +1,9 @@
-"""`colocar ckpt ls PATH` and `colocar ckpt show PATH STEP`: look into a checkpoint directory.
+"""`colocar ckpt ls PATH`, `colocar ckpt show PATH STEP`: look into a checkpoint directory;
+`colocar ckpt convert SRC DST`: rewrite its steps in the other layout (`convert`).
 
-Reads the manifest and markers only (no JAX, no sidecar), so it runs anywhere the storage is
-reachable. `--json` prints one JSON object instead of a table. A path that holds nothing, a
+`ls` and `show` read manifests and markers only (no JAX, no sidecar), so they run anywhere the
+storage is reachable; they list steps in colocar's format and in Orbax's layout alike.
+`--json` prints one JSON object instead of a table. A path that holds nothing, a
 missing bucket or storage that does not answer within `--timeout` seconds of retries ends the
 command with one line saying so and exit status 2.
 """
@@ -19,13 +21,19 @@ from colocar.cli_help import HelpFormatter
 from colocar.errors import CheckpointError
 
 from . import layout
+from .catalog import LAYOUTS, Catalog
+from .convert import convert
 from .steps import ManifestError, StepDirs
 from .storage import DEFAULT_TIMEOUT, LocalStorage, Storage, StorageError, open_storage
 
 
-def list_steps(steps: StepDirs) -> list[dict[str, Any]]:
-    """One row per step directory; a step whose manifest is unreadable gets a row saying so
-    (status "unreadable", its error in "error") instead of failing the whole listing."""
+def list_steps(catalog: Catalog) -> list[dict[str, Any]]:
+    """One row per step directory of either layout; a step whose manifest is unreadable gets a
+    row saying so (status "unreadable", its error in "error") instead of failing the listing."""
+    return sorted((r for steps in catalog.layouts for r in _rows(steps)), key=lambda r: r["step"])
+
+
+def _rows(steps: StepDirs) -> list[dict[str, Any]]:
     rows = []
     for step in steps.all():
         try:
@@ -43,6 +51,7 @@ def list_steps(steps: StepDirs) -> list[dict[str, Any]]:
                 "leaves": len(manifest.get("leaves", {})),
                 "bytes": nbytes,
                 "hosts": manifest.get("hosts"),
+                "layout": steps.layout,
             }
         )
     return rows
@@ -51,7 +60,7 @@ def list_steps(steps: StepDirs) -> list[dict[str, Any]]:
 def _unreadable_row(steps: StepDirs, step: int, error: str) -> dict[str, Any]:
     status = "unreadable (committed)" if steps.is_committed(step) else "unreadable"
     row: dict[str, Any] = {"step": step, "status": status, "time": None, "leaves": 0, "bytes": 0}
-    return {**row, "hosts": None, "error": error}
+    return {**row, "hosts": None, "layout": steps.layout, "error": error}
 
 
 def _print_steps(url: str, rows: list[dict[str, Any]], as_json: bool) -> None:
@@ -60,11 +69,11 @@ def _print_steps(url: str, rows: list[dict[str, Any]], as_json: bool) -> None:
         print(json.dumps({"path": url, "steps": rows}))
         return
     print(f"{url}: {len(rows)} step(s)")
-    print(f"{'step':>10}  {'status':<24} {'saved':<19}  {'leaves':>6}  {'MiB':>10}  hosts")
+    print(f"{'step':>10}  {'status':<24} {'saved':<19}  {'leaves':>6}  {'MiB':>10}  {'layout':<7}  hosts")
     for r in rows:
         print(
             f"{r['step']:>10}  {r['status']:<24} {_when(r['time']):<19}  {r['leaves']:>6}  "
-            f"{r['bytes'] / 2**20:>10.1f}  {r['hosts']}"
+            f"{r['bytes'] / 2**20:>10.1f}  {r['layout']:<7}  {r['hosts']}"
         )
     for r in rows:
         if "error" in r:
@@ -98,7 +107,20 @@ def _parser() -> argparse.ArgumentParser:
     )
     show.add_argument("path", help="gs://bucket/prefix, file:///path or a local path")
     show.add_argument("step", type=int)
-    for p in (ls, show):
+    to_other = sub.add_parser(
+        "convert",
+        help="rewrite committed steps in the other layout (colocar's format <-> Orbax's)",
+        formatter_class=HelpFormatter,
+    )
+    to_other.add_argument("path", help="the source: gs://bucket/prefix, file:///path or a local path")
+    to_other.add_argument("destination", help="where the converted steps go (may be the source itself)")
+    to_other.add_argument(
+        "--to", choices=LAYOUTS, help="the layout to write (default: the one a step is not in)"
+    )
+    to_other.add_argument(
+        "--step", type=int, action="append", help="a step to convert (default: every committed one)"
+    )
+    for p in (ls, show, to_other):
         p.add_argument("--json", action="store_true", help="print one JSON object")
         p.add_argument(
             "--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds of retries per storage call"
@@ -128,15 +150,16 @@ def array_names(manifest: dict[str, Any]) -> dict[str, str]:
         raise ValueError(str(e)) from None
 
 
-def _show(storage: Storage, steps: StepDirs, step: int, as_json: bool) -> None:
+def _show(storage: Storage, catalog: Catalog, step: int, as_json: bool) -> None:
     """`show`: one step's tree (keys, dtypes, shapes, shardings, each array's directory), or its
     manifest as JSON (plus `arrays_root` and `arrays`: each array's directory by key)."""
+    steps = catalog.holder(step) or next((s for s in catalog.layouts if step in s.all()), catalog.layouts[0])
     manifest = steps.read_manifest(step)
     if manifest is None:
         raise ValueError(f"no step {step} in {storage.url} (colocar ckpt ls {storage.url} lists them)")
     status = steps.status(step)
     names = array_names(manifest)
-    root = layout.arrays_root(step, manifest)
+    root = steps.arrays_root(step, manifest)
     if as_json:
         shown = {"path": storage.url, "status": status, **manifest, "arrays_root": root, "arrays": names}
         print(json.dumps(shown))
@@ -146,7 +169,8 @@ def _show(storage: Storage, steps: StepDirs, step: int, as_json: bool) -> None:
     if manifest.get("metadata"):
         print(f"metadata: {json.dumps(manifest['metadata'])}")
     if names:
-        print(f"arrays (one zarr3 array each) under {root}/")
+        where = "in the OCDBT database of" if steps.layout == "orbax" else "under"
+        print(f"arrays (one zarr array each) {where} {root}/ ({steps.layout} layout)")
     for key, e in sorted(manifest["leaves"].items()):
         if e["kind"] == "value":
             print(f"  {key:<40} = {json.dumps(e['value'])[:60]}")
@@ -181,11 +205,17 @@ def main(argv: list[str]) -> None:
         sys.exit(2)
     try:
         _check_exists(storage)
-        steps = StepDirs(storage)
+        catalog = Catalog(storage)
         if args.command == "ls":
-            _print_steps(storage.url, list_steps(steps), args.json)
+            _print_steps(storage.url, list_steps(catalog), args.json)
+        elif args.command == "show":
+            _show(storage, catalog, args.step, args.json)
         else:
-            _show(storage, steps, args.step, args.json)
+            for line in convert(args.path, args.destination, args.to, args.step or None):
+                print(line)
+    except CheckpointError as e:
+        print(f"colocar ckpt: error: {e}", file=sys.stderr)
+        sys.exit(2)
     except (OSError, ValueError, StorageError) as e:
         print(f"colocar ckpt: error: {e}", file=sys.stderr)
         sys.exit(2)

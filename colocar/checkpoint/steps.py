@@ -53,6 +53,10 @@ class StepDirs:
         name = f"{layout.arrays_root(step, manifest)}/{layout.array_name(manifest, entry)}"
         return layout.read_spec(self.storage.kvstore(name))
 
+    def arrays_root(self, step: int, manifest: dict[str, Any]) -> str:
+        """Where a step's arrays lie, as people read it (`colocar ckpt show`)."""
+        return layout.arrays_root(step, manifest)
+
     def heartbeat_name(self, step: int, attempt: str) -> str:
         """The object a save in progress rewrites to show it is alive."""
         return self._name(step, layout.HEARTBEAT)

@@ -79,6 +79,30 @@ def _arrays(manifest: dict[str, Any]) -> list[dict[str, Any]]:
     return [e for e in manifest["leaves"].values() if e["kind"] != "value"]
 
 
+def sharding_of(sharding: dict[str, Any] | None) -> str | None:
+    """colocar's description of a NamedSharding as Orbax's `_sharding` entry (None for others:
+    Orbax then needs a target sharding for that array, as colocar does)."""
+    if not sharding or sharding.get("type") != "NamedSharding":
+        return None
+    shape, ids = sharding["mesh_shape"], iter(sharding["device_ids"])
+
+    def mesh(dims: list[int]) -> Any:
+        return (
+            [{"id": next(ids)} for _ in range(dims[0])]
+            if len(dims) == 1
+            else [mesh(dims[1:]) for _ in range(dims[0])]
+        )
+
+    body = {
+        "sharding_type": "NamedSharding",
+        "shape": shape,
+        "axis_names": sharding["axis_names"],
+        "partition_spec": sharding["spec"],
+        "device_mesh": {"mesh": mesh(shape)},
+    }
+    return json.dumps(body)
+
+
 def item_metadata(manifest: dict[str, Any]) -> bytes:
     """`_METADATA`: every array and scalar leaf by Orbax's key, the storage options, and
     colocar's manifest in `custom_metadata`."""

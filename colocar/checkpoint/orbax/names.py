@@ -43,6 +43,7 @@ OCDBT_CONFIG = {
     "manifest_kind": "single",
 }
 
+_COLOCAR_STEP = re.compile(r"^step_\d{10}/?$")  # colocar's format (`checkpoint.layout.step_dir`)
 _STEP = re.compile(r"^(?:(?P<prefix>.*)_)?(?P<step>\d+)(?P<tmp>\.orbax-checkpoint-tmp.*)?$")
 
 
@@ -50,8 +51,8 @@ def parse_step_name(name: str) -> tuple[int, bool] | None:
     """(step, unfinished) of a step directory's name (`3`, `ckpt_3`, `3.orbax-checkpoint-tmp-…`),
     or None for any other name."""
     match = _STEP.match(name.rstrip("/"))
-    if match is None or name.startswith(PROCESS_PREFIX):  # a database of an item, not a step
-        return None
+    if match is None or name.startswith(PROCESS_PREFIX) or _COLOCAR_STEP.match(name):
+        return None  # an item's database, or a step of colocar's own format
     return int(match.group("step")), match.group("tmp") is not None
 
 

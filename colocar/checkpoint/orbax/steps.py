@@ -163,6 +163,9 @@ class OrbaxSteps(StepDirs):
         return f"step {step}: its metadata {name} is unreadable ({why})"
 
     # --- arrays ---------------------------------------------------------------------------------
+    def arrays_root(self, step: int, manifest: dict[str, Any]) -> str:
+        return str(manifest.get("orbax", {}).get("item_dir") or f"{self.step_dir(step)}/{self.item}")
+
     def write_spec(self, step: int, attempt: str, host: int, entry: dict[str, Any]) -> dict[str, Any]:
         kvstore = ocdbt_kvstore(self.storage.kvstore(self.child_db(step, attempt, host)), entry["dir"])
         kvstore.update(config=names.OCDBT_CONFIG, assume_config=True)
