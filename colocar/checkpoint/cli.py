@@ -169,8 +169,10 @@ def _show(storage: Storage, catalog: Catalog, step: int, as_json: bool) -> None:
     if manifest.get("metadata"):
         print(f"metadata: {json.dumps(manifest['metadata'])}")
     if names:
-        where = "in the OCDBT database of" if steps.layout == "orbax" else "under"
-        print(f"arrays (one zarr array each) {where} {root}/ ({steps.layout} layout)")
+        if steps.layout == "orbax":
+            print(f"arrays (one zarr array each) in the OCDBT database of {root}/ (orbax layout)")
+        else:
+            print(f"arrays (one zarr3 array each) under {root}/")
     for key, e in sorted(manifest["leaves"].items()):
         if e["kind"] == "value":
             print(f"  {key:<40} = {json.dumps(e['value'])[:60]}")

@@ -36,7 +36,7 @@ from .inflight import InFlight, Save, SaveStats, save_failed
 from .lease import WriterLease
 from .orbax import files as orbax_files
 from .orbax import shardings
-from .restore import RestoreStats, restore_leaves
+from .restore import RestoreStats, restore_tree
 from .save import Piece
 from .steps import STALE_SECONDS
 from .storage import open_storage
@@ -60,6 +60,9 @@ class CheckpointManager:
     steps are kept (plus every `keep_period`-th); `queue=True` lets one save start while the
     previous one is still being written (else `save` waits for it). `save_on_preemption`
     records SIGTERM so that the loop can `save` a last step (see `reached_preemption`).
+    `layout`: "colocar" (its own format: `step_<N>/`) or "orbax" (what orbax-checkpoint's
+    `CheckpointManager` writes: `<N>/default/`, which Orbax and its tools read); restores and
+    listings read both, and Orbax's own checkpoints (README "Coming from Orbax").
     """
 
     def __init__(
@@ -88,13 +91,10 @@ class CheckpointManager:
             raise ValueError(f"max_to_keep must be at least 1 (or None to keep all), got {max_to_keep}")
         self.directory = directory
         self.storage = open_storage(directory, storage_timeout)
-        self.layout = layout
-        self.steps = steps_of(self.storage, layout)  # what this manager writes
+        self.layout, self.steps = layout, steps_of(self.storage, layout)  # what this manager writes
         self.catalog = Catalog(self.storage)  # what it reads: both layouts
         self.cluster = cluster if cluster is not None else current_cluster()
-        self.save_interval_steps = save_interval_steps
-        self.queue = queue
-        self.pool = pool
+        self.save_interval_steps, self.queue, self.pool = save_interval_steps, queue, pool
         self.max_chunk_bytes = max_chunk_bytes
         self.storage_timeout = storage_timeout
         self._id = uuid.uuid4().hex
@@ -121,9 +121,8 @@ class CheckpointManager:
         if self.topology.leader:
             self._warn_of_holder()
         self._fenced = 0  # saves of earlier lease holders that taking the lease stopped
-        self._preempted = False
+        self._preempted, self._closed = False, False
         self._previous_handler: Any = None
-        self._closed = False
         if save_on_preemption:
             self._install_preemption_handler()
 
@@ -332,35 +331,9 @@ class CheckpointManager:
         dicts and lists; `keys` restricts that to some top-level keys.
         """
         step, manifest, steps = self.catalog.committed_manifest(step)
-        spec_of = functools.partial(steps.read_spec, step, manifest)
-        if target is not None:
-            leaves, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=tree._is_none)
-            keys = shardings.match_keys([path for path, _ in leaves], manifest)
-            targets = {key: leaf for key, (_, leaf) in zip(keys, leaves, strict=True)}
-            values, self._restore_stats = restore_leaves(
-                self.storage.url, step, manifest, targets, self.cluster, self.storage_timeout, spec_of
-            )
-            return jax.tree_util.tree_unflatten(treedef, [values[k] for k in keys])
-        wanted = set(manifest["leaves"])
-        if keys is not None:
-            prefixes = tuple(jax.tree_util.keystr((jax.tree_util.DictKey(k),)) for k in keys)
-            wanted = {k for k in wanted if k.startswith(prefixes)}
-            missing = [
-                k for k, p in zip(keys, prefixes, strict=True) if not any(w.startswith(p) for w in wanted)
-            ]
-            if missing:
-                raise CheckpointError(f"keys {missing} are not in step {step}")
-        values, self._restore_stats = restore_leaves(
-            self.storage.url,
-            step,
-            manifest,
-            dict.fromkeys(wanted),
-            self.cluster,
-            self.storage_timeout,
-            spec_of,
-        )
-        skeleton = tree.prune(manifest["tree"], wanted) if keys is not None else manifest["tree"]
-        return tree.rebuild(skeleton, values) if skeleton is not None else None
+        where = (self.storage.url, functools.partial(steps.read_spec, step, manifest), self.storage_timeout)
+        restored, self._restore_stats = restore_tree(step, manifest, target, keys, self.cluster, where)
+        return restored
 
     # --- writers, lease, preemption -----------------------------------------------------------
     def _chunk_bytes(self) -> int:

@@ -19,6 +19,7 @@ from colocar.controller_bridge.func import colocated
 from colocar.errors import CheckpointError
 
 from . import tree
+from .orbax import shardings
 from .reader_backend import read_slices
 from .save import shard_bounds
 from .storage import describe
@@ -46,7 +47,7 @@ def _describe(entry: dict[str, Any]) -> str:
     return f"{dtype}{list(entry['shape'])}"
 
 
-def _target_leaf(key: str, entry: dict[str, Any], target: Any, devices: list[Any], step: int) -> _Leaf:
+def _target_leaf(key: str, entry: dict[str, Any], target: Any, devices: list[Any], step: int | None) -> _Leaf:
     """Checks `target` (None, a ShapeDtypeStruct with a sharding, or an array) against the entry."""
     saved_shape = tuple(entry["shape"])
     if target is None:
@@ -112,7 +113,7 @@ def _subtrees(manifest: dict[str, Any], targets: dict[str, Any], values: dict[st
 
 
 def _split_targets(
-    saved: dict[str, Any], targets: dict[str, Any], devices: Any, step: int
+    saved: dict[str, Any], targets: dict[str, Any], devices: Any, step: int | None
 ) -> tuple[dict[str, Any], list[_Leaf]]:
     """The targets' values stored in the manifest itself, and the leaves to read from storage."""
     values: dict[str, Any] = {}
@@ -176,7 +177,7 @@ def _by_spec(manifest: dict[str, Any], requests: Requests, spec_of: Any) -> Read
 
 def _read_all(
     url: str,
-    step: int,
+    step: int | None,
     requests: Reads,
     cluster: Any,
     storage_timeout: float,
@@ -203,7 +204,7 @@ def _read_all(
         raise
 
 
-def _host_result(step: int, host_index: int, future: Any, stats: RestoreStats) -> list[np.ndarray]:
+def _host_result(step: int | None, host_index: int, future: Any, stats: RestoreStats) -> list[np.ndarray]:
     try:
         arrays, nbytes = future.result()
     except Exception as e:
@@ -214,7 +215,7 @@ def _host_result(step: int, host_index: int, future: Any, stats: RestoreStats) -
 
 def restore_leaves(
     url: str,
-    step: int,
+    step: int | None,
     manifest: dict[str, Any],
     targets: dict[str, Any],
     cluster: Any,
@@ -248,3 +249,30 @@ def _assemble(leaf: _Leaf, cluster: Any, where: Where, results: dict[int, list[n
     if leaf.entry["kind"] == "prng_key":
         arrays = [jax.random.wrap_key_data(a, impl=leaf.entry["impl"]) for a in arrays]
     return jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, arrays)
+
+
+def restore_tree(
+    step: int | None, manifest: dict[str, Any], target: Any, keys: list[str] | None, cluster: Any, where: Any
+) -> tuple[Any, RestoreStats]:
+    """`CheckpointManager.restore`'s tree: `target`'s (its leaves matched to the saved ones by
+    key path, in Orbax's layout also by parameter name), or without one the saved tree (only
+    its top-level `keys`, when given). `where`: (url, spec_of, storage timeout)."""
+    url, spec_of, storage_timeout = where
+    if target is not None:
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=tree._is_none)
+        names = shardings.match_keys([path for path, _ in leaves], manifest)
+        targets = {key: leaf for key, (_, leaf) in zip(names, leaves, strict=True)}
+        values, stats = restore_leaves(url, step, manifest, targets, cluster, storage_timeout, spec_of)
+        return jax.tree_util.tree_unflatten(treedef, [values[k] for k in names]), stats
+    wanted = set(manifest["leaves"])
+    if keys is not None:
+        prefixes = tuple(jax.tree_util.keystr((jax.tree_util.DictKey(k),)) for k in keys)
+        wanted = {k for k in wanted if k.startswith(prefixes)}
+        missing = [k for k, p in zip(keys, prefixes, strict=True) if not any(w.startswith(p) for w in wanted)]
+        if missing:
+            raise CheckpointError(f"keys {missing} are not in step {step}")
+    values, stats = restore_leaves(
+        url, step, manifest, dict.fromkeys(wanted), cluster, storage_timeout, spec_of
+    )
+    skeleton = tree.prune(manifest["tree"], wanted) if keys is not None else manifest["tree"]
+    return (tree.rebuild(skeleton, values) if skeleton is not None else None), stats

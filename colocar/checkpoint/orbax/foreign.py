@@ -25,20 +25,20 @@ def manifest(storage: Any, step: int | None, item_dir: str, metadata: dict[str, 
     """The manifest of the Orbax item at `item_dir` whose `_METADATA` is `metadata`."""
     import tensorstore as ts
 
-    options = {
+    options: dict[str, Any] = {
         "item_dir": item_dir,
         "use_ocdbt": metadata.get("use_ocdbt", storage.exists(f"{item_dir}/{names.MANIFEST_OCDBT}")),
         "use_zarr3": bool(metadata.get("use_zarr3", False)),
         "store_array_data_equal_to_fill_value": bool(metadata.get("store_array_data_equal_to_fill_value")),
     }
-    found = {"format": layout.FORMAT, "array_layout": layout.ORBAX_LAYOUT, "orbax": options}
+    found: dict[str, Any] = {"format": layout.FORMAT, "array_layout": layout.ORBAX_LAYOUT, "orbax": options}
     leaves: dict[str, dict[str, Any]] = {}
     context = ts.Context(storage.context_spec())
     opened = []
     for index, (tree_key, node) in enumerate(sorted(metadata.get("tree_metadata", {}).items())):
         keys = [[k["key"], int(k["key_type"])] for k in node.get("key_metadata", [])] or _keys(tree_key)
         key = keystr(keys)
-        entry = {"index": index, "key": key, "path": keys, "dir": names.param_name(keys)}
+        entry: dict[str, Any] = {"index": index, "key": key, "path": keys, "dir": names.param_name(keys)}
         value_type = node.get("value_metadata", {}).get("value_type", "jax.Array")
         if value_type not in ("jax.Array", "np.ndarray", "scalar"):
             raise CheckpointError(
@@ -133,7 +133,7 @@ def _flat_ids(mesh: Any) -> list[int]:
 
 def _tree(paths: list[list[list[Any]]]) -> dict[str, Any]:
     """The manifest's skeleton of dicts and lists for leaves at `paths`."""
-    root: dict[str, Any] = {}
+    root: dict[Any, Any] = {}
     for keys in paths:
         node = root
         for k, _ in keys:
