@@ -81,6 +81,7 @@ from colocar.bench.ckpt_systems import (  # noqa: E402
     make_state,
     orbax_checkpointer,
     orbax_round,
+    orbax_written_restores,
     rpcs_per_small_save,
 )
 
@@ -89,7 +90,9 @@ MESH_SHAPE = (4, 2)
 ARENA_MARGIN = 16 * MiB  # on top of the bytes one host writes
 BASELINE_SECONDS = 1.0  # --quick: half
 SLOWDOWN_FLOOR = 0.02
-SYSTEMS = ("colocar", "orbax")
+SYSTEMS = ("colocar", "colocar_orbax", "orbax")  # colocar_orbax: colocar writing Orbax's layout
+LAYOUT_OF = {"colocar": "colocar", "colocar_orbax": "orbax"}
+RATIO_PREFIX = {"colocar": "", "colocar_orbax": "orbax_layout_"}  # colocar_orbax's ratios: orbax_layout_*
 PER_ROUND = ("blocked_s", "durable_s", "restore_s", "train_slowdown", "durable_training_s", "train_lost_s")
 # (key, scale, digits) of the figures reported per system, as medians over rounds
 FIGURES = (
@@ -108,9 +111,12 @@ FIGURES = (
 Results = dict[str, list[dict[str, Any]]]
 
 
-def _rounds(state: dict[str, Any], arena: int, rounds: int, baseline_s: float) -> tuple[Results, int]:
-    """Every round of both systems (the order alternating), in a temporary folder removed
-    after; then the small-save RPC count. Returns each system's measurements and that count."""
+def _rounds(
+    state: dict[str, Any], arena: int, rounds: int, baseline_s: float
+) -> tuple[Results, dict[str, Any]]:
+    """Every round of the systems (the order reversed every other round), in a temporary folder
+    removed after; then the small-save RPC count and the restores of a checkpoint Orbax wrote.
+    Returns each system's measurements and those figures."""
     root = tempfile.mkdtemp(prefix="colocar-bench-ckpt-")
     results: Results = {s: [] for s in SYSTEMS}
     memory = Memory()
@@ -121,19 +127,20 @@ def _rounds(state: dict[str, Any], arena: int, rounds: int, baseline_s: float) -
                 for system in SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]:
                     directory = os.path.join(root, f"{system}-{r}")
                     os.makedirs(directory)
-                    if system == "colocar":
-                        m = colocar_round(memory, state, directory, arena, baseline_s)
+                    if system in LAYOUT_OF:
+                        m = colocar_round(memory, state, directory, arena, baseline_s, LAYOUT_OF[system])
                     else:
                         m = orbax_round(memory, ckptr, state, directory, baseline_s)
                     results[system].append(m)
                     shutil.rmtree(directory)
+            extra = orbax_written_restores(ckptr, state, root, arena, rounds)
         finally:
             ckptr.close()
-        rpcs = rpcs_per_small_save(state, os.path.join(root, "rpcs"))
+        extra["rpcs_per_small_save"] = rpcs_per_small_save(state, os.path.join(root, "rpcs"))
     finally:
         memory.close()
         shutil.rmtree(root, ignore_errors=True)
-    return results, rpcs
+    return results, extra
 
 
 def _summary(head: dict[str, Any], results: Results, nbytes: int) -> dict[str, Any]:
@@ -148,15 +155,16 @@ def _summary(head: dict[str, Any], results: Results, nbytes: int) -> dict[str, A
         suffix = "_mib" if scale == MiB else ""
         for system in SYSTEMS:
             out[f"{system}_{key}{suffix}"] = round(med(system, key) / scale, digits)
-    for key in ("arena_wait_s", "writer_durable_s"):
-        out[f"colocar_{key}"] = round(med("colocar", key), 3)
-    for key in ("blocked", "durable", "restore"):
-        out[f"{key}_ratio"] = round(med("colocar", f"{key}_s") / med("orbax", f"{key}_s"), 3)
     slow = {s: max(med(s, "train_slowdown"), SLOWDOWN_FLOOR) for s in SYSTEMS}
-    out["train_slowdown_ratio"] = round(slow["colocar"] / slow["orbax"], 3)
     lost = {s: max(med(s, "train_lost_s"), SLOWDOWN_FLOOR * med(s, "durable_training_s")) for s in SYSTEMS}
-    out["train_lost_ratio"] = round(lost["colocar"] / lost["orbax"], 3)
-    out["peak_host_mem_ratio"] = round(med("colocar", "peak_host_mem") / nbytes, 3)
+    for system, prefix in RATIO_PREFIX.items():  # each colocar layout against Orbax
+        for key in ("arena_wait_s", "writer_durable_s"):
+            out[f"{system}_{key}"] = round(med(system, key), 3)
+        for key in ("blocked", "durable", "restore", "durable_training"):
+            out[f"{prefix}{key}_ratio"] = round(med(system, f"{key}_s") / med("orbax", f"{key}_s"), 3)
+        out[f"{prefix}train_slowdown_ratio"] = round(slow[system] / slow["orbax"], 3)
+        out[f"{prefix}train_lost_ratio"] = round(lost[system] / lost["orbax"], 3)
+        out[f"{prefix}peak_host_mem_ratio"] = round(med(system, "peak_host_mem") / nbytes, 3)
     out["orbax_peak_host_mem_ratio"] = round(med("orbax", "peak_host_mem") / nbytes, 3)
     for system in SYSTEMS:
         for key in PER_ROUND:
@@ -183,7 +191,7 @@ def run(quick: bool, repeats: int) -> dict:
     state = make_state(n, mesh)
     nbytes = sum(leaf.nbytes for leaf in jax.tree.leaves(state))
     arena = -(-(max(host_bytes(state, devices)) + ARENA_MARGIN) // MiB) * MiB
-    results, rpcs = _rounds(state, arena, rounds, baseline_s)
+    results, extra = _rounds(state, arena, rounds, baseline_s)
     head: dict[str, Any] = {
         "benchmark": "ckpt",
         "quick": quick,
@@ -192,6 +200,6 @@ def run(quick: bool, repeats: int) -> dict:
         "checkpoint_bytes": nbytes,
         "checkpoint_mib": round(nbytes / MiB, 1),
         "arena_mib_per_host": arena // MiB,
-        "rpcs_per_small_save": rpcs,
+        "rpcs_per_small_save": extra.pop("rpcs_per_small_save"),
     }
-    return _summary(head, results, nbytes)
+    return {**_summary(head, results, nbytes), **extra}

@@ -102,7 +102,7 @@ def rpcs_per_small_save(state: dict[str, Any], directory: str) -> int:
 
 # --- the two systems -------------------------------------------------------------------------
 class ColocarSystem(System):
-    """colocar's `CheckpointManager`; keeps the save stats of save 1 (`first`)."""
+    """colocar's `CheckpointManager` (in its layout); keeps the save stats of save 1 (`first`)."""
 
     def __init__(self, mngr: Any, state: dict[str, Any]):
         self.mngr, self.state, self.target = mngr, state, abstract(state)
@@ -115,7 +115,8 @@ class ColocarSystem(System):
         self.mngr.wait()
 
     def path(self, k: int) -> str:
-        return os.path.join(self.mngr.directory, f"step_{k:010d}")
+        name = str(k) if self.mngr.layout == "orbax" else f"step_{k:010d}"
+        return os.path.join(self.mngr.directory, name)
 
     def restore(self, k: int) -> Any:
         return self.mngr.restore(k, target=self.target)
@@ -149,10 +150,10 @@ class OrbaxSystem(System):
 
 
 def colocar_round(
-    memory: Memory, state: dict[str, Any], directory: str, arena: int, baseline_s: float
+    memory: Memory, state: dict[str, Any], directory: str, arena: int, baseline_s: float, layout: str
 ) -> dict[str, Any]:
-    """One colocar measurement: a cluster of `HOSTS` sidecars started for it (after the memory
-    baseline, so the sidecars count in full) and a manager warmed up with a tiny step."""
+    """One colocar measurement in `layout`: a cluster of `HOSTS` sidecars started for it (after
+    the memory baseline, so the sidecars count in full) and a manager warmed up with a tiny step."""
     import jax
 
     import colocar
@@ -161,7 +162,7 @@ def colocar_round(
     baseline = memory.baseline()
     devices = _devices(state)
     with colocar.local_cluster(hosts=HOSTS, devices=devices, arena_size=arena, processes=0) as cluster:
-        mngr = CheckpointManager(directory, cluster, max_to_keep=None)
+        mngr = CheckpointManager(directory, cluster, max_to_keep=None, layout=layout)
         try:
             warm = tiny(state)
             mngr.save(0, warm)
@@ -201,3 +202,50 @@ def orbax_checkpointer(state: dict[str, Any], directory: str) -> Any:
     jax.block_until_ready(ckptr.restore(path, target=abstract(warm)))
     shutil.rmtree(path)
     return ckptr
+
+
+def orbax_written_restores(
+    ckptr: Any, state: dict[str, Any], root: str, arena: int, rounds: int
+) -> dict[str, Any]:
+    """A checkpoint Orbax wrote (`ckptr.save`, its default: OCDBT, zarr v2, zstd) restored by
+    colocar through the sidecars and by Orbax itself, `rounds` times each (order alternating,
+    warm page cache); the medians and colocar / Orbax."""
+    import statistics
+    import time
+
+    import jax
+
+    import colocar
+    from colocar.bench.ckpt_measure import check
+    from colocar.checkpoint import CheckpointManager
+
+    path = os.path.join(root, "orbax-written")
+    ckptr.save(path, state)
+    ckptr.wait_until_finished()
+    target, times = abstract(state), {"colocar": [], "orbax": []}
+    with colocar.local_cluster(
+        hosts=HOSTS, devices=_devices(state), arena_size=arena, processes=0
+    ) as cluster:
+        mngr = CheckpointManager(path, cluster)
+        jax.block_until_ready(mngr.restore(None, target))  # warm-up: readers' imports, page cache
+        for r in range(rounds):
+            for system in ("colocar", "orbax") if r % 2 == 0 else ("orbax", "colocar"):
+                started = time.perf_counter()
+                if system == "colocar":
+                    restored = jax.block_until_ready(mngr.restore(None, target))
+                else:
+                    restored = jax.block_until_ready(ckptr.restore(path, target=target))
+                times[system].append(time.perf_counter() - started)
+                check(restored, state)
+                del restored
+                gc.collect()
+        mngr.close()
+    shutil.rmtree(path)
+    medians = {k: statistics.median(v) for k, v in times.items()}
+    return {
+        "orbax_written_colocar_restore_s": round(medians["colocar"], 3),
+        "orbax_written_orbax_restore_s": round(medians["orbax"], 3),
+        "orbax_written_restore_ratio": round(medians["colocar"] / medians["orbax"], 3),
+        "orbax_written_colocar_restore_s_per_round": [round(t, 3) for t in times["colocar"]],
+        "orbax_written_orbax_restore_s_per_round": [round(t, 3) for t in times["orbax"]],
+    }
