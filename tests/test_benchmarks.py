@@ -32,6 +32,13 @@ REQUIRED = {
         "colocar_durable_training_s",
         "orbax_durable_training_s",
         "colocar_peak_host_mem_mib",
+        "orbax_layout_durable_ratio",  # colocar writing Orbax's layout
+        "orbax_layout_train_slowdown_ratio",
+        "orbax_layout_train_lost_ratio",
+        "orbax_layout_peak_host_mem_ratio",
+        "orbax_written_colocar_restore_s",  # a checkpoint Orbax wrote, restored by both
+        "orbax_written_orbax_restore_s",
+        "orbax_written_restore_ratio",
     ),
     "recovery": (
         "ram_s",

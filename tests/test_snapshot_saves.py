@@ -203,3 +203,22 @@ def test_the_elastic_storage_tier_saves_from_a_snapshot_of_the_same_arrays(make_
     finally:
         elastic.close()
         snaps.close()
+
+
+def test_a_snapshot_saved_in_orbax_layout_restores_bit_exactly(make_cluster, tmp_path):
+    """`save_to` writes Orbax's layout from the snapshot's blocks too (no device read)."""
+    url = str(tmp_path / "orbax")
+    cluster = _four(make_cluster)
+    state = _state(cluster, seed=5, rows=16)
+    with (
+        Snapshots(cluster, replicas=1, pool=POOL) as snaps,
+        CheckpointManager(url, cluster, max_chunk_bytes=48, layout="orbax") as mngr,
+    ):
+        assert snaps.take(5, state)
+        expected = _values(state)
+        _delete_device_arrays(state)
+        assert snaps.save_to(mngr, 5)
+        mngr.wait()
+        assert mngr.stats()["save"]["bytes"] == 0 and mngr.all_steps() == [5]
+    assert (tmp_path / "orbax" / "5" / "default" / "_METADATA").exists()
+    _check_restore(url, cluster, 5, _state(cluster, seed=5, rows=16), expected)

@@ -204,6 +204,12 @@ def array_spec(
     }
 
 
+def entry_spec(kvstore: dict[str, Any], entry: dict[str, Any]) -> dict[str, Any]:
+    """`array_spec` of a manifest's array entry (its stored shape, dtype and chunks) at `kvstore`."""
+    outer, inner = tuple(entry["chunks"]), tuple(entry["inner_chunks"])
+    return array_spec(kvstore, tuple(entry["stored_shape"]), entry["stored_dtype"], outer, inner)
+
+
 def read_spec(kvstore: dict[str, Any]) -> dict[str, Any]:
     """Opens a saved array for reading; a missing chunk is an error, not zeros."""
     return {"driver": "zarr3", "kvstore": kvstore, "fill_missing_data_reads": False}

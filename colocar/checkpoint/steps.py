@@ -41,12 +41,7 @@ class StepDirs:
     def write_spec(self, step: int, attempt: str, host: int, entry: dict[str, Any]) -> dict[str, Any]:
         """The tensorstore spec host `host` writes an array leaf's entry of save `attempt` with."""
         kvstore = self.storage.kvstore(f"{layout.attempt_dir(step, attempt)}/{entry['array_dir']}")
-        shape, outer, inner = (
-            tuple(entry["stored_shape"]),
-            tuple(entry["chunks"]),
-            tuple(entry["inner_chunks"]),
-        )
-        return layout.array_spec(kvstore, shape, entry["stored_dtype"], outer, inner)
+        return layout.entry_spec(kvstore, entry)
 
     def read_spec(self, step: int, manifest: dict[str, Any], entry: dict[str, Any]) -> dict[str, Any]:
         """The tensorstore spec a restore reads an array leaf's entry of committed `step` with."""

@@ -68,8 +68,14 @@ class OrbaxSteps(StepDirs):
 
     def is_committed(self, step: int) -> bool:
         directory = self._dirs().get(step)
-        if directory is None:
-            return False
+        return directory is not None and self._finished(directory)
+
+    def committed(self, steps: list[int] | None = None) -> list[int]:
+        dirs = self._dirs()  # one listing for all of them
+        wanted = sorted(dirs) if steps is None else steps
+        return [s for s in wanted if s in dirs and self._finished(dirs[s])]
+
+    def _finished(self, directory: str) -> bool:
         if self.in_place:
             return self.storage.exists(f"{directory}/{names.COMMIT_SUCCESS}")
         return bool(self.storage.children(directory))
@@ -169,12 +175,7 @@ class OrbaxSteps(StepDirs):
     def write_spec(self, step: int, attempt: str, host: int, entry: dict[str, Any]) -> dict[str, Any]:
         kvstore = ocdbt_kvstore(self.storage.kvstore(self.child_db(step, attempt, host)), entry["dir"])
         kvstore.update(config=names.OCDBT_CONFIG, assume_config=True)
-        shape, outer, inner = (
-            tuple(entry["stored_shape"]),
-            tuple(entry["chunks"]),
-            tuple(entry["inner_chunks"]),
-        )
-        return layout.array_spec(kvstore, shape, entry["stored_dtype"], outer, inner)
+        return layout.entry_spec(kvstore, entry)
 
     def read_spec(self, step: int, manifest: dict[str, Any], entry: dict[str, Any]) -> dict[str, Any]:
         options = manifest["orbax"]
