@@ -143,7 +143,8 @@ def gcs_cluster(make_cluster, gcs_server, cluster):
 
 def test_orbax_layout_on_gcs_both_ways(gcs_cluster, gcs_server, orbax_written):
     """On GCS (fake-gcs-server): Orbax restores colocar's step (finished by
-    commit_success.txt, written in place), and colocar restores Orbax's."""
+    commit_success.txt, written in place), colocar restores Orbax's, and an Orbax step without
+    its commit_success.txt is neither listed nor restored."""
     gcs_server.create_bucket("orbax-both-ways")
     url = "gs://orbax-both-ways/run"
     with CheckpointManager(url, gcs_cluster, layout="orbax") as m:
@@ -155,6 +156,17 @@ def test_orbax_layout_on_gcs_both_ways(gcs_cluster, gcs_server, orbax_written):
     with CheckpointManager(url, gcs_cluster) as m:
         assert m.all_steps() == [4, 5]
         assert orbax_states.mismatches(m.restore(5, orbax_states.target(6)), 6) == []
+        _bucket().blob("run/5/commit_success.txt").delete()  # step 5 as Orbax leaves it before its commit
+        assert m.all_steps() == [4]
+        with pytest.raises(CheckpointError, match=r"step 5 is not a committed checkpoint.*unfinished.*\[5\]"):
+            m.restore(5, orbax_states.target(6))
+
+
+def _bucket():
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import storage
+
+    return storage.Client(project="colocar", credentials=AnonymousCredentials()).bucket("orbax-both-ways")
 
 
 def _files(step_dir) -> list[str]:

@@ -222,7 +222,8 @@ def orbax_written_restores(
     path = os.path.join(root, "orbax-written")
     ckptr.save(path, state)
     ckptr.wait_until_finished()
-    target, times = abstract(state), {"colocar": [], "orbax": []}
+    target = abstract(state)
+    times: dict[str, list[float]] = {"colocar": [], "orbax": []}
     with colocar.local_cluster(
         hosts=HOSTS, devices=_devices(state), arena_size=arena, processes=0
     ) as cluster:
