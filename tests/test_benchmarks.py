@@ -39,6 +39,7 @@ REQUIRED = {
         "orbax_written_colocar_restore_s",  # a checkpoint Orbax wrote, restored by both
         "orbax_written_orbax_restore_s",
         "orbax_written_restore_ratio",
+        "orbax_written_restore_cpu_ratio",  # the busiest sidecar's CPU + the controller's, to Orbax's
     ),
     "recovery": (
         "ram_s",
