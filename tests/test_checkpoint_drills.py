@@ -272,7 +272,10 @@ def test_sidecar_killed_mid_save_then_restart_many_seeds(make_cluster, tmp_path,
         cluster.make_current()
 
 
-@pytest.mark.parametrize("layout", ["colocar", "orbax"])
+@pytest.mark.parametrize(
+    "layout",
+    ["colocar", pytest.param("orbax", marks=pytest.mark.slow)],  # (the lease check is the same code)
+)
 @pytest.mark.parametrize("seed", [1])
 def test_crash_and_immediate_restart_elsewhere(make_cluster, tmp_path, cluster, seed, layout):
     """The restart reaches other sidecars: the dead trainer's writers are not fenced by it, but
