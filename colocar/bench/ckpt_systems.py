@@ -10,7 +10,7 @@ from __future__ import annotations
 import gc
 import os
 import shutil
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -247,7 +247,7 @@ def orbax_written_restores(
     with colocar.local_cluster(
         hosts=HOSTS, devices=_devices(state), arena_size=arena, processes=0
     ) as cluster:
-        sidecars = [p.pid for p in cluster.processes]
+        sidecars = [p.pid for p in cast(Any, cluster).processes]  # a LocalCluster's sidecar processes
         mngr = CheckpointManager(path, cluster)
         jax.block_until_ready(mngr.restore(None, target))  # warm-up: readers' imports, page cache
         for r in range(rounds):
