@@ -20,6 +20,7 @@ from colocar.errors import CheckpointError
 from . import layout
 from .catalog import Catalog, steps_of
 from .orbax import files as orbax_files
+from .orbax.names import KEY_SEQUENCE
 from .steps import StepDirs
 from .storage import open_storage
 
@@ -39,12 +40,10 @@ def convert(
         if Catalog(target).holder(step) is not None:
             raise CheckpointError(f"step {step} exists in {target.url} already; delete it first")
         _write_step(held, step, manifest, out)
-        done.append(f"step {step}: {held.layout} -> {layout_name} ({len(_arrays(manifest))} arrays)")
+        done.append(
+            f"step {step}: {held.layout} -> {layout_name} ({len(orbax_files.array_entries(manifest))} arrays)"
+        )
     return done
-
-
-def _arrays(manifest: dict[str, Any]) -> list[dict[str, Any]]:
-    return [e for e in manifest["leaves"].values() if e["kind"] != "value"]
 
 
 def _write_step(held: StepDirs, step: int, manifest: dict[str, Any], out: StepDirs) -> None:
@@ -55,7 +54,7 @@ def _write_step(held: StepDirs, step: int, manifest: dict[str, Any], out: StepDi
     out.write_manifest(step, attempt, json.dumps(converted).encode())
     reads = ts.Context(held.storage.context_spec())
     writes = ts.Context(out.storage.context_spec())
-    for entry in _arrays(converted):
+    for entry in orbax_files.array_entries(converted):
         original = manifest["leaves"][entry["key"]]
         source = ts.open(held.read_spec(step, manifest, original), context=reads, open=True).result()
         spec = out.write_spec(step, attempt, 0, entry)
@@ -81,13 +80,23 @@ def _manifest_for(manifest: dict[str, Any], layout_name: str, step: int, attempt
         entry.setdefault("inner_chunks", entry.get("chunks"))
     if layout_name == "orbax":
         orbax_files.annotate(converted)
-        for entry in _arrays(converted):
+        for entry in orbax_files.array_entries(converted):
             entry.setdefault("orbax_sharding", orbax_files.sharding_of(entry.get("sharding")))
         return converted
-    from . import keypaths  # (JAX's key types: only a conversion to colocar's format needs them)
+    from jax.tree_util import DictKey, SequenceKey  # (only a conversion to colocar's format needs JAX)
 
-    for entry in _arrays(converted):
-        keys = entry.get("path") or []
-        entry["dir"] = "/".join(keypaths.escape(str(k)) for k, _ in keys) if keys else keypaths.ROOT
+    from . import keypaths
+
+    entries = orbax_files.array_entries(converted)
+    paths = [
+        (
+            e["key"],
+            tuple(SequenceKey(int(k)) if t == KEY_SEQUENCE else DictKey(k) for k, t in e.get("path") or []),
+        )
+        for e in entries
+    ]
+    dirs = keypaths.leaf_dirs(paths)  # as a save names them (and refusing the same clashes)
+    for entry in entries:
+        entry["dir"] = dirs[entry["key"]]
         entry["array_dir"] = layout.array_dir(converted, entry)
     return converted

@@ -80,10 +80,11 @@ def _skeleton(tree: Any, path: tuple = ()) -> Any:
     children = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is not tree)[0]
     if isinstance(tree, list | tuple) and not hasattr(tree, "_fields"):
         return {"list": [_skeleton(child, path + (p[0],)) for p, child in children]}
-    return {"dict": {_key_name(p[0]): _skeleton(child, path + (p[0],)) for p, child in children}}
+    return {"dict": {key_name(p[0]): _skeleton(child, path + (p[0],)) for p, child in children}}
 
 
-def _key_name(key: Any) -> str:
+def key_name(key: Any) -> str:
+    """A key path entry as the name a skeleton (and Orbax's parameter names) give it."""
     for attr in ("key", "name", "idx"):
         if hasattr(key, attr):
             return str(getattr(key, attr))

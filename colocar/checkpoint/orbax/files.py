@@ -75,7 +75,8 @@ def scalars(manifest: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
-def _arrays(manifest: dict[str, Any]) -> list[dict[str, Any]]:
+def array_entries(manifest: dict[str, Any]) -> list[dict[str, Any]]:
+    """The manifest's array leaves (every kind but plain values)."""
     return [e for e in manifest["leaves"].values() if e["kind"] != "value"]
 
 
@@ -107,7 +108,7 @@ def item_metadata(manifest: dict[str, Any]) -> bytes:
     """`_METADATA`: every array and scalar leaf by Orbax's key, the storage options, and
     colocar's manifest in `custom_metadata`."""
     tree: dict[str, Any] = {}
-    for entry in _arrays(manifest) + scalars(manifest):
+    for entry in array_entries(manifest) + scalars(manifest):
         kind = entry["kind"] if entry["kind"] != "value" else "scalar"
         value: dict[str, Any] = {"value_type": VALUE_TYPES[kind], "skip_deserialize": False}
         if kind in ("array", "prng_key"):
@@ -130,7 +131,7 @@ def shardings(manifest: dict[str, Any]) -> bytes:
     """`_sharding`: base64url(parameter name) -> the sharding as Orbax describes it (a JSON string)."""
     body = {
         base64.urlsafe_b64encode(e["dir"].encode()).decode(): e["orbax_sharding"]
-        for e in _arrays(manifest)
+        for e in array_entries(manifest)
         if e.get("orbax_sharding")
     }
     return json.dumps(body).encode()
@@ -147,7 +148,7 @@ def array_metadatas(manifest: dict[str, Any]) -> bytes:
                 "ext_metadata": None,
             }
         }
-        for e in _arrays(manifest)
+        for e in array_entries(manifest)
         if e["kind"] in ("array", "prng_key")
     ]
     return json.dumps({"array_metadatas": body}).encode()

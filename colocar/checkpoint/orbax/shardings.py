@@ -9,18 +9,12 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
+from colocar.checkpoint import tree
+
 
 def param_name(path: tuple) -> str:
     """Orbax's parameter name of a leaf at a `jax.tree_util` key path: its keys joined by dots."""
-    parts = []
-    for key in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(key, attr):
-                parts.append(str(getattr(key, attr)))
-                break
-        else:
-            parts.append(str(key))
-    return ".".join(parts)
+    return ".".join(tree.key_name(key) for key in path)
 
 
 def match_keys(paths: list[tuple], manifest: dict[str, Any]) -> list[str]:
