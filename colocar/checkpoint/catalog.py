@@ -14,7 +14,7 @@ from typing import Any
 from colocar.errors import CheckpointError
 
 from .orbax.steps import OrbaxSteps
-from .steps import ManifestError, StepDirs
+from .steps import ManifestError, StepDirs, older_than
 from .storage import Storage
 
 LAYOUTS = ("colocar", "orbax")
@@ -82,10 +82,7 @@ class Catalog:
         return None, manifest, orbax
 
     def older_than(self, step: int) -> str:
-        older = [s for s in self.committed() if s < step]
-        if not older:
-            return f"; step {step} is the only committed step: there is no older one to restore"
-        return f"; step {step} is the latest committed step: restore(step={older[-1]}) picks an older one"
+        return older_than(self.committed(), step)
 
     def _unfinished(self, step: int | None = None) -> str:
         """Names the unfinished steps (an Orbax step without its commit), which are never read."""

@@ -141,10 +141,7 @@ class StepDirs:
 
     def older_than(self, step: int) -> str:
         """What a user whose latest committed step is broken can do instead."""
-        older = [s for s in self.committed() if s < step]
-        if not older:
-            return f"; step {step} is the only committed step: there is no older one to restore"
-        return f"; step {step} is the latest committed step: restore(step={older[-1]}) picks an older one"
+        return older_than(self.committed(), step)
 
     def _unreadable(self, step: int, why: str) -> str:
         name = f"{self.storage.url}/{self._name(step, layout.MANIFEST)}"
@@ -262,3 +259,11 @@ class StepDirs:
 
     def _manifest(self, step: int, attempt: str) -> str:
         return self._in(step, attempt, layout.MANIFEST)
+
+
+def older_than(committed: list[int], step: int) -> str:
+    """The hint after an error on the latest committed `step`: the step to restore instead."""
+    older = [s for s in committed if s < step]
+    if not older:
+        return f"; step {step} is the only committed step: there is no older one to restore"
+    return f"; step {step} is the latest committed step: restore(step={older[-1]}) picks an older one"
