@@ -10,6 +10,8 @@ final state and of the batches seen: equal in every topology (the same batches, 
     # multi-controller JAX, one process per host with its own sidecar, as k8s/examples run it:
     JAX_COORDINATOR_ADDRESS=h0:8476 COLOCAR_NUM_HOSTS=2 JOB_COMPLETION_INDEX=0 \
         COLOCAR_SIDECARS=127.0.0.1:7070 COLOCAR_TOKEN_FILE=token python examples/train.py --ckpt gs://B/P
+    # on Slurm, one task per node (README "Run on Slurm"):
+    colocar slurm render --nodes 4 -- python examples/train.py --ckpt /shared/ckpt > job.sh; sbatch job.sh
 """
 
 from __future__ import annotations
@@ -85,13 +87,16 @@ def checksum(tree) -> str:
 
 
 def init_jax() -> None:
-    """Joins jax.distributed when this is one process of several (k8s/examples set these)."""
-    if "JAX_COORDINATOR_ADDRESS" in os.environ:  # GPU slices
+    """Joins jax.distributed when this is one process of several (k8s/examples and
+    `colocar slurm run` set these)."""
+    if "JOB_COMPLETION_INDEX" in os.environ:  # GPU slices on Kubernetes
         jax.distributed.initialize(
             os.environ["JAX_COORDINATOR_ADDRESS"],
             num_processes=int(os.environ["COLOCAR_NUM_HOSTS"]),
             process_id=int(os.environ["JOB_COMPLETION_INDEX"]),
         )
+    elif "JAX_COORDINATOR_ADDRESS" in os.environ:  # Slurm: JAX reads the process id and count itself
+        jax.distributed.initialize()
     elif "," in os.environ.get("TPU_WORKER_HOSTNAMES", ""):  # multi-host TPU slices: JAX finds its peers
         jax.distributed.initialize()
 

@@ -7,6 +7,8 @@ the final check (no arena file, no sidecar process left) is exact.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import glob
 import os
 import shutil
 import tempfile
@@ -18,6 +20,7 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 import psutil  # noqa: E402
 import pytest  # noqa: E402
 from helpers import kill_if_stopped  # noqa: E402
+from slurm_helpers import LiveSlurm, slurm_missing  # noqa: E402
 
 _base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 SHM_DIR = tempfile.mkdtemp(prefix=f"colocar-test-{os.getpid()}-", dir=_base)
@@ -28,6 +31,7 @@ MiB = 1 << 20
 TEST_ARENA = 64 * MiB
 # Fixtures shared by several test files live in plugin modules next to this file.
 pytest_plugins = ["security_fixtures", "loader_config_fixtures"]
+SLURMS: list[LiveSlurm] = []  # every live Slurm the session started, for the leak check
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -129,18 +133,37 @@ def gcs_server(tmp_path_factory):
         server.stop()
 
 
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory):
+    """A live Slurm for the session: munged, slurmctld and four slurmd (node1..node4) on this host."""
+    reason = slurm_missing()
+    if reason:
+        pytest.skip(reason)
+    cluster = LiveSlurm(tmp_path_factory.mktemp("slurm"))
+    SLURMS.append(cluster)
+    with cluster:
+        yield cluster
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """The suite fails if it leaves a sidecar process or an arena file behind."""
+    """The suite fails if it leaves a sidecar, Slurm or munge process or an arena file behind."""
     left = server_children()
     for process in left:
         process.kill()
+    slurm_left = [process for cluster in SLURMS for process in cluster.leftover_processes()]
+    for process in slurm_left:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
     files = os.listdir(SHM_DIR) if os.path.isdir(SHM_DIR) else []
+    files += glob.glob("/dev/shm/colocar-slurm*")  # the arenas of Slurm jobs' sidecars
     shutil.rmtree(SHM_DIR, ignore_errors=True)
     problems = []
     if left:
         problems.append(f"sidecar or server processes left running: {[p.pid for p in left]}")
+    if slurm_left:
+        problems.append(f"Slurm or munge processes left running: {[p.pid for p in slurm_left]}")
     if files:
-        problems.append(f"arena files left in the shm dir: {files}")
+        problems.append(f"arena files left in the shm dirs: {files}")
     if problems:
         print("\nLEAK CHECK FAILED: " + "; ".join(problems))
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

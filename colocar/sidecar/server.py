@@ -84,6 +84,14 @@ def _pool(text: str) -> tuple[str, int]:
     return name, _size(size)
 
 
+STOP_SIGNALS = ("TERM", "USR1", "USR2")
+STOP_SIGNAL_HELP = (
+    "the signal that drains the sidecar (TERM: SIGTERM or SIGINT); any other leaves SIGTERM and "
+    "SIGINT ignored, for a supervisor that stops the sidecar after its trainer (Slurm signals "
+    "every process of a job step at once)"
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="colocar sidecar", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--address", default="127.0.0.1:0", help="host:port to bind (port 0: any)")
@@ -125,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--drain-seconds", type=float, default=10.0, help="grace period on SIGTERM")
     p.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone")
+    p.add_argument("--stop-signal", choices=STOP_SIGNALS, default="TERM", help=STOP_SIGNAL_HELP)
     p.add_argument("--label", default=DEFAULT_LABEL, help="name part of the arena file and host in log lines")
     p.add_argument(
         "--metrics-port",
@@ -256,16 +265,21 @@ def _start_grpc(
     return server, health_servicer, f"{host}:{port}"
 
 
-def _stop_event(parent_pid: int) -> tuple[threading.Event, list[str]]:
-    """Set on SIGTERM or SIGINT, or (with `parent_pid`) once that process is gone; the list
-    gets the reason (the signal's name, or that the parent is gone)."""
+def _stop_event(parent_pid: int, stop_signal: str = "TERM") -> tuple[threading.Event, list[str]]:
+    """Set on SIGTERM or SIGINT (or on `stop_signal` alone, the other two then ignored, also by
+    the worker processes started after), or (with `parent_pid`) once that process is gone; the
+    list gets the reason (the signal's name, or that the parent is gone)."""
     stop, why = threading.Event(), ["parent process gone"]
 
     def on_signal(signum: int, _frame: object) -> None:
         why[0] = signal.Signals(signum).name
         stop.set()
 
+    own = [signal.Signals[f"SIG{stop_signal}"]]
+    stops = [signal.SIGTERM, signal.SIGINT] if stop_signal == "TERM" else own
     for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    for sig in stops:
         signal.signal(sig, on_signal)
     if parent_pid:  # no orphans: a local cluster's sidecar ends with its controller
         lifeline.on_exit(parent_pid, stop.set, name="colocar-parent-watch")
@@ -342,6 +356,7 @@ def serve(argv: list[str] | None = None) -> int:
     if args.ready_fd is not None:  # for us alone: no child process (the forkserver) inherits it
         os.set_inheritable(args.ready_fd, False)
     _configure_logging(args.label)
+    stop, why = _stop_event(args.parent_pid, args.stop_signal)  # before the workers: they inherit it
     token, credentials = _security(args)
     metrics = _start_metrics(args)
     try:
@@ -354,7 +369,6 @@ def serve(argv: list[str] | None = None) -> int:
         metrics.attach(service)
     link = _start_link(service, arena.arena.path, token)
     server, health_servicer, bound = _start_grpc(args, service, token, credentials, arena)
-    stop, why = _stop_event(args.parent_pid)
     _announce(args, bound, arena, metrics)
     while not stop.wait(0.5):
         pass

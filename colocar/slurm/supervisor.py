@@ -1,0 +1,233 @@
+"""`colocar slurm run`: one task of a job step: the node's sidecar, then the trainer.
+
+Multi-controller (the default): every task runs its node's trainer next to its sidecar. A
+trainer that fails is restarted in place, and with it every other node's (one generation
+more in the job directory, `--trainer-restarts` at most): a jax.distributed job cannot go on
+without a process, and the restarted trainers resume from the sidecars' RAM. Single-
+controller: the first task also runs the controller; the others keep their sidecars until
+it ends. Without a command every task only serves its sidecar (an salloc session).
+
+SIGTERM and SIGINT (scancel, the time limit's `--signal`, Ctrl-C on srun) go to the trainer,
+whose last save then still reaches the sidecar; the sidecar is stopped after the trainer.
+On every way out the task ends what it started and leaves no arena behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import ports
+from .jobdir import JobDir, StepDir, default_job_dir
+from .sidecar import NodeSidecar
+from .task import SlurmError, SlurmTask, hostnames, node_address
+
+POLL_SECONDS = 0.5
+RESTART_GRACE = 10.0  # a trainer told to restart gets this long after SIGTERM, then SIGKILL
+
+
+@dataclass
+class RunOptions:
+    command: list[str]
+    topology: str = "multi"
+    trainer_restarts: int = 0
+    job_dir: str | None = None
+    shm_dir: str = "/dev/shm"
+    sidecar_options: list[str] = field(default_factory=list)  # --arena-size, --pool, --processes
+    startup_timeout: float = 600.0
+
+
+def exit_code(returncode: int) -> int:
+    """A shell's exit status for a child's return code (killed by signal N: 128 + N)."""
+    return returncode if returncode >= 0 else 128 - returncode
+
+
+class Supervisor:
+    """Runs one task; `run()` returns the task's exit status."""
+
+    def __init__(self, task: SlurmTask, options: RunOptions):
+        self.task, self.options = task, options
+        self.signals: list[int] = []
+        self.child: subprocess.Popen | None = None
+        self.jobdir = JobDir(options.job_dir or default_job_dir(task.job_id))
+        self.step = self.jobdir.step(task.step_id)
+        self.node = task.node_name
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        self.signals.append(signum)
+        child = self.child
+        if child is not None and child.poll() is None:
+            child.send_signal(signum)  # the trainer's save_on_preemption, or its end
+
+    def say(self, message: str) -> None:
+        print(f"colocar slurm run [{self.node}]: {message}", file=sys.stderr, flush=True)
+
+    def run(self) -> int:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+        token_file = self.jobdir.token_file()
+        logs = os.path.join(self.jobdir.path, "logs")
+        os.makedirs(logs, mode=0o700, exist_ok=True)
+        log = os.path.join(logs, f"sidecar-{self.node}.log")
+        sidecar = NodeSidecar(self.task, token_file, self.options.shm_dir, log, self.options.sidecar_options)
+        try:
+            self._check_signals()
+            sidecar.start()
+            addresses, coordinator = self._rendezvous(sidecar)
+            self.say(f"sidecar serving at {addresses[self._index]} (log: {log})")
+            if self.task.proc_id == 0:
+                self.jobdir.write_connection(addresses, token_file, self.options.topology)
+            env = self._env(sidecar.port, addresses, coordinator, token_file)
+            if self.options.topology == "multi" and self.options.command:
+                return self._multi(sidecar, env)
+            return self._single(sidecar, env)
+        except _Stopped as e:
+            return e.code
+        finally:
+            self._end_child(grace=RESTART_GRACE)
+            sidecar.stop()
+            if self.task.proc_id == 0:
+                self.jobdir.remove_connection()
+
+    def _check_signals(self) -> None:
+        if self.signals:
+            raise _Stopped(128 + self.signals[0])
+
+    def _rendezvous(self, sidecar: NodeSidecar) -> tuple[list[str], str]:
+        """Publishes this node's sidecar and waits for every node's: (addresses in the step's
+        node order, the address of the node of process 0, the JAX coordinator's host)."""
+        names = hostnames(self.task.nodelist)
+        self._index = names.index(self.node)
+        host = os.environ.get("COLOCAR_NODE_ADDRESS") or node_address(self.node)
+        record: dict[str, Any] = {"node": self.node, "address": f"{host}:{sidecar.port}", "host": host}
+        record.update(proc_id=self.task.proc_id, pid=os.getpid(), sidecar_pid=sidecar.info["pid"])
+        self.step.publish(self._index, record)
+
+        def check() -> None:
+            self._check_signals()
+            if sidecar.exited() is not None:
+                raise SlurmError(f"the sidecar exited before the job started:\n{sidecar.log_tail()}")
+
+        records = self.step.wait_sidecars(len(names), self.options.startup_timeout, check)
+        coordinator = next(r["host"] for r in records if r["proc_id"] == 0)
+        return [r["address"] for r in records], coordinator
+
+    def _env(self, port: int, addresses: list[str], coordinator: str, token_file: str) -> dict[str, str]:
+        env = dict(os.environ, COLOCAR_TOKEN_FILE=token_file, COLOCAR_JOB_DIR=self.jobdir.path)
+        if self.options.topology == "multi":
+            env.update(
+                COLOCAR_SIDECARS=f"127.0.0.1:{port}",  # its own sidecar, on loopback
+                COLOCAR_PEER_ADDRESS=addresses[self._index],  # how the peers' sidecars reach it
+                COLOCAR_NUM_HOSTS=str(len(addresses)),
+                JAX_COORDINATOR_ADDRESS=f"{coordinator}:{{port}}",  # the port: per generation
+            )
+            visible = env.get("CUDA_VISIBLE_DEVICES")
+            if visible and "JAX_LOCAL_DEVICE_IDS" not in env:  # all of the node's GPUs, not [SLURM_LOCALID]
+                env["JAX_LOCAL_DEVICE_IDS"] = ",".join(str(i) for i in range(len(visible.split(","))))
+        else:
+            env["COLOCAR_SIDECARS"] = ",".join(addresses)
+        return env
+
+    def _spawn(self, env: dict[str, str], generation: int) -> subprocess.Popen:
+        env = dict(env, COLOCAR_RESTART=str(generation))
+        if "JAX_COORDINATOR_ADDRESS" in env:
+            port = ports.jax_coordinator_port(self.task.job_id, generation)
+            env["JAX_COORDINATOR_ADDRESS"] = env["JAX_COORDINATOR_ADDRESS"].format(port=port)
+        self.child = subprocess.Popen(self.options.command, env=env)
+        return self.child
+
+    def _end_child(self, grace: float) -> None:
+        """Ends the trainer if it still runs: SIGTERM, then SIGKILL after `grace` seconds."""
+        child, self.child = self.child, None
+        if child is None or child.poll() is not None:
+            return
+        child.terminate()
+        try:
+            child.wait(grace)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+
+    def _watch(self, step: StepDir, sidecar: NodeSidecar | None, generation: int | None) -> str:
+        """Waits for what ends the current phase: "child" (the trainer exited), "sidecar" (it
+        died), "ended" (the step is over), "generation" (the trainers restart), "signal"."""
+        while True:
+            if self.child is not None:
+                try:
+                    self.child.wait(POLL_SECONDS)
+                    return "child"
+                except subprocess.TimeoutExpired:
+                    pass
+            elif self.signals:
+                return "signal"
+            else:
+                time.sleep(POLL_SECONDS)
+            if sidecar is not None and sidecar.exited() is not None:
+                return "sidecar"
+            if step.ended() is not None:
+                return "ended"
+            if generation is not None and step.generation() > generation:
+                return "generation"
+
+    def _multi(self, sidecar: NodeSidecar, env: dict[str, str]) -> int:
+        generation = self.step.generation()
+        while True:
+            child = self._spawn(env, generation)
+            event = self._watch(self.step, sidecar, generation)
+            if event == "child":
+                code = exit_code(child.returncode)
+                if code == 0 or self.signals:
+                    return code
+                if generation >= self.options.trainer_restarts:
+                    self.step.end(code, f"the trainer on {self.node} failed (exit {code}), no restart left")
+                    self.say(f"trainer failed (exit {code}), restarts used up: the job step ends")
+                    return code
+                self.say(f"trainer failed (exit {code}): restarting every node's trainer in place")
+                generation = self.step.bump(generation, f"the trainer on {self.node} exited {code}")
+                continue
+            self._end_child(RESTART_GRACE)
+            if event == "generation":
+                generation = self.step.generation()
+                self.say(f"a peer's trainer failed: restarting in place (restart {generation})")
+                continue
+            if event == "sidecar":
+                self.step.end(1, f"the sidecar on {self.node} died")
+                self.say(f"the sidecar died:\n{sidecar.log_tail()}")
+                return 1
+            return _ended_code(self.step)
+
+    def _single(self, sidecar: NodeSidecar, env: dict[str, str]) -> int:
+        if self.task.proc_id == 0 and self.options.command:  # the controller; elastic on lost hosts
+            child = self._spawn(env, 0)
+            self._watch(self.step, None, None)
+            code = exit_code(child.returncode) if child.poll() is not None else 1
+            self.step.end(code, f"the controller on {self.node} exited {code}")
+            return code
+        event = self._watch(self.step, sidecar, None)
+        if event == "sidecar":
+            self.say(f"the sidecar died (exit {sidecar.exited()}):\n{sidecar.log_tail()}")
+            return 1
+        if event == "signal":
+            return 128 + self.signals[0]
+        return 0
+
+
+class _Stopped(Exception):
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
+
+
+def _ended_code(step: StepDir) -> int:
+    ended = step.ended()
+    return 0 if ended is None else int(ended["code"])
+
+
+def run(options: RunOptions) -> int:
+    """The entry point of `colocar slurm run`: this task, from the SLURM_* variables."""
+    return Supervisor(SlurmTask.from_env(), options).run()
