@@ -12,6 +12,7 @@ import glob
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -23,6 +24,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "examples" / "train.py"
 ELASTIC = ROOT / "tests" / "programs" / "slurm_elastic.py"
+PREEMPTED = ROOT / "tests" / "programs" / "slurm_preempted.py"
 FINAL = re.compile(
     r"^train\.py: process (\d) of (\d): 4 steps, state (\w+), batches (\w+), replayed from step 2: same$"
 )
@@ -168,38 +170,98 @@ def _wait_for(path: Path, output: Path | None = None) -> None:
         time.sleep(0.5)
 
 
+def _wait_output(out: Path, text: str, count: int = 1) -> str:
+    deadline = time.monotonic() + DEADLINE
+    while (output := out.read_text() if out.exists() else "").count(text) < count:
+        assert time.monotonic() < deadline, output[-3000:]
+        time.sleep(0.5)
+    return output
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    top = psutil.Process(pid)
+    return [top, *top.children(recursive=True)]
+
+
 def test_scancel_ends_every_process_of_the_job(slurm, tmp_path) -> None:
+    """A task killed outright (SIGKILL: an OOM kill) takes its trainer, sidecar and workers
+    along and leaves its arena to no one; scancel then ends the other tasks the same way."""
     trainer = "import time; print('training', flush=True); time.sleep(600)"
     job, out = _submit(
         slurm, tmp_path, _env(slurm, tmp_path, 1), "--nodes", "4", "--arena", "64M",
         "--", sys.executable, "-c", trainer,
     )  # fmt: skip
-    _wait_for(tmp_path / "job" / "connection.json", out)
-    deadline = time.monotonic() + DEADLINE
-    while out.read_text().count("training") < 4:
-        assert time.monotonic() < deadline, out.read_text()
-        time.sleep(0.5)
+    _wait_output(out, "training", 4)
     running = _job_processes(job)
     sidecars = [p for p in running if "colocar.sidecar" in " ".join(p.cmdline())]
-    assert len(sidecars) == 4 and glob.glob(f"/dev/shm/colocar-slurm{job}-*")
+    assert len(sidecars) == 4 and len(glob.glob(f"/dev/shm/colocar-slurm{job}-*.arena")) == 4
+    record = json.loads((tmp_path / "job" / "step-0" / "sidecars" / "3.json").read_text())
+    lost = _tree(record["pid"])  # node4's task: its trainer, its sidecar and any workers of it
+    commands = [" ".join(p.cmdline()) for p in lost]
+    assert any("colocar.sidecar" in c for c in commands) and any("time.sleep" in c for c in commands), (
+        commands
+    )
+    lost[0].kill()
+    _, alive = psutil.wait_procs(lost[1:], timeout=60)
+    assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], alive
+    assert not glob.glob(f"/dev/shm/colocar-slurm{job}-node4-*")
     slurm.run(["scancel", str(job)])
     assert slurm.wait_job(job, timeout=DEADLINE) == "CANCELLED"
     _assert_nothing_left(job)
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in running)
 
 
-def test_salloc_and_a_notebook_attach_to_the_jobs_sidecars(slurm, tmp_path) -> None:
+def test_the_time_limit_signal_saves_a_last_checkpoint(slurm, tmp_path) -> None:
+    """What `--signal=TERM@S` sends before the time limit (SIGTERM to every task of the step,
+    not to the batch shell), sent now with scancel: the controller saves a last step through
+    the sidecars, which stay until it is done, and the job completes."""
+    ckpt = tmp_path / "ckpt"
+    job, out = _submit(
+        slurm, tmp_path, _env(slurm, tmp_path, 4), "--nodes", "2", "--topology", "single",
+        "--arena", "64M", "--", sys.executable, str(PREEMPTED), str(ckpt),
+    )  # fmt: skip
+    _wait_output(out, "training 3")
+    slurm.run(["scancel", "--signal=TERM", str(job)])
+    assert slurm.wait_job(job, timeout=DEADLINE) == "COMPLETED", out.read_text()[-3000:]
+    saved = re.search(r"^SAVED (\d+)$", out.read_text(), re.M)
+    assert saved, out.read_text()[-3000:]
+    listing = subprocess.run(
+        [sys.executable, "-m", "colocar", "ckpt", "ls", str(ckpt)], check=True, capture_output=True, text=True
+    ).stdout
+    assert saved.group(1) in listing.split(), listing
+    _assert_nothing_left(job)
+
+
+@pytest.fixture(params=["address", "name"])
+def node_addresses(request, slurm):
+    """How the nodes are reached: by the literal NodeAddr of the fixture (their names do not
+    resolve), or, as on clusters whose node names resolve, by a name (this host's)."""
+    if request.param == "address":
+        yield "127.0.0.1"
+        return
+    name = socket.gethostname()
+    slurm.run(["scontrol", "update", "NodeName=node[1-2]", f"NodeAddr={name},{name}"])
+    try:
+        yield name
+    finally:
+        slurm.run(["scontrol", "update", "NodeName=node[1-2]", "NodeAddr=127.0.0.1,127.0.0.1"])
+
+
+def test_salloc_and_a_notebook_attach_to_the_jobs_sidecars(slurm, tmp_path, node_addresses) -> None:
     """salloc, the sidecars started with srun in the allocation, and a real Jupyter kernel
     with the allocation's environment: a bare `colocar.connect()` finds them."""
     from notebook_helpers import Kernel
 
-    granted = slurm.run(["salloc", "--no-shell", "-N", "2", "--job-name", "interactive"])
+    granted = slurm.run(["salloc", "--no-shell", "-w", "node[1-2]", "--job-name", "interactive"])
     job = int(re.search(r"Granted job allocation (\d+)", granted.stderr + granted.stdout).group(1))
     env = _env(slurm, tmp_path, 2)
     command = ["srun", "--jobid", str(job), "-N", "2", "--ntasks-per-node=1", sys.executable, "-m", "colocar"]
     sidecars = subprocess.Popen([*command, "slurm", "run", "--topology", "single", "--arena", "64M"], env=env)
     try:
-        _wait_for(tmp_path / "job" / "connection.json")
+        connection = tmp_path / "job" / "connection.json"
+        _wait_for(connection)
+        published = json.loads(connection.read_text())["sidecars"]
+        assert [a.rsplit(":", 1)[0] for a in published] == [node_addresses] * 2, published
         kernel_env = {
             "SLURM_JOB_ID": str(job),
             "COLOCAR_JOB_DIR": env["COLOCAR_JOB_DIR"],

@@ -14,11 +14,13 @@ On every way out the task ends what it started and leaves no arena behind.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +30,9 @@ from .sidecar import NodeSidecar
 from .task import SlurmError, SlurmTask, hostnames, node_address
 
 POLL_SECONDS = 0.5
-RESTART_GRACE = 10.0  # a trainer told to restart gets this long after SIGTERM, then SIGKILL
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+RESTART_GRACE = 3.0  # a trainer told to restart gets this long after SIGTERM, then SIGKILL: with a
+# peer gone it is likely stuck in a collective, with nothing left to finish
 
 
 @dataclass
@@ -138,7 +142,7 @@ class Supervisor:
         if "JAX_COORDINATOR_ADDRESS" in env:
             port = ports.jax_coordinator_port(self.task.job_id, generation)
             env["JAX_COORDINATOR_ADDRESS"] = env["JAX_COORDINATOR_ADDRESS"].format(port=port)
-        self.child = subprocess.Popen(self.options.command, env=env)
+        self.child = subprocess.Popen(self.options.command, env=env, preexec_fn=_dies_with(os.getpid()))
         return self.child
 
     def _end_child(self, grace: float) -> None:
@@ -153,9 +157,12 @@ class Supervisor:
             child.kill()
             child.wait()
 
-    def _watch(self, step: StepDir, sidecar: NodeSidecar | None, generation: int | None) -> str:
+    def _watch(
+        self, step: StepDir, sidecar: NodeSidecar | None, generation: int | None, signals: bool = False
+    ) -> str:
         """Waits for what ends the current phase: "child" (the trainer exited), "sidecar" (it
-        died), "ended" (the step is over), "generation" (the trainers restart), "signal"."""
+        died), "ended" (the step is over), "generation" (the trainers restart), "signal" (with
+        `signals`: one came, and no trainer here has to finish first)."""
         while True:
             if self.child is not None:
                 try:
@@ -163,7 +170,7 @@ class Supervisor:
                     return "child"
                 except subprocess.TimeoutExpired:
                     pass
-            elif self.signals:
+            elif signals and self.signals:
                 return "signal"
             else:
                 time.sleep(POLL_SECONDS)
@@ -208,13 +215,27 @@ class Supervisor:
             code = exit_code(child.returncode) if child.poll() is not None else 1
             self.step.end(code, f"the controller on {self.node} exited {code}")
             return code
-        event = self._watch(self.step, sidecar, None)
+        # a signal ends a task that only serves (salloc); else the controller may still be saving
+        # through this sidecar (the time limit's SIGTERM): it stays until the controller ends
+        event = self._watch(self.step, sidecar, None, signals=not self.options.command)
         if event == "sidecar":
             self.say(f"the sidecar died (exit {sidecar.exited()}):\n{sidecar.log_tail()}")
             return 1
         if event == "signal":
             return 128 + self.signals[0]
         return 0
+
+
+def _dies_with(parent: int) -> Callable[[], None]:
+    """Run in the trainer before it starts: it gets SIGKILL when `parent` (this task) ends, even
+    killed outright (an OOM kill leaves no time to stop it), so no trainer outlives its task."""
+
+    def arm() -> None:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the task ended before the line above
+            os._exit(1)
+
+    return arm
 
 
 class _Stopped(Exception):
