@@ -1,13 +1,15 @@
-"""`colocar slurm render` and what `colocar slurm run` checks before it starts anything: the
+"""`colocar slurm render` and the parts of `colocar slurm run` that need no scheduler: the
 script's parts, refused input, the error outside an srun step, the ports (JAX's own Slurm
-coordinator port), the job directory's token, and `colocar.connect()` reading the job's
-connection file. The jobs themselves run on a live Slurm in tests/test_slurm_jobs.py.
+coordinator port; a port held by another process skipped), the job directory's token, and
+`colocar.connect()` reading the job's connection file. The jobs themselves run on a live
+Slurm in tests/test_slurm_jobs.py.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import stat
 import subprocess
 import sys
@@ -19,6 +21,7 @@ import pytest
 from colocar.slurm import ports
 from colocar.slurm.cli import main
 from colocar.slurm.jobdir import JobDir
+from colocar.slurm.sidecar import NodeSidecar
 from colocar.slurm.task import SlurmError, SlurmTask
 
 STEP_ENV = {
@@ -164,3 +167,22 @@ def test_connect_reads_the_jobs_connection_file(make_cluster, tmp_path: Path, mo
     with colocar.connect() as cluster:
         assert [h.address for h in cluster.hosts] == [h.address for h in sidecars.hosts]
         assert colocar.colocated(lambda: 6 * 7).on(cluster.hosts)() == [42, 42]
+
+
+def test_a_port_another_process_holds_is_skipped(tmp_path: Path, shm_dir: str) -> None:
+    """Another job (or anything) on the node holds the derived port: the sidecar takes the
+    next candidate, serves there, and leaves no arena when stopped."""
+    task = SlurmTask.from_env(STEP_ENV)
+    candidates = list(ports.sidecar_ports(task.job_id, task.node_id))
+    token_file = JobDir(str(tmp_path / "job")).token_file()
+    with socket.socket() as held:
+        held.bind(("0.0.0.0", candidates[0]))
+        held.listen()
+        options = ["--arena-size", str(16 << 20), "--processes", "0"]
+        sidecar = NodeSidecar(task, token_file, shm_dir, str(tmp_path / "sidecar.log"), options).start()
+        try:
+            assert sidecar.port == candidates[1], sidecar.log_tail()
+            assert os.path.exists(sidecar.info["arena"])
+        finally:
+            sidecar.stop()
+    assert sidecar.exited() == 0 and not os.path.exists(sidecar.info["arena"])

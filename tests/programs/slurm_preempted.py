@@ -1,6 +1,6 @@
 """A single controller that saves a last checkpoint when Slurm signals the job's tasks before
-its time limit (`--signal=TERM@S` in the rendered script; tests/test_slurm_jobs.py sends the
-same SIGTERM with `scancel --signal=TERM`). argv: the checkpoint directory.
+its time limit (`--signal=TERM@S` in the rendered script; tests/test_slurm_jobs.py). argv: the
+checkpoint directory.
 
 It trains until `reached_preemption()`, saves that step, waits for the commit, prints
 "SAVED <step>" and exits 0, while its task still runs every node's sidecar.
