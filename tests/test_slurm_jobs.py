@@ -195,7 +195,7 @@ def test_scancel_ends_every_process_of_the_job(slurm, tmp_path) -> None:
     running = _job_processes(job)
     sidecars = [p for p in running if "colocar.sidecar" in " ".join(p.cmdline())]
     assert len(sidecars) == 4 and len(glob.glob(f"/dev/shm/colocar-slurm{job}-*.arena")) == 4
-    record = json.loads((tmp_path / "job" / "step-0" / "sidecars" / "3.json").read_text())
+    record = json.loads((tmp_path / "job" / "step-0.0" / "sidecars" / "3.json").read_text())
     lost = _tree(record["pid"])  # node4's task: its trainer, its sidecar and any workers of it
     commands = [" ".join(p.cmdline()) for p in lost]
     assert any("colocar.sidecar" in c for c in commands) and any("time.sleep" in c for c in commands), (

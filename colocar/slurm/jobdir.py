@@ -77,8 +77,10 @@ class JobDir:
             raise SlurmError(f"{path} is readable by others (mode {stat.filemode(mode)}): make it 0600")
         return path
 
-    def step(self, step_id: str) -> StepDir:
-        return StepDir(os.path.join(self.path, f"step-{step_id}"))
+    def step(self, step_id: str, restart_count: int = 0) -> StepDir:
+        """The files of one job step: one folder per step and run (a requeued job's steps have
+        the same ids again, and what an earlier run left must not be taken for theirs)."""
+        return StepDir(os.path.join(self.path, f"step-{step_id}.{restart_count}"))
 
     def write_connection(self, sidecars: list[str], token_file: str, topology: str) -> None:
         _write_whole(

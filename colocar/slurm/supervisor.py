@@ -59,7 +59,7 @@ class Supervisor:
         self.signals: list[int] = []
         self.child: subprocess.Popen | None = None
         self.jobdir = JobDir(options.job_dir or default_job_dir(task.job_id))
-        self.step = self.jobdir.step(task.step_id)
+        self.step = self.jobdir.step(task.step_id, task.restart_count)
         self.node = task.node_name
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
@@ -92,6 +92,9 @@ class Supervisor:
             return self._single(sidecar, env)
         except _Stopped as e:
             return e.code
+        except SlurmError as e:  # the other tasks need not wait for this one until a timeout
+            self.step.end(1, f"{self.node}: {e}")
+            raise
         finally:
             self._end_child(grace=RESTART_GRACE)
             sidecar.stop()
@@ -103,8 +106,8 @@ class Supervisor:
             raise _Stopped(128 + self.signals[0])
 
     def _rendezvous(self, sidecar: NodeSidecar) -> tuple[list[str], str]:
-        """Publishes this node's sidecar and waits for every node's: (addresses in the step's
-        node order, the address of the node of process 0, the JAX coordinator's host)."""
+        """Publishes this node's sidecar and waits for every node's: (their addresses in the
+        step's node order, the host of process 0's node: the JAX coordinator's)."""
         names = hostnames(self.task.nodelist)
         self._index = names.index(self.node)
         host = os.environ.get("COLOCAR_NODE_ADDRESS") or node_address(self.node)
@@ -116,6 +119,9 @@ class Supervisor:
             self._check_signals()
             if sidecar.exited() is not None:
                 raise SlurmError(f"the sidecar exited before the job started:\n{sidecar.log_tail()}")
+            ended = self.step.ended()
+            if ended is not None:
+                raise SlurmError(f"the job step ended before it started: {ended['why']}")
 
         records = self.step.wait_sidecars(len(names), self.options.startup_timeout, check)
         coordinator = next(r["host"] for r in records if r["proc_id"] == 0)

@@ -35,7 +35,8 @@ class SlurmError(ColocarError):
 @dataclass(frozen=True)
 class SlurmTask:
     """One task of an srun step: `proc_id` of `ntasks`, on node `node_id` (`node_name`) of
-    the step's `nodes` nodes (`nodelist`, Slurm's compressed form)."""
+    the step's `nodes` nodes (`nodelist`, Slurm's compressed form); a requeued job runs its
+    steps again under the same ids, `restart_count` tells the runs apart."""
 
     job_id: int
     step_id: str
@@ -45,6 +46,7 @@ class SlurmTask:
     nodes: int
     node_name: str
     nodelist: str
+    restart_count: int = 0  # how many times Slurm requeued the job
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> SlurmTask:
@@ -65,6 +67,7 @@ class SlurmTask:
             nodes=int(env["SLURM_STEP_NUM_NODES"]),
             node_name=env["SLURMD_NODENAME"],
             nodelist=env["SLURM_STEP_NODELIST"],
+            restart_count=int(env.get("SLURM_RESTART_COUNT") or 0),
         )
         if task.ntasks != task.nodes:
             raise SlurmError(
