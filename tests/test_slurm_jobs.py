@@ -211,25 +211,40 @@ def test_scancel_ends_every_process_of_the_job(slurm, tmp_path) -> None:
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in running)
 
 
-def test_the_time_limit_signal_saves_a_last_checkpoint(slurm, tmp_path) -> None:
-    """The rendered `--signal=TERM@S`, from Slurm itself: a one-minute job is signalled 50 s
-    before its limit (SIGTERM to every task of the step, not to the batch shell). The
-    controller saves a last step through the sidecars, which stay until it is done, and the
-    job completes."""
-    ckpt = tmp_path / "ckpt"
-    job, out = _submit(
+def _preempted(slurm, tmp_path: Path, *args: str) -> tuple[int, Path]:
+    """A single-controller job whose controller saves a last step on SIGTERM."""
+    return _submit(
         slurm, tmp_path, _env(slurm, tmp_path, 4), "--nodes", "2", "--topology", "single",
-        "--arena", "64M", "--sbatch=--time=1", "--signal-seconds", "50",
-        "--", sys.executable, str(PREEMPTED), str(ckpt),
+        "--arena", "64M", *args, "--", sys.executable, str(PREEMPTED), str(tmp_path / "ckpt"),
     )  # fmt: skip
+
+
+def _assert_saved_last(slurm, job: int, out: Path) -> None:
+    """The job completed, its controller saved a last step, and the step is committed."""
     assert slurm.wait_job(job, timeout=DEADLINE) == "COMPLETED", out.read_text()[-3000:]
     saved = re.search(r"^SAVED (\d+)$", out.read_text(), re.M)
     assert saved, out.read_text()[-3000:]
-    listing = subprocess.run(
-        [sys.executable, "-m", "colocar", "ckpt", "ls", str(ckpt)], check=True, capture_output=True, text=True
-    ).stdout
+    command = [sys.executable, "-m", "colocar", "ckpt", "ls", str(out.parent / "ckpt")]
+    listing = subprocess.run(command, check=True, capture_output=True, text=True).stdout
     assert saved.group(1) in listing.split(), listing
     _assert_nothing_left(job)
+
+
+def test_the_time_limit_signal_saves_a_last_checkpoint(slurm, tmp_path) -> None:
+    """What the rendered `--signal=TERM@S` sends before the time limit, SIGTERM to every task
+    of the step (not to the batch shell), sent now with `scancel --signal=TERM`: the controller
+    saves a last step through the sidecars, which stay until it is done; the job completes."""
+    job, out = _preempted(slurm, tmp_path)
+    _wait_output(out, "training 3")
+    slurm.run(["scancel", "--signal=TERM", str(job)])
+    _assert_saved_last(slurm, job, out)
+
+
+@pytest.mark.slow
+def test_a_real_time_limit_saves_a_last_checkpoint(slurm, tmp_path) -> None:
+    """The same from Slurm's own timer: a one-minute job signalled 50 s before its limit."""
+    job, out = _preempted(slurm, tmp_path, "--sbatch=--time=1", "--signal-seconds", "50")
+    _assert_saved_last(slurm, job, out)
 
 
 @pytest.fixture(params=["address", "name"])
