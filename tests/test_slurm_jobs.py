@@ -126,18 +126,19 @@ def test_the_rendered_script_trains_as_a_local_run(slurm, tmp_path, local_run, t
     _assert_nothing_left(job)
 
 
-@pytest.mark.parametrize("topology", ["single", "multi"])
-def test_a_lost_node_is_recovered_from_ram(slurm, tmp_path, topology) -> None:
+@pytest.mark.parametrize("topology,lost", [("single", "sidecar"), ("multi", "trainer"), ("multi", "sidecar")])
+def test_a_lost_node_is_recovered_from_ram(slurm, tmp_path, topology, lost) -> None:
     """Single (4 nodes): the third node's sidecar is killed after step 4; the controller goes on
-    on the other three from their RAM. Multi (2 nodes): the second node's trainer is killed after step 4;
-    every trainer restarts in place and resumes from the sidecars' RAM (step 4's snapshot,
-    or step 3's if the kill came before step 4's was complete everywhere). Each step
+    on the other three from their RAM. Multi (2 nodes): after step 4 the second node's
+    trainer is killed, or its sidecar (started again, empty); every trainer restarts in place
+    and resumes from the sidecars' RAM, an empty sidecar refilled from its peer's replicas
+    (step 4's snapshot, or step 3's if the kill came before step 4's was complete everywhere). Each step
     checked its records; the state is the uninterrupted run's."""
     nodes, devices = (4, 12) if topology == "single" else (2, 6)  # 12 devices in all
     extra = ["--trainer-restarts", "1"] if topology == "multi" else []
     job, out = _submit(
         slurm, tmp_path, _env(slurm, tmp_path, devices), "--nodes", str(nodes), "--topology", topology,
-        "--arena", "64M", *extra, "--", sys.executable, str(ELASTIC), str(tmp_path / "ckpt"), "4",
+        "--arena", "64M", *extra, "--", sys.executable, str(ELASTIC), str(tmp_path / "ckpt"), "4", lost,
     )  # fmt: skip
     state = slurm.wait_job(job, timeout=DEADLINE)
     output = out.read_text()
@@ -158,6 +159,7 @@ def test_a_lost_node_is_recovered_from_ram(slurm, tmp_path, topology) -> None:
         assert all(r["restart"] == 1 for r in results), results
         assert all(r["restored_from"] == "snapshot" for r in results), results
         assert "restarting every node's trainer in place" in output
+        assert ("starting it again" in output) == (lost == "sidecar"), output[-4000:]
         assert state == "COMPLETED", output[-4000:]
     _assert_nothing_left(job)
 

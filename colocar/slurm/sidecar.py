@@ -53,6 +53,16 @@ class NodeSidecar:
                 raise SlurmError(f"the sidecar of {self.task.node_name} failed to start:\n{self.log_tail()}")
         raise SlurmError(f"no free sidecar port for job {self.task.job_id} on {self.task.node_name}")
 
+    def restart(self) -> NodeSidecar:
+        """Starts it again on its port, after it died (an empty arena; its dead one removed)."""
+        info = self._spawn(self.port)
+        if info is None:
+            raise SlurmError(
+                f"the sidecar of {self.task.node_name} failed to start again:\n{self.log_tail()}"
+            )
+        self.info = info
+        return self
+
     def _argv(self, port: int, ready_fd: int) -> list[str]:
         return [
             sys.executable, "-m", "colocar.sidecar",

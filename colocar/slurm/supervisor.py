@@ -3,7 +3,8 @@
 Multi-controller (the default): every task runs its node's trainer next to its sidecar. A
 trainer that fails is restarted in place, and with it every other node's (one generation
 more in the job directory, `--trainer-restarts` at most): a jax.distributed job cannot go on
-without a process, and the restarted trainers resume from the sidecars' RAM. Single-
+without a process, and the restarted trainers resume from the sidecars' RAM. A sidecar that
+died is started again, empty, on its address first: its peers' replicas refill it. Single-
 controller: the first task also runs the controller; the others keep their sidecars until
 it ends. Without a command every task only serves its sidecar (an salloc session).
 
@@ -61,6 +62,8 @@ class Supervisor:
         self.jobdir = JobDir(options.job_dir or default_job_dir(task.job_id))
         self.step = self.jobdir.step(task.step_id, task.restart_count)
         self.node = task.node_name
+        self._index = 0  # this node's place in the step's node list, and its published record
+        self._record: dict[str, Any] = {}
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         self.signals.append(signum)
@@ -114,6 +117,7 @@ class Supervisor:
         record: dict[str, Any] = {"node": self.node, "address": f"{host}:{sidecar.port}", "host": host}
         record.update(proc_id=self.task.proc_id, pid=os.getpid(), sidecar_pid=sidecar.info["pid"])
         self.step.publish(self._index, record)
+        self._record = record
 
         def check() -> None:
             self._check_signals()
@@ -192,27 +196,28 @@ class Supervisor:
         while True:
             child = self._spawn(env, generation)
             event = self._watch(self.step, sidecar, generation)
-            if event == "child":
-                code = exit_code(child.returncode)
-                if code == 0 or self.signals:
-                    return code
-                if generation >= self.options.trainer_restarts:
-                    self.step.end(code, f"the trainer on {self.node} failed (exit {code}), no restart left")
-                    self.say(f"trainer failed (exit {code}), restarts used up: the job step ends")
-                    return code
-                self.say(f"trainer failed (exit {code}): restarting every node's trainer in place")
-                generation = self.step.bump(generation, f"the trainer on {self.node} exited {code}")
-                continue
+            code = exit_code(child.returncode) if event == "child" else 1
+            if event == "child" and (code == 0 or self.signals):
+                return code
             self._end_child(RESTART_GRACE)
             if event == "generation":
                 generation = self.step.generation()
                 self.say(f"a peer's trainer failed: restarting in place (restart {generation})")
                 continue
-            if event == "sidecar":
-                self.step.end(1, f"the sidecar on {self.node} died")
-                self.say(f"the sidecar died:\n{sidecar.log_tail()}")
-                return 1
-            return _ended_code(self.step)
+            if event == "ended":
+                return _ended_code(self.step)
+            lost = sidecar.exited() is not None  # its trainer fails too: it lost its sidecar
+            why = f"the sidecar on {self.node} died" if lost else f"the trainer on {self.node} exited {code}"
+            if generation >= self.options.trainer_restarts:
+                self.step.end(code, f"{why}, no restart left")
+                self.say(f"{why}; restarts used up: the job step ends")
+                return code
+            if lost:  # an empty one on the same address, refilled from its peers' replicas
+                self.say(f"{why}:\n{sidecar.log_tail()}\nstarting it again")
+                sidecar.restart()
+                self.step.publish(self._index, {**self._record, "sidecar_pid": sidecar.info["pid"]})
+            self.say(f"{why}: restarting every node's trainer in place")
+            generation = self.step.bump(generation, why)
 
     def _single(self, sidecar: NodeSidecar, env: dict[str, str]) -> int:
         if self.task.proc_id == 0 and self.options.command:  # the controller; elastic on lost hosts

@@ -1,11 +1,13 @@
 """Elastic training under `colocar slurm run` (tests/test_slurm_jobs.py), in either topology.
 
-argv: the checkpoint directory, the step after which a loss happens. Single-controller (one
-process reaching every node's sidecar): the third node's sidecar is killed then
-(`colocar.elastic.faults`) and the run goes on on the survivors, from their RAM. Multi-
-controller (`jax.distributed`, one process per node): the second process's trainer kills
-itself (SIGKILL) then, in its first run; `colocar slurm run` restarts every node's trainer in
-place and they resume from the sidecars' RAM. Every step checks that its batch holds the
+argv: the checkpoint directory, the step after which a loss happens, what is lost ("sidecar"
+or "trainer"). Single-controller (one process reaching every node's sidecar): the third
+node's sidecar is killed then (`colocar.elastic.faults`) and the run goes on on the
+survivors, from their RAM. Multi-controller (`jax.distributed`, one process per node), in the
+first run: the second process's trainer kills itself (SIGKILL), or its own sidecar is killed
+(the trainer then exits); `colocar slurm run` starts a dead sidecar again (empty), restarts
+every node's trainer in place, and they resume from the sidecars' RAM, the empty one refilled
+from its peer's replicas. Every step checks that its batch holds the
 records the sampler gives for that step (the record stream exact); the last line, "RESULT
 <json>", says where the run restored from and how far the state is from an uninterrupted run.
 """
@@ -30,12 +32,18 @@ import colocar  # noqa: E402
 from colocar.checkpoint import CheckpointManager  # noqa: E402
 from colocar.loaders.sampler import IndexSampler  # noqa: E402
 
-directory, loss_step = sys.argv[1], int(sys.argv[2])
+directory, loss_step, lost = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 TOTAL = 12
 RESTART = int(os.environ.get("COLOCAR_RESTART", "0"))  # this trainer's restarts in place
 
 cluster = colocar.connect()
-faults = [] if MULTI else [colocar.elastic.faults.kill(2, at_step=loss_step)]
+FIRST_RUN_OF_1 = MULTI and RESTART == 0 and jax.process_index() == 1
+if not MULTI:
+    faults = [colocar.elastic.faults.kill(2, at_step=loss_step)]  # the third node's sidecar
+else:  # under multi-controller a fault acts on this process's own sidecar: host 0 of its cluster
+    faults = (
+        [colocar.elastic.faults.kill(0, at_step=loss_step)] if FIRST_RUN_OF_1 and lost == "sidecar" else []
+    )
 checkpoints = CheckpointManager(directory, cluster)
 elastic = colocar.elastic.Manager(
     cluster, checkpoints=checkpoints, snapshot_every=1, save_every=100, faults=faults
@@ -60,7 +68,7 @@ def train(hosts, devices):
         check_records(batch, step)
         state, _ = train_step(state, batch)
         elastic.step(step, {"state": state, "data": it})
-        if MULTI and RESTART == 0 and jax.process_index() == 1 and step == loss_step:
+        if FIRST_RUN_OF_1 and lost == "trainer" and step == loss_step:
             os.kill(os.getpid(), signal.SIGKILL)  # a lost trainer, mid-run
     it.close()
     return state, start, len(hosts)
