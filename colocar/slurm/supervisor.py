@@ -167,9 +167,7 @@ class Supervisor:
             child.kill()
             child.wait()
 
-    def _watch(
-        self, step: StepDir, sidecar: NodeSidecar | None, generation: int | None, signals: bool = False
-    ) -> str:
+    def _watch(self, sidecar: NodeSidecar | None, generation: int | None, signals: bool = False) -> str:
         """Waits for what ends the current phase: "child" (the trainer exited), "sidecar" (it
         died), "ended" (the step is over), "generation" (the trainers restart), "signal" (with
         `signals`: one came, and no trainer here has to finish first)."""
@@ -186,16 +184,16 @@ class Supervisor:
                 time.sleep(POLL_SECONDS)
             if sidecar is not None and sidecar.exited() is not None:
                 return "sidecar"
-            if step.ended() is not None:
+            if self.step.ended() is not None:
                 return "ended"
-            if generation is not None and step.generation() > generation:
+            if generation is not None and self.step.generation() > generation:
                 return "generation"
 
     def _multi(self, sidecar: NodeSidecar, env: dict[str, str]) -> int:
         generation = self.step.generation()
         while True:
             child = self._spawn(env, generation)
-            event = self._watch(self.step, sidecar, generation)
+            event = self._watch(sidecar, generation)
             code = exit_code(child.returncode) if event == "child" else 1
             if event == "child" and (code == 0 or self.signals):
                 return code
@@ -222,13 +220,13 @@ class Supervisor:
     def _single(self, sidecar: NodeSidecar, env: dict[str, str]) -> int:
         if self.task.proc_id == 0 and self.options.command:  # the controller; elastic on lost hosts
             child = self._spawn(env, 0)
-            self._watch(self.step, None, None)
+            self._watch(None, None)
             code = exit_code(child.returncode) if child.poll() is not None else 1
             self.step.end(code, f"the controller on {self.node} exited {code}")
             return code
         # a signal ends a task that only serves (salloc); else the controller may still be saving
         # through this sidecar (the time limit's SIGTERM): it stays until the controller ends
-        event = self._watch(self.step, sidecar, None, signals=not self.options.command)
+        event = self._watch(sidecar, None, signals=not self.options.command)
         if event == "sidecar":
             self.say(f"the sidecar died (exit {sidecar.exited()}):\n{sidecar.log_tail()}")
             return 1
