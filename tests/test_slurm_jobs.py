@@ -249,6 +249,16 @@ def test_a_real_time_limit_saves_a_last_checkpoint(slurm, tmp_path) -> None:
     _assert_saved_last(slurm, job, out)
 
 
+def _resolving_name() -> str:
+    """This host's name where it resolves to an IPv4 address here, else `localhost`."""
+    name = socket.gethostname()
+    try:
+        socket.getaddrinfo(name, None, socket.AF_INET)
+    except socket.gaierror:
+        return "localhost"
+    return name
+
+
 @pytest.fixture(params=["address", "name"])
 def node_addresses(request, slurm):
     """How the nodes are reached: by the literal NodeAddr of the fixture (their names do not
@@ -256,7 +266,7 @@ def node_addresses(request, slurm):
     if request.param == "address":
         yield "127.0.0.1"
         return
-    name = socket.gethostname()
+    name = _resolving_name()
     slurm.run(["scontrol", "update", "NodeName=node[1-2]", f"NodeAddr={name},{name}"])
     try:
         yield name
