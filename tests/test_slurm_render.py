@@ -179,7 +179,7 @@ def test_a_port_another_process_holds_is_skipped(tmp_path: Path, shm_dir: str) -
         held.bind(("0.0.0.0", candidates[0]))
         held.listen()
         options = ["--arena-size", str(16 << 20), "--processes", "0"]
-        sidecar = NodeSidecar(task, token_file, shm_dir, str(tmp_path / "sidecar.log"), options).start()
+        sidecar = NodeSidecar(task, token_file, shm_dir, str(tmp_path), options).start()
         try:
             assert sidecar.port == candidates[1], sidecar.log_tail()
             assert os.path.exists(sidecar.info["arena"])

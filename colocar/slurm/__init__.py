@@ -3,9 +3,8 @@ runs each node's sidecar and its trainer (or one controller), restarts trainers 
 publishes the sidecars in the job's directory for `colocar.connect()` (README: Run on Slurm).
 """
 
-from .jobdir import read_connection
 from .render import ScriptOptions, render
 from .supervisor import RunOptions
 from .task import SlurmError, SlurmTask
 
-__all__ = ["RunOptions", "ScriptOptions", "SlurmError", "SlurmTask", "read_connection", "render"]
+__all__ = ["RunOptions", "ScriptOptions", "SlurmError", "SlurmTask", "render"]

@@ -93,18 +93,6 @@ class JobDir:
             os.unlink(os.path.join(self.path, CONNECTION_FILE))
 
 
-def read_connection(job_dir: str) -> dict[str, Any]:
-    """What `colocar slurm run` published for clients: sidecar addresses and the token file."""
-    path = os.path.join(job_dir, CONNECTION_FILE)
-    try:
-        return _read(path)
-    except FileNotFoundError:
-        raise SlurmError(
-            f"no {path}: start the job's sidecars first (`srun --ntasks-per-node=1 colocar slurm "
-            "run --topology single &` in the allocation) and wait until they are up"
-        ) from None
-
-
 class StepDir:
     """One job step's rendezvous and control files."""
 
@@ -120,11 +108,11 @@ class StepDir:
         if this node cannot go on (its sidecar died, a signal came) while it waits."""
         deadline = time.monotonic() + timeout
         folder = os.path.join(self.path, "sidecars")
+        paths = [os.path.join(folder, f"{i}.json") for i in range(nodes)]
         while True:
-            names = [f"{i}.json" for i in range(nodes)]
-            if all(os.path.exists(os.path.join(folder, n)) for n in names):
-                return [_read(os.path.join(folder, n)) for n in names]
-            missing = [i for i, n in enumerate(names) if not os.path.exists(os.path.join(folder, n))]
+            missing = [i for i, path in enumerate(paths) if not os.path.exists(path)]
+            if not missing:
+                return [_read(path) for path in paths]
             if time.monotonic() > deadline:
                 raise SlurmError(f"the sidecars of nodes {missing} did not start within {timeout:.0f} s")
             check()

@@ -80,13 +80,12 @@ class Supervisor:
         token_file = self.jobdir.token_file()
         logs = os.path.join(self.jobdir.path, "logs")
         os.makedirs(logs, mode=0o700, exist_ok=True)
-        log = os.path.join(logs, f"sidecar-{self.node}.log")
-        sidecar = NodeSidecar(self.task, token_file, self.options.shm_dir, log, self.options.sidecar_options)
+        sidecar = NodeSidecar(self.task, token_file, self.options.shm_dir, logs, self.options.sidecar_options)
         try:
             self._check_signals()
             sidecar.start()
             addresses, coordinator = self._rendezvous(sidecar)
-            self.say(f"sidecar serving at {addresses[self._index]} (log: {log})")
+            self.say(f"sidecar serving at {addresses[self._index]} (log: {sidecar.log_file})")
             if self.task.proc_id == 0:
                 self.jobdir.write_connection(addresses, token_file, self.options.topology)
             env = self._env(sidecar.port, addresses, coordinator, token_file)

@@ -77,9 +77,10 @@ class Sidecar:
 
     process: subprocess.Popen | _Adopted
 
-    def __init__(self, index: int, workdir: str):
+    def __init__(self, index: int, workdir: str, label: str = ""):
         self.index = index
-        self.log_file = os.path.join(workdir, f"host{index}.log")
+        self.label = label or f"host{index}"  # names its arena file and its log lines
+        self.log_file = os.path.join(workdir, f"{self.label}.log")
         self.info: dict[str, Any] | None = None
         self.ready_fd: int | None = None
         self.terminated = False
@@ -100,7 +101,7 @@ class Sidecar:
         try:
             with open(self.log_file, "ab") as log:
                 self.process = subprocess.Popen(
-                    [*argv, "--ready-fd", str(write_end), "--label", f"host{self.index}"],
+                    [*argv, "--ready-fd", str(write_end), "--label", self.label],
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT,
@@ -209,7 +210,7 @@ def wait_ready(sidecars: list[Sidecar], startup_timeout: float) -> None:
                     if s.info is None and s.ready_fd is None:  # its pipe ended without the line
                         with contextlib.suppress(subprocess.TimeoutExpired):
                             s.process.wait(timeout=5)  # for the end of its log
-                        raise ColocarError(f"sidecar host{s.index} failed to start:\n{s.log_tail()}")
+                        raise ColocarError(f"sidecar {s.label} failed to start:\n{s.log_tail()}")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise ColocarError(f"sidecars did not start within {startup_timeout} s")
