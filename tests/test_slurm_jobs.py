@@ -259,6 +259,23 @@ def _resolving_name() -> str:
     return name
 
 
+def test_a_task_that_cannot_start_ends_the_step_for_the_others(slurm, tmp_path) -> None:
+    """The second node's sidecar cannot start (its shm directory is a file): the first
+    node's task stops waiting for it at once, saying why, instead of at the 600 s timeout."""
+    run = f"{sys.executable} -m colocar slurm run --arena 64M"
+    (tmp_path / "a-file").write_text("")
+    tasks = tmp_path / "tasks.conf"  # srun --multi-prog: one command line per task
+    tasks.write_text(f"0 {run} -- sleep 600\n1 {run} --shm-dir {tmp_path / 'a-file'} -- sleep 600\n")
+    command = ["srun", "-N", "2", "--ntasks-per-node=1", "--kill-on-bad-exit=0", "--multi-prog", str(tasks)]
+    done = subprocess.run(
+        command, env=_env(slurm, tmp_path, 1), capture_output=True, text=True, timeout=DEADLINE
+    )
+    assert done.returncode != 0
+    assert "node2: the sidecar of node2 failed to start" in done.stderr, done.stderr[-3000:]
+    assert "the job step ended before it started" in done.stderr, done.stderr[-3000:]
+    assert "did not start within" not in done.stderr  # no task waited out its timeout
+
+
 @pytest.fixture(params=["address", "name"])
 def node_addresses(request, slurm):
     """How the nodes are reached: by the literal NodeAddr of the fixture (their names do not
