@@ -33,14 +33,36 @@ def is_prng_key(x: Any) -> bool:
     return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
+_STRUCTURES: dict[Any, tuple[list[str], Any, dict[str, str]]] = {}  # see `flatten`
+_STRUCTURES_KEPT = 64
+
+
 def flatten(tree: Any) -> tuple[list[tuple[str, Any]], Any, dict[str, str]]:
     """[(key, leaf)] in tree order, the JSON skeleton of the tree, and the directory of each
-    array leaf under `arrays/` by key (`keypaths.leaf_dirs`: its escaped key path)."""
+    array leaf under `arrays/` by key (`keypaths.leaf_dirs`: its escaped key path).
+
+    The names, skeleton and directories depend only on the tree's structure and on which
+    leaves are arrays, so they are computed once per structure (a training loop snapshots the
+    same structure every few steps); the skeleton and directories returned are shared: read
+    them, never change them."""
     tree = jax.tree.map(_state_of, tree, is_leaf=_is_none)
-    leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_none)
-    named = [(jax.tree_util.keystr(path), leaf) for path, leaf in leaves]
-    paths = [(jax.tree_util.keystr(path), path) for path, leaf in leaves if is_array(leaf)]
-    return named, _skeleton(tree), keypaths.leaf_dirs(paths)
+    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_is_none)
+    structure = (treedef, tuple(is_array(leaf) for leaf in leaves))
+    known = _STRUCTURES.get(structure)
+    if known is None:
+        known = _structure_of(tree)
+        if len(_STRUCTURES) >= _STRUCTURES_KEPT:
+            _STRUCTURES.clear()
+        _STRUCTURES[structure] = known
+    keys, skeleton, dirs = known
+    return list(zip(keys, leaves, strict=True)), skeleton, dirs
+
+
+def _structure_of(tree: Any) -> tuple[list[str], Any, dict[str, str]]:
+    with_paths, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_none)
+    keys = [jax.tree_util.keystr(path) for path, _ in with_paths]
+    paths = [(key, path) for key, (path, leaf) in zip(keys, with_paths, strict=True) if is_array(leaf)]
+    return keys, _skeleton(tree), keypaths.leaf_dirs(paths)
 
 
 def _is_none(x: Any) -> bool:

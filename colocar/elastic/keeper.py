@@ -186,6 +186,11 @@ class SnapshotKeeper:
                 held[key] = block
         return len(data)
 
+    def receive_many(self, step: int, attempt: str, source: int, parts: list[tuple[Any, ...]]) -> int:
+        """Several chunks (leaf, bounds, dtype, shape, offset, data) in one call (`receive`
+        each); returns the bytes taken."""
+        return sum(self.receive(step, attempt, source, *part) for part in parts)
+
     def status(self, step: int, attempt: str, timeout: float = 0.0) -> dict[str, Any]:
         """The step's state here once replication ended (or after `timeout` s)."""
         self._touch()

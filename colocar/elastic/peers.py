@@ -4,10 +4,11 @@ A keeper sends its blocks to a peer host's keeper directly, never through the co
 opens a session with the peer's sidecar like a controller would (the cluster's token, or
 mutual TLS), always over gRPC (`shm=False`, even when both sidecars share a machine, so the
 path is the one that runs across hosts). Each block travels as chunks of just under 1 MiB
-(`send_chunks`), each a call of the peer keeper's `receive`, which writes it straight into a
-block of the snapshot pool; at most `WINDOW` chunks are in flight (flow control). The sending
-thread runs at a lower priority than training, and `bandwidth` (bytes/s) caps its rate. A
-controller that does not map a host's arena sends that host's own shards the same way.
+(`send_chunks`), small blocks several to a call of the peer keeper's `receive_many`, which
+writes them straight into blocks of the snapshot pool; at most `WINDOW` calls are in flight
+(flow control). The sending thread runs at a lower priority than training, and `bandwidth`
+(bytes/s) caps its rate. A controller that does not map a host's arena sends that host's own
+shards the same way.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -25,7 +26,8 @@ import numpy as np
 from colocar.protocol.tls import channel_credentials
 
 CHUNK_BYTES = (1 << 20) - (16 << 10)  # a chunk and its call's arguments stay under the 1 MiB inline limit
-WINDOW = 4  # chunks in flight to one peer
+WINDOW = 4  # calls in flight to one peer
+PARTS_PER_CALL = 64  # small pieces sent in one call (their metadata stays within the margin above)
 
 
 class Target(NamedTuple):
@@ -68,28 +70,23 @@ def send_chunks(
     check: Callable[[], None] = lambda: None,
     bandwidth: float = 0.0,
 ) -> int:
-    """Sends `items` (leaf, bounds, array) of `step` to `keeper` as chunks, `WINDOW` in flight;
-    returns the bytes sent. `check()` raises to stop; `bandwidth` (bytes/s) caps the rate.
-    On failure every chunk in flight has ended before the error is raised."""
+    """Sends `items` (leaf, bounds, array) of `step` to `keeper` as chunks, `WINDOW` calls in
+    flight, small pieces several to a call (`receive_many`); returns the bytes sent. `check()`
+    raises to stop; `bandwidth` (bytes/s) caps the rate. On failure every call in flight has
+    ended before the error is raised."""
     in_flight: deque[Any] = deque()
     sent = queued = 0
     started = time.monotonic()
     try:
-        for leaf, bounds, array in items:
-            flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-            for offset in range(0, max(flat.size, 1), CHUNK_BYTES):
-                while bandwidth > 0 and (ahead := queued / bandwidth - (time.monotonic() - started)) > 0:
-                    time.sleep(min(ahead, 0.2))  # the bytes sent so far are ahead of the cap
-                    check()
+        for batch in _batches(items):
+            while bandwidth > 0 and (ahead := queued / bandwidth - (time.monotonic() - started)) > 0:
+                time.sleep(min(ahead, 0.2))  # the bytes sent so far are ahead of the cap
                 check()
-                chunk = flat[offset : offset + CHUNK_BYTES].tobytes()
-                call = keeper.receive.submit(
-                    step, attempt, source, leaf, bounds, array.dtype, array.shape, offset, chunk
-                )
-                in_flight.append(call)
-                queued += len(chunk)
-                while len(in_flight) >= WINDOW:
-                    sent += in_flight.popleft().result()
+            check()
+            in_flight.append(keeper.receive_many.submit(step, attempt, source, batch))
+            queued += sum(len(part[-1]) for part in batch)
+            while len(in_flight) >= WINDOW:
+                sent += in_flight.popleft().result()
         while in_flight:
             sent += in_flight.popleft().result()
         return sent
@@ -97,6 +94,24 @@ def send_chunks(
         for call in in_flight:
             call.exception()
         raise
+
+
+def _batches(items: list[tuple[int, Any, np.ndarray]]) -> Iterator[list[tuple[Any, ...]]]:
+    """The calls' arguments: parts (leaf, bounds, dtype, shape, offset, bytes) of at most
+    CHUNK_BYTES each, consecutive ones together while a call stays under CHUNK_BYTES."""
+    batch: list[tuple[Any, ...]] = []
+    size = 0
+    for leaf, bounds, array in items:
+        flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+        for offset in range(0, max(flat.size, 1), CHUNK_BYTES):
+            chunk = flat[offset : offset + CHUNK_BYTES].tobytes()
+            if batch and (size + len(chunk) > CHUNK_BYTES or len(batch) >= PARTS_PER_CALL):
+                yield batch
+                batch, size = [], 0
+            batch.append((leaf, bounds, array.dtype, array.shape, offset, chunk))
+            size += len(chunk)
+    if batch:
+        yield batch
 
 
 @dataclass

@@ -1,16 +1,20 @@
-"""The commit of a snapshot once every shard and its replicas are in place (runs in the controller).
+"""The background half of a snapshot: hand-off, replication wait and commit (runs in the controller).
 
-After `take` handed every host its blocks, a background thread long-polls each host's keeper
-until its replication ended. When all report `replicated`, the snapshot's record (pickled) is
-stored in every live keeper: from then on it counts (`latest`), and a restarted controller
-finds it there. When one fails or its host is lost, the snapshot never counts: its blocks are
-dropped on the live hosts and a warning names the step and the cause.
+`take` copies the shards into arena blocks and returns; a background thread then takes the
+snapshots in order (one replicates at a time) and for each hands every host its
+blocks (`hand_off`: the keepers learn the step, drop what is not kept, take the blocks and
+start replicating), and long-polls each host's keeper until its replication ended. When all
+report `replicated`, the snapshot's record (pickled) is stored in every live keeper: from then
+on it counts (`latest`), and a restarted controller finds it there. When one fails or its host
+is lost, the snapshot never counts: its blocks are dropped on the live hosts and a warning
+names the step and the cause.
 """
 
 from __future__ import annotations
 
 import logging
 import pickle
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -30,11 +34,14 @@ class Tracked:
     error: str = ""
     statuses: dict[int, dict[str, Any]] = field(default_factory=dict)
     seconds: float = 0.0
+    hand_off: Callable[[], None] | None = None  # run first, then dropped (its blocks with it)
+    handed: threading.Event = field(default_factory=threading.Event)  # the keepers hold the blocks
     done: threading.Event = field(default_factory=threading.Event)
 
 
 class Committer:
-    """Commits (or abandons) the snapshots `take` started, one at a time."""
+    """Hands off, commits (or abandons) the snapshots `take` started, one at a time, in order,
+    in one background thread."""
 
     def __init__(self, keeper: Callable[[int], Any], on_commit: Callable[[int], None], timeout: float):
         self._keeper = keeper  # host index -> keeper handle
@@ -42,14 +49,23 @@ class Committer:
         self.timeout = timeout
         self.last: Tracked | None = None
         self._lock = threading.Lock()
+        self._unhanded: dict[int, Tracked] = {}  # by step: tracked, its blocks not yet handed off
+        self._queue: queue.SimpleQueue[Tracked | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
 
-    def track(self, step: int, hosts: list[int], record: dict[str, Any]) -> Tracked:
-        tracked = Tracked(step, hosts, record)
+    def track(
+        self, step: int, hosts: list[int], record: dict[str, Any], hand_off: Callable[[], None] | None = None
+    ) -> Tracked:
+        """Follows snapshot `step` once the snapshots tracked before it ended: `hand_off()`
+        first, then the replication wait and the commit."""
+        tracked = Tracked(step, hosts, record, hand_off=hand_off)
         with self._lock:
             self.last = tracked
-        threading.Thread(
-            target=self._run, args=(tracked,), name=f"colocar-snap-commit-{step}", daemon=True
-        ).start()
+            self._unhanded[step] = tracked
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name="colocar-snap-commit", daemon=True)
+                self._thread.start()
+        self._queue.put(tracked)
         return tracked
 
     def wait(self, timeout: float | None = None) -> None:
@@ -58,9 +74,28 @@ class Committer:
         if last is not None and not last.done.wait(timeout):
             raise TimeoutError(f"replication of snapshot step {last.step} still runs after {timeout} s")
 
+    def wait_handed(self, step: int | None = None) -> None:
+        """Until the keepers hold the blocks of snapshot `step` (default: the last one tracked),
+        or it ended; before a take, at most one snapshot then waits behind a replicating one."""
+        tracked = self.last if step is None else self._unhanded.get(step)
+        if tracked is not None:
+            tracked.handed.wait()
+
+    def close(self) -> None:
+        """Ends the thread once what is tracked ended."""
+        self._queue.put(None)
+
+    def _work(self) -> None:
+        while (tracked := self._queue.get()) is not None:
+            self._run(tracked)
+
     def _run(self, tracked: Tracked) -> None:
         started = time.monotonic()
         try:
+            if tracked.hand_off is not None:
+                hand_off, tracked.hand_off = tracked.hand_off, None  # its blocks go with it
+                hand_off()
+            self._handed(tracked)
             error = self._await_replicas(tracked, started + self.timeout)
             if error is None:
                 self._commit(tracked)
@@ -70,7 +105,14 @@ class Committer:
             self._abandon(tracked, f"{type(e).__name__}: {e}")
         finally:
             tracked.seconds = time.monotonic() - started
+            self._handed(tracked)
             tracked.done.set()
+
+    def _handed(self, tracked: Tracked) -> None:
+        with self._lock:
+            if self._unhanded.get(tracked.step) is tracked:
+                del self._unhanded[tracked.step]
+        tracked.handed.set()
 
     def _await_replicas(self, tracked: Tracked, deadline: float) -> str | None:
         """None once every host replicated its shards, else what went wrong. Each round asks

@@ -114,6 +114,10 @@ def plan(step: int, state: Any, cluster: Any, hosts: list[int], replicas: int, p
 
 def _pickled(step: int, values: dict[str, Any]) -> bytes:
     """The plain (non-array) leaves, pickled by value; an error names the leaf that cannot be."""
+    try:
+        return cloudpickle.dumps(values)
+    except Exception:  # noqa: BLE001 - find the leaf to name
+        pass
     for key, value in values.items():
         try:
             cloudpickle.dumps(value)
@@ -144,6 +148,30 @@ def skip(reason: str) -> bool:
     return False
 
 
+def _on_host(pieces: list[save.Piece]) -> list[np.ndarray]:
+    """Each piece's data in host memory (all device-to-host copies started first)."""
+    for piece in pieces:
+        if isinstance(piece.source, jax.Array):
+            piece.source.copy_to_host_async()
+    return [np.asarray(piece.source)[piece.local] for piece in pieces]
+
+
+def place(host: Any, pieces: list[save.Piece], pool: str, copiers: Executor | None) -> list[np.ndarray]:
+    """`pieces` copied into new blocks of `host`'s arena pool (one Allocate, no waiting: a
+    full pool raises ArenaFullError); the blocks stay the controller's until handed on."""
+    sources = _on_host(pieces)
+    if not pieces:
+        return []
+    blocks = host.connection.blocks.empty([(p.shape, p.dtype) for p in pieces], pool=pool, timeout=0.0)
+    save.copy_into(list(zip(blocks, sources, strict=True)), copiers)
+    return blocks
+
+
+def hand(keeper: Any, step: int, pieces: list[save.Piece], blocks: list[np.ndarray]) -> None:
+    """The placed blocks to the host's keeper, which starts replicating them."""
+    keeper.write(step, [(p.leaf, p.bounds, b) for p, b in zip(pieces, blocks, strict=True)], len(pieces))
+
+
 def send(
     host: Any,
     keeper: Any,
@@ -153,22 +181,12 @@ def send(
     pool: str,
     copiers: Executor | None,
 ) -> int:
-    """Copies `pieces` into `host`'s arena (one allocation, no waiting: a full pool raises
-    ArenaFullError) and hands them to its keeper; without a mapped arena they go to the
-    keeper in chunks (`peers.send_chunks`). Returns the bytes."""
-    sources = []
-    for piece in pieces:
-        if isinstance(piece.source, jax.Array):
-            piece.source.copy_to_host_async()
-    for piece in pieces:
-        sources.append(np.asarray(piece.source)[piece.local])
-    conn = host.connection
-    if not conn.blocks.mapped:  # chunks straight into blocks of the snapshot pool
-        items = [(p.leaf, p.bounds, s) for p, s in zip(pieces, sources, strict=True)]
+    """Copies `pieces` into `host`'s arena and hands them to its keeper at once; without a
+    mapped arena they go to the keeper in chunks (`peers.send_chunks`). Returns the bytes."""
+    if not host.connection.blocks.mapped:  # chunks straight into blocks of the snapshot pool
+        items = [(p.leaf, p.bounds, s) for p, s in zip(pieces, _on_host(pieces), strict=True)]
         sent = send_chunks(keeper, step, attempt, host.index, items)
         keeper.finish(step, len(pieces))
         return sent
-    blocks = conn.blocks.empty([(p.shape, p.dtype) for p in pieces], pool=pool, timeout=0.0) if pieces else []
-    save.copy_into(list(zip(blocks, sources, strict=True)), copiers)
-    keeper.write(step, [(p.leaf, p.bounds, b) for p, b in zip(pieces, blocks, strict=True)], len(pieces))
+    hand(keeper, step, pieces, place(host, pieces, pool, copiers))
     return sum(p.nbytes for p in pieces)

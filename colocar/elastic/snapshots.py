@@ -12,6 +12,7 @@ surviving keepers (`snap_restore.py`).
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -118,8 +119,10 @@ class Snapshots:
         self._stats: dict[str, Any] = {"taken": 0, "skipped": 0, "last_take": {}}
         self._closed = False
         self._generations: dict[int, int] = {}  # of each host's sidecar when its keeper was opened
+        self._capacity: dict[int, dict[str, int]] = {}  # each host's pool size, nothing used
         try:
-            self._pools(hosts)  # the pool exists everywhere
+            pools = self._pools(hosts)  # the pool exists everywhere
+            self._capacity = {h: {"reserved": p["reserved"], "used": 0} for h, p in pools.items()}
             for f in [self._senders.submit(self._open_keeper, h) for h in cluster.hosts]:
                 f.result()
         except BaseException:
@@ -160,25 +163,27 @@ class Snapshots:
 
     # --- taking -------------------------------------------------------------------------------
     def take(self, step: int, tree: Any) -> bool:
-        """Copies every distinct shard device -> its host's arena and hands it to the host's
-        keeper; returns once the copies are done (replication continues in the background).
-        False, with a `SnapshotSkipped` warning naming the sizes, when it does not fit."""
+        """Copies every distinct shard device -> its host's arena and returns; the keepers get
+        the blocks, replicate and commit them in the background (`snap_commit`). When a pool
+        has no room for one more snapshot, it first waits for the previous one and drops what
+        is not kept. False, with a `SnapshotSkipped` warning naming the sizes, when it does
+        not fit."""
         if self._closed:
             raise SnapshotError("this Snapshots is closed")
         started = time.monotonic()
         with self._lock:
-            self._committer.wait(None)  # one snapshot replicates at a time
+            self._committer.wait_handed()  # at most one snapshot waits behind a replicating one
             hosts, replicas = self._hosts_now()
             self._reopen_restarted(hosts)
             planned = snap_take.plan(step, tree, self.cluster, hosts, replicas, self.placement)
-            with self._committed_lock:
-                committed = [s for s in self._committed if s != step]
-            keep = committed[-(self.keep - 1) :] if self.keep > 1 else []
             try:
-                self._begin(planned, keep)
-                reason = snap_take.misfit(planned, self._pools(hosts), self.pool)
-                if reason is None:
-                    reason = self._send(planned)
+                reason = snap_take.misfit(planned, self._capacity, self.pool)  # can never fit
+                placed = self._place(planned) if reason is None and self._trusted() else None
+                if placed is not None:
+                    hand_off = functools.partial(self._hand_off, planned, placed)
+                    self._committer.track(step, hosts, planned.record, hand_off)
+                elif reason is None:
+                    reason = self._take_waiting(planned)
             except BaseException:  # a host lost (or an interrupt): no part of this step stays
                 self._drop(step, hosts)
                 raise
@@ -186,7 +191,7 @@ class Snapshots:
                 self._drop(step, hosts)
                 self._stats["skipped"] += 1
                 return snap_take.skip(reason)
-            self._committer.track(step, hosts, planned.record)
+            keep = self._kept(step)
             self._records = {s: r for s, r in self._records.items() if s in keep} | {step: planned.record}
             self._taken = (step, snap_save.remember(tree))
             self._stats["taken"] += 1
@@ -197,6 +202,72 @@ class Snapshots:
             }
             return True
 
+    def _trusted(self) -> bool:
+        """Whether a take may copy before the previous snapshot ended: once one went through
+        and the last one did not fail (a failed one, e.g. a full pool, makes the next take
+        wait and check the fit first)."""
+        last = self._committer.last
+        return last is not None and last.state != "failed"
+
+    def _kept(self, step: int) -> list[int]:
+        """The committed snapshots a new one at `step` keeps (the newest `keep - 1`)."""
+        with self._committed_lock:
+            committed = [s for s in self._committed if s != step]
+        return committed[-(self.keep - 1) :] if self.keep > 1 else []
+
+    def _place(self, planned: snap_take.Planned) -> dict[int, list[Any]] | None:
+        """Every host's pieces copied into new blocks of its pool, one thread per host, before
+        the keepers hear of the step; None (nothing kept) when a host does not map its arena or
+        its pool has no room now."""
+        hosts = [self.cluster.hosts[h] for h in planned.pieces]
+        if not all(host.connection.blocks.mapped for host in hosts):
+            return None
+        place, pieces = snap_take.place, planned.pieces
+        futures = {
+            h.index: self._senders.submit(place, h, pieces[h.index], self.pool, self._copiers) for h in hosts
+        }
+        placed, full, error = {}, False, None
+        for h, future in futures.items():  # all of them end before this returns or raises
+            try:
+                placed[h] = future.result()
+            except ArenaFullError:
+                full = True
+            except BaseException as e:
+                error = error or e
+        if error is None and not full:
+            return placed
+        placed.clear()  # the blocks go back before anything waits for room
+        for host in hosts:
+            host.connection.releases.reclaimer.flush()
+        if error is not None:
+            raise error
+        return None
+
+    def _hand_off(self, planned: snap_take.Planned, placed: dict[int, list[Any]]) -> None:
+        """Background, once the previous snapshot ended: every keeper learns the step and drops
+        what is not kept, then takes its host's blocks and starts replicating them."""
+        self._begin(planned, self._kept(planned.step))
+        step, pieces = planned.step, planned.pieces
+        futures = [
+            self._senders.submit(snap_take.hand, self._keepers[h], step, pieces[h], placed.pop(h))
+            for h in list(placed)
+        ]
+        for future in futures:
+            future.result()
+
+    def _take_waiting(self, planned: snap_take.Planned) -> str | None:
+        """A take with no room for one more snapshot: waits for the previous one, drops what is
+        not kept, checks the fit, then copies and hands over; the reason when it does not fit."""
+        self._committer.wait(None)
+        hosts = list(planned.pieces)
+        self._begin(planned, self._kept(planned.step))
+        reason = snap_take.misfit(planned, self._pools(hosts), self.pool)
+        if reason is None:
+            reason = self._send(planned)
+        if reason is None:
+            self._committer.track(planned.step, hosts, planned.record)
+        return reason
+
     def save_to(self, manager: Any, step: int, *, metadata: dict[str, Any] | None = None) -> bool:
         """Writes snapshot `step` to storage through `manager` (a `CheckpointManager` over these
         hosts) from the blocks the hosts hold: no device-to-host copy (`snap_save`). Returns
@@ -204,6 +275,7 @@ class Snapshots:
         if self._closed:
             raise SnapshotError("this Snapshots is closed")
         with self._lock:  # no take drops the step's blocks before the writers hold them
+            self._committer.wait_handed(step)
             return snap_save.save_to(self, manager, step, metadata)
 
     def _hosts_now(self) -> tuple[list[int], int]:
@@ -339,6 +411,7 @@ class Snapshots:
         try:
             self._committer.wait(None)
         finally:
+            self._committer.close()
             for handle in self._keepers.values():
                 try:
                     handle.close()
