@@ -31,6 +31,7 @@ from . import layout, tree
 PREFETCH_BYTES = 256 << 20  # device-to-host copies started ahead of the one being placed
 BATCH_BYTES = 16 << 20  # pieces allocated and handed to a writer together when the arena is short
 COPY_PART_BYTES = 8 << 20  # a larger copy is split by rows over the copy threads
+INLINE_COPY_BYTES = 1 << 20  # a smaller one is done by the calling thread (a hand-over costs more)
 
 
 @dataclass
@@ -190,7 +191,8 @@ def copy_into(
     pairs: list[tuple[np.ndarray, Any]], copiers: Executor | None, part_bytes: int = COPY_PART_BYTES
 ) -> None:
     """`np.copyto(block, source)` for each pair, split by rows into `part_bytes` parts run on
-    `copiers` (numpy drops the GIL while it copies, so one host's copy uses several cores)."""
+    `copiers` (numpy drops the GIL while it copies, so one host's copy uses several cores);
+    parts under INLINE_COPY_BYTES are copied by the calling thread."""
     parts: list[tuple[np.ndarray, Any]] = []
     for block, source in pairs:
         n = min(block.shape[0], block.nbytes // part_bytes) if block.ndim and copiers else 1
@@ -199,13 +201,17 @@ def copy_into(
             continue
         cuts = [block.shape[0] * i // n for i in range(n + 1)]
         parts += [(block[a:b], source[a:b]) for a, b in itertools.pairwise(cuts)]
-    if copiers is None or len(parts) == 1:
-        for block, source in parts:
-            np.copyto(block, source)
-        return
-    for future in [copiers.submit(np.copyto, block, source) for block, source in parts]:
+    shared = copiers is not None and sum(b.nbytes >= INLINE_COPY_BYTES for b, _ in parts) > 1
+    futures, inline = [], []
+    for block, source in parts:
+        if shared and block.nbytes >= INLINE_COPY_BYTES:
+            futures.append(copiers.submit(np.copyto, block, source))  # type: ignore[union-attr]
+        else:
+            inline.append((block, source))
+    for block, source in inline:
+        np.copyto(block, source)
+    for future in futures:
         future.result()
-
 
 def send(
     host: Any,

@@ -22,12 +22,14 @@ import jax
 import numpy as np
 
 from colocar.checkpoint import save, tree
+from colocar.controller_bridge.arrays import addressable_shards
 from colocar.errors import HostLostError, SnapshotError
 from colocar.shm.allocator import footprint
 
 from .peers import send_chunks
 
 WHOLE_SHARD = 1 << 62  # plan's chunk limit: one piece per shard
+LAYOUTS_KEPT = 8  # layouts a `Snapshots` remembers (`plan`)
 Placement = Callable[[list[int], int], dict[int, list[int]]]
 
 
@@ -75,12 +77,71 @@ class Planned:
     need: dict[int, int] = field(default_factory=dict)  # host -> arena bytes incl. replicas received
 
 
-def plan(step: int, state: Any, cluster: Any, hosts: list[int], replicas: int, place: Placement) -> Planned:
+@dataclass
+class _Layout:
+    """What a plan derives from the state's shapes, dtypes and shardings alone: the leaves'
+    entries, each host's pieces (sources unbound: (piece, device)), their record entry and bytes."""
+
+    leaves: dict[str, dict[str, Any]]
+    pieces: dict[int, list[tuple[save.Piece, Any]]]
+    shards: dict[int, list[tuple[int, Any]]]
+    own: dict[int, int]
+
+
+def plan(
+    step: int,
+    state: Any,
+    cluster: Any,
+    hosts: list[int],
+    replicas: int,
+    place: Placement,
+    layouts: dict[Any, _Layout] | None = None,
+) -> Planned:
     """The pieces of `state` per host and the record a restore needs (tree, leaf metadata,
-    non-array leaves pickled, which shard each host holds)."""
+    non-array leaves pickled, which shard each host holds). `layouts`: a cache of the parts
+    that depend only on the arrays' shapes, dtypes and shardings (one per `Snapshots`: a
+    training loop snapshots the same layout every few steps)."""
     named, skeleton, dirs = tree.flatten(state)
     arrays = [(k, v) for k, v in named if tree.is_array(v)]
     values = {k: v for k, v in named if not tree.is_array(v)}
+    layout = _layout(step, arrays, dirs, cluster, hosts, {} if layouts is None else layouts)
+    pieces = _bind(layout, arrays)
+    targets = placement_of(place, hosts, replicas) if replicas else {h: [] for h in hosts}
+    record = {
+        "step": step,
+        "attempt": uuid.uuid4().hex,
+        "time": time.time(),
+        "keys": [k for k, _ in named],
+        "tree": skeleton,
+        "leaves": layout.leaves,
+        "values": _pickled(step, values),
+        "shards": layout.shards,
+        "replicas": targets,
+        "jax_version": jax.__version__,
+    }
+    result = Planned(step, pieces, targets, record, own=dict(layout.own))
+    result.need = dict(result.own)
+    for h, peers in targets.items():
+        for t in peers:
+            result.need[t] += result.own[h]
+    return result
+
+
+def _layout(
+    step: int,
+    arrays: list[tuple[str, Any]],
+    dirs: dict[str, str],
+    cluster: Any,
+    hosts: list[int],
+    cache: dict,
+) -> _Layout:
+    described = tuple(
+        (k, tree.is_prng_key(v), type(v), v.shape, v.dtype, getattr(v, "sharding", None)) for k, v in arrays
+    )
+    key = (described, tuple(hosts))
+    found = cache.get(key)
+    if found is not None:
+        return found
     planned = save.plan(arrays, dirs, _Among(cluster, hosts), WHOLE_SHARD)
     for h in planned.pieces:
         if h not in hosts and planned.pieces[h]:
@@ -89,27 +150,42 @@ def plan(step: int, state: Any, cluster: Any, hosts: list[int], replicas: int, p
                 "restore onto the surviving hosts first"
             )
     pieces = {h: planned.pieces.get(h, []) for h in hosts}
-    targets = placement_of(place, hosts, replicas) if replicas else {h: [] for h in hosts}
-    record = {
-        "step": step,
-        "attempt": uuid.uuid4().hex,
-        "time": time.time(),
-        "keys": [k for k, _ in named],
-        "tree": skeleton,
-        "leaves": planned.leaves,
-        "values": _pickled(step, values),
-        "shards": {h: [(p.leaf, p.bounds) for p in ps] for h, ps in pieces.items()},
-        "replicas": targets,
-        "jax_version": jax.__version__,
-    }
-    result = Planned(step, pieces, targets, record)
-    for h, ps in pieces.items():
-        result.own[h] = sum(footprint(p.nbytes) for p in ps)
-    result.need = dict(result.own)
-    for h, peers in targets.items():
-        for t in peers:
-            result.need[t] += result.own[h]
-    return result
+    layout = _Layout(
+        planned.leaves,
+        {h: [(p, _device_of(p.source)) for p in ps] for h, ps in pieces.items()},
+        {h: [(p.leaf, p.bounds) for p in ps] for h, ps in pieces.items()},
+        {h: sum(footprint(p.nbytes) for p in ps) for h, ps in pieces.items()},
+    )
+    if len(cache) >= LAYOUTS_KEPT:
+        cache.clear()
+    cache[key] = layout
+    return layout
+
+
+def _device_of(source: Any) -> Any:
+    return next(iter(source.devices())) if isinstance(source, jax.Array) else None
+
+
+def _bind(layout: _Layout, arrays: list[tuple[str, Any]]) -> dict[int, list[save.Piece]]:
+    """The layout's pieces with the sources of these arrays: each device's shard (replica 0),
+    a numpy leaf as it is, a PRNG key's key data."""
+    sources: dict[int, Any] = {}
+    out: dict[int, list[save.Piece]] = {}
+    for h, entries in layout.pieces.items():
+        out[h] = []
+        for p, device in entries:
+            if p.leaf not in sources:
+                sources[p.leaf] = _sources_of(arrays[p.leaf][1])
+            source = sources[p.leaf] if device is None else sources[p.leaf][device]
+            out[h].append(save.Piece(p.leaf, p.bounds, source, p.local, p.shape, p.dtype))
+    return out
+
+
+def _sources_of(leaf: Any) -> Any:
+    data = jax.random.key_data(leaf) if tree.is_prng_key(leaf) else leaf
+    if not isinstance(data, jax.Array):
+        return np.asarray(data)
+    return {s.device: s.data for s in addressable_shards(data)}
 
 
 def _pickled(step: int, values: dict[str, Any]) -> bytes:
@@ -156,20 +232,43 @@ def _on_host(pieces: list[save.Piece]) -> list[np.ndarray]:
     return [np.asarray(piece.source)[piece.local] for piece in pieces]
 
 
-def place(host: Any, pieces: list[save.Piece], pool: str, copiers: Executor | None) -> list[np.ndarray]:
-    """`pieces` copied into new blocks of `host`'s arena pool (one Allocate, no waiting: a
-    full pool raises ArenaFullError); the blocks stay the controller's until handed on."""
+ALIGN = 64  # bytes: where each piece starts in its host's block
+
+
+def place(host: Any, pieces: list[save.Piece], pool: str, copiers: Executor | None) -> Placed:
+    """`pieces` copied into one new block of `host`'s arena pool (one Allocate, no waiting: a
+    full pool raises ArenaFullError), each at its offset; the block stays the controller's
+    until handed on (`hand`)."""
     sources = _on_host(pieces)
+    offsets, total = [], 0
+    for piece in pieces:
+        offsets.append(total)
+        total += -(-piece.nbytes // ALIGN) * ALIGN
     if not pieces:
-        return []
-    blocks = host.connection.blocks.empty([(p.shape, p.dtype) for p in pieces], pool=pool, timeout=0.0)
-    save.copy_into(list(zip(blocks, sources, strict=True)), copiers)
-    return blocks
+        return Placed(None, [])
+    (block,) = host.connection.blocks.empty([((total,), np.dtype(np.uint8))], pool=pool, timeout=0.0)
+    views = [
+        block[o : o + p.nbytes].view(p.dtype).reshape(p.shape) for p, o in zip(pieces, offsets, strict=True)
+    ]
+    save.copy_into(list(zip(views, sources, strict=True)), copiers)
+    return Placed(block, offsets)
 
 
-def hand(keeper: Any, step: int, pieces: list[save.Piece], blocks: list[np.ndarray]) -> None:
-    """The placed blocks to the host's keeper, which starts replicating them."""
-    keeper.write(step, [(p.leaf, p.bounds, b) for p, b in zip(pieces, blocks, strict=True)], len(pieces))
+@dataclass
+class Placed:
+    """One host's pieces in one arena block (None: the host holds no piece), at `offsets`."""
+
+    block: np.ndarray | None
+    offsets: list[int]
+
+
+def hand(keeper: Any, step: int, pieces: list[save.Piece], placed: Placed) -> None:
+    """The placed block to the host's keeper, which starts replicating its pieces."""
+    if placed.block is None:
+        keeper.write(step, [], 0)
+        return
+    layout = [(p.leaf, p.bounds, o, p.shape, p.dtype) for p, o in zip(pieces, placed.offsets, strict=True)]
+    keeper.write_packed(step, placed.block, layout)
 
 
 def send(

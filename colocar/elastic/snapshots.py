@@ -120,6 +120,7 @@ class Snapshots:
         self._closed = False
         self._generations: dict[int, int] = {}  # of each host's sidecar when its keeper was opened
         self._capacity: dict[int, dict[str, int]] = {}  # each host's pool size, nothing used
+        self._layouts: dict[Any, Any] = {}  # `snap_take.plan`'s cache
         try:
             pools = self._pools(hosts)  # the pool exists everywhere
             self._capacity = {h: {"reserved": p["reserved"], "used": 0} for h, p in pools.items()}
@@ -175,7 +176,7 @@ class Snapshots:
             self._committer.wait_handed()  # at most one snapshot waits behind a replicating one
             hosts, replicas = self._hosts_now()
             self._reopen_restarted(hosts)
-            planned = snap_take.plan(step, tree, self.cluster, hosts, replicas, self.placement)
+            planned = snap_take.plan(step, tree, self.cluster, hosts, replicas, self.placement, self._layouts)
             try:
                 reason = snap_take.misfit(planned, self._capacity, self.pool)  # can never fit
                 placed = self._place(planned) if reason is None and self._trusted() else None
@@ -215,8 +216,8 @@ class Snapshots:
             committed = [s for s in self._committed if s != step]
         return committed[-(self.keep - 1) :] if self.keep > 1 else []
 
-    def _place(self, planned: snap_take.Planned) -> dict[int, list[Any]] | None:
-        """Every host's pieces copied into new blocks of its pool, one thread per host, before
+    def _place(self, planned: snap_take.Planned) -> dict[int, snap_take.Placed] | None:
+        """Every host's pieces copied into a new block of its pool, one thread per host, before
         the keepers hear of the step; None (nothing kept) when a host does not map its arena or
         its pool has no room now."""
         hosts = [self.cluster.hosts[h] for h in planned.pieces]
@@ -243,7 +244,7 @@ class Snapshots:
             raise error
         return None
 
-    def _hand_off(self, planned: snap_take.Planned, placed: dict[int, list[Any]]) -> None:
+    def _hand_off(self, planned: snap_take.Planned, placed: dict[int, snap_take.Placed]) -> None:
         """Background, once the previous snapshot ended: every keeper learns the step and drops
         what is not kept, then takes its host's blocks and starts replicating them."""
         self._begin(planned, self._kept(planned.step))
