@@ -1,8 +1,9 @@
 """Slices of a snapshot's leaf cut from the blocks that hold parts of it (in a keeper).
 
 A keeper holds each leaf as blocks at their bounds in the global array (its own shards and
-replicas of its peers'); a read asks for a slice, which `stitch` fills into a new arena array
-from every block that overlaps it. Shared by the single- and multi-controller keepers.
+replicas of its peers'); a read asks for a slice: a contiguous part of one block is handed
+out as it is (`within`), any other is filled by `stitch` into a new arena array from every
+block that overlaps it. Shared by the single- and multi-controller keepers.
 """
 
 from __future__ import annotations
@@ -22,6 +23,19 @@ def by_leaf(held: list[dict[tuple[int, Bounds], np.ndarray]]) -> dict[int, list[
         for (leaf, bounds), data in blocks.items():
             out.setdefault(leaf, []).append((data, bounds))
     return out
+
+
+def within(want: Bounds, parts: list[tuple[np.ndarray, Bounds]]) -> np.ndarray | None:
+    """Slice `want` as a view of the one block of `parts` that holds it whole, when that slice
+    is contiguous memory (e.g. rows of a row-major block): shared by the reply, not copied
+    (`shm.views.shareable`). None otherwise (then `stitch`)."""
+    from colocar.shm.views import shareable
+
+    for data, held in parts:
+        if all(c <= a and b <= d for (a, b), (c, d) in zip(want, held, strict=True)):
+            part = data[tuple(slice(a - c, b - c) for (a, b), (c, _) in zip(want, held, strict=True))]
+            return shareable(part) if data.ndim else None
+    return None
 
 
 def stitch(want: Bounds, dtype: Any, parts: list[tuple[np.ndarray, Bounds]]) -> tuple[np.ndarray, int]:

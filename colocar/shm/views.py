@@ -33,11 +33,14 @@ class BlockHandle(NamedTuple):
 class _Holder:
     """Owns one arena region for numpy: exposes it via ``__array_interface__``."""
 
-    __slots__ = ("arena", "offset", "nbytes", "address", "handle", "_buffer", "__weakref__")
+    __slots__ = ("arena", "offset", "nbytes", "address", "handle", "_buffer", "_keep", "__weakref__")
 
-    def __init__(self, arena: Arena, offset: int, nbytes: int, handle: BlockHandle | None) -> None:
+    def __init__(
+        self, arena: Arena, offset: int, nbytes: int, handle: BlockHandle | None, keep: object = None
+    ) -> None:
         # The memoryview pins the mmap: the arena cannot be unmapped under live views.
         self._buffer = arena.buffer(offset, nbytes)
+        self._keep = keep  # what must outlive this region (the view of the block it lies in)
         self.arena = arena
         self.offset = offset
         self.nbytes = nbytes
@@ -96,6 +99,20 @@ def ndarray_view(
         finalizer = weakref.finalize(holder, on_release)
         finalizer.atexit = False
     return array
+
+
+def shareable(array: np.ndarray) -> np.ndarray | None:
+    """`array`, a C-contiguous part of a view made with a ``BlockHandle``, as a view of its own
+    region of that block, which the owner's payloads share (the receiver maps those bytes)
+    instead of copying them; it keeps `array`, and so the block's lease, alive. None for any
+    other array. Only for memory nobody writes again (a snapshot's blocks): the receiver, and
+    a `jax.Array` built on it, read it for as long as they live."""
+    holder = _holder_of(array)
+    if holder is None or holder.handle is None or not array.flags.c_contiguous or array.size == 0:
+        return None
+    offset = holder.offset + array.__array_interface__["data"][0] - holder.address
+    region = _Holder(holder.arena, offset, array.nbytes, holder.handle, keep=array)
+    return np.asarray(region).view(array.dtype).reshape(array.shape)
 
 
 def _holder_of(array: np.ndarray) -> _Holder | None:

@@ -182,8 +182,13 @@ class _Leases(payload.BlockSpace):
             self._allocator.release(desc.id, self._owner)
 
     def share(self, block_id: int, offset: int, nbytes: int) -> pb.BlockDesc:
+        """A lease on the block for the payload, which names the region [offset, +nbytes) of
+        it (the whole block, or a `views.shareable` part)."""
         block = self._allocator.acquire(block_id, self._owner)
-        return pb.BlockDesc(id=block.id, offset=block.offset, nbytes=nbytes)
+        if not block.offset <= offset <= offset + nbytes <= block.offset + block.nbytes:
+            self._allocator.release(block_id, self._owner)
+            raise ValueError(f"region {offset}+{nbytes} is not within block {block_id}")
+        return pb.BlockDesc(id=block.id, offset=offset, nbytes=nbytes)
 
     unshare = release
 

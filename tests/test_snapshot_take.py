@@ -1,0 +1,90 @@
+"""What a snapshot's fast path must never get wrong (`Snapshots.take` and its restore).
+
+A take copies each host's pieces into one arena block and hands it to the keeper in the
+background; the layout of a state (which shard goes where) is cached per shapes, dtypes and
+shardings; a restore whose slices lie within one block gets that block's bytes without a copy
+(the restored array may alias them).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from checkpoint_helpers import assert_same
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import colocar
+from colocar.elastic.snapshots import Snapshots
+from colocar.shm.views import arena_offset
+
+
+def _state(cluster, seed: int, spec: P) -> dict:
+    mesh = Mesh(np.array(cluster.devices), ("data",))
+    rng = np.random.default_rng(seed)
+    return {
+        "w": jax.device_put(rng.standard_normal((64, 32), np.float32), NamedSharding(mesh, spec)),
+        "b": jax.device_put(rng.standard_normal(32).astype(np.float32), NamedSharding(mesh, P())),
+        "step": seed,
+    }
+
+
+def _like(state: dict, spec: P | None = None) -> dict:
+    """The state as a restore target: its arrays' shapes on their shardings (or on `spec`)."""
+
+    def leaf(x):
+        if not isinstance(x, jax.Array):
+            return x
+        sharding = x.sharding if spec is None or x.ndim != 2 else NamedSharding(x.sharding.mesh, spec)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    return jax.tree.map(leaf, state)
+
+
+@colocar.colocated
+def _scribble(pool: str, nbytes: int) -> int:
+    """Fills every free byte of `pool` it can get with 0xFF, in blocks of `nbytes`; how many."""
+    import gc
+
+    from colocar.shm.context import sidecar_runtime
+
+    gc.collect()  # what only a cycle held is gone (and its blocks free)
+    arena, blocks = sidecar_runtime(), []
+    try:
+        while True:
+            block = arena.empty((nbytes,), np.dtype(np.uint8), pool, timeout=0.0)
+            block[:] = 0xFF
+            blocks.append(block)
+    except Exception:  # noqa: BLE001 - the pool is full
+        return len(blocks)
+
+
+def test_a_restored_array_never_changes_once_its_snapshot_is_dropped(make_cluster):
+    """The restore shares the snapshot's bytes (no copy); once the keepers dropped that
+    snapshot, the restored array still holds the block, which no new allocation reuses."""
+    cluster = make_cluster(hosts=2, arena_size=8 << 20, pools={"snap": 256 << 10}, processes=0)
+    first = _state(cluster, 1, P("data"))
+    with Snapshots(cluster, replicas=1, keep=2, pool="snap") as snaps:
+        assert snaps.take(1, first)
+        snaps.wait(60)
+        restored = snaps.restore(1, _like(first))
+        arena = cluster.hosts[1].connection.blocks.arena
+        shard = np.asarray(restored["w"].addressable_shards[-1].data)
+        assert arena_offset(arena, shard) is not None  # the restore aliases host 1's arena
+        for step in (2, 3, 4):  # snapshot 1's blocks are dropped by the keepers
+            assert snaps.take(step, _state(cluster, step, P("data")))
+        snaps.wait(60)
+        assert snaps.stats()["committed"] == [3, 4]
+        assert all(n > 100 for n in _scribble.on(cluster.hosts)("snap", 512))
+        assert_same(restored, first)
+
+
+def test_the_same_keys_with_other_shardings_get_their_own_layout(cluster):
+    sharded, replicated = _state(cluster, 5, P("data")), _state(cluster, 6, P())
+    with Snapshots(cluster, replicas=1, keep=2) as snaps:
+        assert snaps.take(1, sharded)
+        assert snaps.take(2, replicated)  # same keys, shapes and dtypes
+        snaps.wait(60)
+        assert_same(snaps.restore(1, _like(sharded)), sharded)
+        assert_same(snaps.restore(2, _like(replicated)), replicated)
+        assert_same(snaps.restore(2, _like(replicated, P("data"))), replicated)  # onto another layout
