@@ -65,6 +65,7 @@ def test_quick_demo_recovers_from_ram_and_draws_its_plot(tmp_path, shm_dir):
     assert summary["accuracy_floor"] < summary["test_accuracy"] <= 1
     assert summary["snapshots"] > 0 and summary["saves"] > 0 and summary["throughput_examples_per_s"] > 0
     assert summary["snapshot_blocked_ms"] > 0 and summary["save_blocked_ms"] > 0
+    assert 0 < summary["snapshot_share"] < 1  # of the loop's wall time (speed: `colocar bench recovery`)
     assert summary["storage"].startswith("gs://colocar-demo/")
     assert "summary" in result.stdout and "demo passed" in result.stdout
     _check_png(tmp_path / "out" / "demo.png")

@@ -15,6 +15,11 @@ built there) and starts a fresh cluster, then, before the kill:
 * a storage save of the state by a `CheckpointManager` on local disk, the loop running from the
   moment `save` returned until durable: `save_slowdown`; `slowdown_ratio` = replication / save
   slowdown, both floored at `SLOWDOWN_FLOOR` (the noise of this machine);
+* a take's fixed cost: a 1.1 MiB state (16 x {w: f32[8, 2048], b}: 144 shards, its own
+  `Snapshots`) taken 10 x `takes` times, each committed before the next
+  (`small_snapshot_blocked_s`), against one memcpy of it (`small_memcpy_state_s`);
+  the goal: `small_blocked_goal_s` = 1 ms + 1.2 memcpies (`snapshot_blocked_goal_s` the same
+  for the full state, from `memcpy_state_s`);
 * a warm-up (untimed): a tiny tree snapshotted and checkpointed by colocar, each restored onto
   the survivors' devices (Orbax's checkpointer is warmed up the same way, once);
 * Orbax's `StandardCheckpointer` (one for the run, warmed up) saves the same state to local disk;
@@ -64,6 +69,7 @@ from colocar.bench.ckpt_systems import orbax_checkpointer  # noqa: E402
 MiB = 1 << 20
 POOL = "snap"
 SLOWDOWN_FLOOR = 0.02
+BLOCKED_FIXED_S = 0.001  # the goal's fixed part of a take's blocked time
 SYSTEMS = ("ram", "storage", "orbax")
 PER_ROUND = (
     "ram_s",
@@ -71,6 +77,7 @@ PER_ROUND = (
     "orbax_s",
     "detect_s",
     "snapshot_blocked_s",
+    "small_snapshot_blocked_s",
     "replication_slowdown",
     "save_slowdown",
 )
@@ -126,9 +133,10 @@ def _round(r: int, state: dict[str, Any], devices: list[Any], cfg: Config, ckptr
         hosts=rs.HOSTS, devices=devices, arena_size=arena, pools={POOL: cfg.snap_pool}, processes=0
     ) as cluster:
         rs.warm_up(cluster, POOL, paths["warm"], devices, left)
+        small = rs.small_snapshot_costs(cluster, devices, POOL, cfg.takes * 10)
         snaps = Snapshots(cluster, replicas=1, pool=POOL)
         try:
-            m = rs.snapshot_costs(snaps, state, cfg.takes, cfg.baseline_s)
+            m = {**small, **rs.snapshot_costs(snaps, state, cfg.takes, cfg.baseline_s)}
             mngr = CheckpointManager(paths["colocar"], cluster)
             try:
                 m.update(rs.storage_save(mngr, state, cfg.baseline_s))
@@ -175,6 +183,11 @@ def _summary(head: dict[str, Any], rounds: list[dict], memcpy: float) -> dict[st
     out["orbax_restore_speedup"] = round(med("orbax_restore_s") / med("ram_restore_s"), 2)
     out["memcpy_s"] = round(memcpy, 4)
     out["blocked_ratio"] = round(med("snapshot_blocked_s") / memcpy, 2)
+    for key in ("small_snapshot_blocked_s", "small_memcpy_state_s"):
+        out[key] = round(med(key), 5)
+    out["small_state_mib"] = round(rounds[0]["small_state_bytes"] / MiB, 2)
+    # goal: blocked <= 1 ms + 1.2 memcpies of the state (one controller copies every host's share)
+    out["small_blocked_goal_s"] = round(BLOCKED_FIXED_S + 1.2 * med("small_memcpy_state_s"), 5)
     for key in ("replication_slowdown", "save_slowdown", "step_ms"):
         out[key] = round(med(key), 3)
     floored = {k: max(med(k), SLOWDOWN_FLOOR) for k in ("replication_slowdown", "save_slowdown")}
@@ -273,5 +286,6 @@ def run(quick: bool, repeats: int) -> dict:
     memcpy = statistics.median(m["memcpy_s"] for m in results)
     out = _summary(head, results, memcpy)
     out["memcpy_state_s"] = round(statistics.median(m["memcpy_state_s"] for m in results), 4)
+    out["snapshot_blocked_goal_s"] = round(BLOCKED_FIXED_S + 1.2 * out["memcpy_state_s"], 4)
     out["load_avg_1m"] = round(os.getloadavg()[0], 1)
     return out

@@ -183,6 +183,38 @@ def snapshot_costs(snaps: Any, state: dict[str, Any], takes: int, baseline_s: fl
     }
 
 
+SMALL_ROWS = 8  # the small state: LAYERS x (f32[8, COLS] by rows + f32[COLS]): 1.1 MiB, 144 shards
+
+
+def small_snapshot_costs(cluster: Any, devices: list[Any], pool: str, takes: int) -> dict[str, Any]:
+    """The fixed cost of a take: a 1 MiB state (its own `Snapshots`) taken `takes` times, each
+    committed before the next (idle caller, as the full state's timed takes), against one
+    memcpy of that state."""
+    import jax
+
+    from colocar.elastic.snapshots import Snapshots
+
+    state = make_state(SMALL_ROWS, devices)
+    memcpy = memcpy_s([s for host in host_shards(state, devices) for s in host], 7)
+    blocked = []
+    with Snapshots(cluster, replicas=1, pool=pool, name="bench-small") as snaps:
+        assert snaps.take(0, state), "the small snapshot was skipped (pool too small)"
+        snaps.wait(600)
+        for k in range(1, takes + 1):
+            t0 = time.perf_counter()
+            assert snaps.take(k, state), f"small snapshot {k} was skipped (pool too small)"
+            blocked.append(time.perf_counter() - t0)
+            snaps.wait(600)  # committed before the next, as the timed takes of the full state
+        committed = snaps.stats()["committed"]
+    if committed[-1] != takes:
+        raise RuntimeError(f"the last small snapshot ({takes}) did not commit: committed {committed}")
+    return {
+        "small_snapshot_blocked_s": statistics.median(blocked),
+        "small_memcpy_state_s": memcpy,
+        "small_state_bytes": sum(leaf.nbytes for leaf in jax.tree.leaves(state)),
+    }
+
+
 def storage_save(mngr: Any, state: dict[str, Any], baseline_s: float) -> dict[str, Any]:
     """A save with the training loop running from the moment `save` returned until durable."""
     step_s = steps_for(baseline_s)

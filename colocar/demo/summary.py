@@ -28,6 +28,14 @@ def _blocked(stats: dict[str, Any], kind: str) -> float | None:
     return round(1000 * stats["seconds"].get(kind, 0.0) / count, 2) if count else None
 
 
+def _share(stats: dict[str, Any], kind: str, monitor: Any) -> float | None:
+    """The share of the training loop's wall time (first step to last) that `kind` blocked it."""
+    if len(monitor.steps) < 2:
+        return None
+    loop = monitor.steps[-1].time - monitor.steps[0].time
+    return round(stats["seconds"].get(kind, 0.0) / loop, 4) if loop > 0 else None
+
+
 def _recovery(monitor: Any) -> tuple[str | None, int | None]:
     """Where the state came back from after the first loss, and its step (a later scale-up
     restores again, from the kept state: not a recovery)."""
@@ -56,6 +64,7 @@ def build(monitor: Any, elastic: Any, run: dict[str, Any]) -> dict[str, Any]:
         "steps_run": len(monitor.steps),
         "throughput_examples_per_s": round(run["global_batch"] / float(np.median(steady)), 1),
         "snapshot_blocked_ms": _blocked(stats, "snapshot"),
+        "snapshot_share": _share(stats, "snapshot", monitor),
         "save_blocked_ms": _blocked(stats, "save"),
         "snapshots": stats["counts"].get("snapshot", 0),
         "saves": stats["counts"].get("save", 0),
@@ -100,7 +109,11 @@ def rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     return [
         ("steps", f"{summary['steps_run']} run for {summary['steps']} ({summary['steps_lost']} replayed)"),
         ("throughput", f"{summary['throughput_examples_per_s']:.0f} examples/s"),
-        ("snapshot (RAM)", f"{summary['snapshots']} taken, {summary['snapshot_blocked_ms']} ms blocked each"),
+        (
+            "snapshot (RAM)",
+            f"{summary['snapshots']} taken, {summary['snapshot_blocked_ms']} ms blocked each, "
+            f"{100 * (summary['snapshot_share'] or 0):.1f}% of the training time",
+        ),
         ("checkpoint save", f"{summary['saves']} started, {summary['save_blocked_ms']} ms blocked each"),
         ("host lost", ", ".join(summary["lost_hosts"]) or "none"),
         ("recovery", "-" if recovery is None else f"{recovery:.2f} s from kill to the next step"),
