@@ -73,6 +73,19 @@ def host_layout(
     return HostLayout(start, box, blocks)
 
 
+ALIAS_ALIGN = 64  # bytes: JAX on CPU aliases numpy memory aligned so in `device_put`
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """An uninitialised array whose memory `device_put` aliases on CPU (numpy's own
+    allocations are 16-byte aligned, which JAX copies)."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + ALIAS_ALIGN, np.uint8)
+    start = -raw.ctypes.data % ALIAS_ALIGN
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
 # Serialises colocar's own shard reads (calls submitted from several threads on one new array).
 _shard_read = threading.Lock()
 

@@ -18,7 +18,9 @@ import jax
 import numpy as np
 
 from colocar.checkpoint import restore as ckpt_restore
+from colocar.controller_bridge.arrays import aligned_empty
 from colocar.errors import CheckpointError, SnapshotError
+from colocar.shm import ArenaFullError
 
 from .events import log
 from .keeper import Bounds, Key, key_of
@@ -119,7 +121,7 @@ def restore(step: int, target: Any, cluster: Any, found: Survey, keepers: dict[i
     except CheckpointError as e:
         raise SnapshotError(f"snapshot {e}") from None
     requests, placed = ckpt_restore._plan(wanted, cluster, ckpt_restore.RestoreStats())
-    results = _read(step, record["attempt"], requests, where, keepers)
+    results = _read(step, record["attempt"], requests, where, keepers, cluster)
     for picked in wanted:
         out[picked.key] = ckpt_restore._assemble(picked, cluster, placed, results)
     return jax.tree_util.tree_unflatten(treedef, [out[k] for k in targets])
@@ -150,9 +152,10 @@ def _read(
     requests: dict[int, list[Any]],
     where: dict[Key, list[int]],
     keepers: dict[int, Any],
+    cluster: Any,
 ) -> dict[int, list[np.ndarray]]:
     """Per device host, its requested slices (in request order) read from the holders."""
-    plans: dict[int, list[tuple[int, list[tuple[int, Bounds, int]]]]] = {}  # h -> per request: parts
+    plans: dict[int, list[list[tuple[int, Bounds, int]]]] = {}  # h -> per request: (source, part, i)
     reads: dict[int, list[tuple[int, str, list[list[int]]]]] = defaultdict(list)
     load: dict[int, int] = {}  # elements each source serves so far
     for h, wanted in requests.items():
@@ -162,23 +165,50 @@ def _read(
             for source, part in sources(h, leaf, key_of(leaf, bounds)[1], where, load):
                 parts.append((source, part, len(reads[source])))
                 reads[source].append((leaf, dtype, [list(b) for b in part]))
-            plans[h].append((leaf, parts))
+            plans[h].append(parts)
     got = _fetch(step, attempt, reads, keepers)
-    results: dict[int, list[np.ndarray]] = {}
-    for h, wanted in requests.items():
-        results[h] = []
-        for (leaf, dtype, bounds), (_, parts) in zip(wanted, plans[h], strict=True):
-            if len(parts) == 1 and [list(b) for b in parts[0][1]] == [list(b) for b in bounds]:
-                results[h].append(got[parts[0][0]][parts[0][2]])
-                continue
-            whole = np.empty(tuple(b - a for a, b in bounds), np.dtype(dtype))
-            check_covered(step, leaf, bounds, [p for _, p, _ in parts])
-            for source, part, i in parts:
-                whole[tuple(slice(a - o[0], b - o[0]) for (a, b), o in zip(part, bounds, strict=True))] = got[
-                    source
-                ][i]
-            results[h].append(whole)
-    return results
+    return {h: _assembled(step, wanted, plans[h], got, cluster.hosts[h]) for h, wanted in requests.items()}
+
+
+def _assembled(
+    step: int,
+    wanted: list[Any],
+    plans: list[list[tuple[int, Bounds, int]]],
+    got: dict[int, list[np.ndarray]],
+    host: Any,
+) -> list[np.ndarray]:
+    """One host's slices: as read when one holder sent it whole, else stitched from its parts."""
+    whole = [
+        len(p) == 1 and [list(b) for b in p[0][1]] == [list(b) for b in w[2]]
+        for p, w in zip(plans, wanted, strict=True)
+    ]
+    specs = [(tuple(b - a for a, b in w[2]), w[1]) for w, one in zip(wanted, whole, strict=True) if not one]
+    buffers = iter(_buffers(host, specs))
+    out = []
+    for (leaf, _, bounds), parts, one in zip(wanted, plans, whole, strict=True):
+        if one:  # its bytes as they came (a region of the holder's block: no copy)
+            out.append(got[parts[0][0]][parts[0][2]])
+            continue
+        check_covered(step, leaf, bounds, [p for _, p, _ in parts])
+        stitched = next(buffers)
+        for source, part, i in parts:
+            stitched[tuple(slice(a - o[0], b - o[0]) for (a, b), o in zip(part, bounds, strict=True))] = got[
+                source
+            ][i]
+        out.append(stitched)
+    return out
+
+
+def _buffers(host: Any, specs: list[tuple[tuple[int, ...], Any]]) -> list[np.ndarray]:
+    """Arrays to stitch slices into: blocks of the host's arena where the controller maps it
+    (pre-faulted memory, which `device_put` aliases on CPU; leased while the restored arrays
+    live, as a checkpoint restore's), else (or when the arena has no room now) aligned memory."""
+    if specs and host.connection.blocks.mapped:
+        try:
+            return list(host.connection.blocks.empty([(s, np.dtype(d)) for s, d in specs], timeout=0.0))
+        except ArenaFullError:
+            pass
+    return [aligned_empty(shape, dtype) for shape, dtype in specs]
 
 
 def _fetch(
