@@ -111,12 +111,21 @@ class SnapshotKeeper:
         if total is not None:
             self.finish(step, total)
 
+    def store(
+        self, step: int, attempt: str, keep: list[int], peers: list[Target], block: Any, layout: list[tuple]
+    ) -> None:
+        """`begin` and `write_packed` in one call (a take's whole hand-off to this host);
+        `block` None: this host holds no piece of the step."""
+        self.begin(step, attempt, keep, peers)
+        if block is None:
+            self.write(step, [], 0)
+        else:
+            self.write_packed(step, block, layout)
+
     def write_packed(self, step: int, block: np.ndarray, layout: list[tuple[Any, ...]]) -> None:
         """As `write` with every piece, all of them in one block (one allocation and one view
         per host instead of one per piece): `layout` lists (leaf, bounds, byte offset, shape,
-        dtype) of each."""
-        import ml_dtypes  # noqa: F401 - registers bfloat16 & co. with numpy
-
+        dtype) of each (dtype objects: unpickling one imports what registers it)."""
         flat = block.reshape(-1).view(np.uint8)
         pieces = []
         for leaf, bounds, offset, shape, dtype in layout:
@@ -189,7 +198,7 @@ class SnapshotKeeper:
             snap = self._snap(step, attempt)
             slot = snap.incoming.get((source, key))
             if slot is None:
-                slot = snap.incoming[(source, key)] = [_allocate(tuple(shape), np.dtype(dtype), self.pool), 0]
+                slot = snap.incoming[(source, key)] = [_allocate(tuple(shape), dtype, self.pool), 0]
         block = slot[0]
         block.reshape(-1).view(np.uint8)[offset : offset + len(data)] = np.frombuffer(data, np.uint8)
         with self._lock:
@@ -375,9 +384,11 @@ def _watch_idle(ref: weakref.ref, idle_seconds: float) -> None:
         del keeper
 
 
-def _allocate(shape: tuple[int, ...], dtype: np.dtype, pool: str) -> np.ndarray:
+def _allocate(shape: tuple[int, ...], dtype: Any, pool: str) -> np.ndarray:
     """A block of the snapshot pool, at once or ArenaFullError (a snapshot never waits)."""
-    import ml_dtypes  # noqa: F401 - registers bfloat16 & co. with numpy
+    if not isinstance(dtype, np.dtype):  # a name ("bfloat16"): numpy learns it from ml_dtypes,
+        import ml_dtypes  # noqa: F401 - whose import holds the GIL ~1 s, so only when needed
+    dtype = np.dtype(dtype)
 
     from colocar.shm.context import sidecar_runtime
 

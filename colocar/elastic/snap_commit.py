@@ -18,6 +18,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,10 +75,9 @@ class Committer:
         if last is not None and not last.done.wait(timeout):
             raise TimeoutError(f"replication of snapshot step {last.step} still runs after {timeout} s")
 
-    def wait_handed(self, step: int | None = None) -> None:
-        """Until the keepers hold the blocks of snapshot `step` (default: the last one tracked),
-        or it ended; before a take, at most one snapshot then waits behind a replicating one."""
-        tracked = self.last if step is None else self._unhanded.get(step)
+    def wait_handed(self, step: int) -> None:
+        """Until the keepers hold the blocks of snapshot `step`, or it ended."""
+        tracked = self._unhanded.get(step)
         if tracked is not None:
             tracked.handed.wait()
 
@@ -141,11 +141,16 @@ class Committer:
         return None
 
     def _commit(self, tracked: Tracked) -> None:
+        """The record goes to every host at once; it counts once one of them holds it."""
         record = pickle.dumps(tracked.record)
+        calls = {
+            h: self._submit(h, "commit", tracked.step, tracked.record["attempt"], record)
+            for h in tracked.hosts
+        }
         stored = 0
-        for h in tracked.hosts:
+        for h, call in calls.items():
             try:
-                self._keeper(h).commit(tracked.step, tracked.record["attempt"], record)
+                call.result()
                 stored += 1
             except Exception as e:  # a host lost now: the others hold the record
                 log.warning(
@@ -156,6 +161,15 @@ class Committer:
             return
         tracked.state = "committed"
         self._on_commit(tracked.step)
+
+    def _submit(self, h: int, method: str, *args: Any) -> Any:
+        """A call of host `h`'s keeper in flight (a future; failed at once when it cannot start)."""
+        try:
+            return getattr(self._keeper(h), method).submit(*args)
+        except Exception as e:  # noqa: BLE001 - its result() raises it
+            failed: Future[Any] = Future()
+            failed.set_exception(e)
+            return failed
 
     def _abandon(self, tracked: Tracked, error: str) -> None:
         tracked.state, tracked.error = "failed", error

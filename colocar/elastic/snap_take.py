@@ -176,16 +176,21 @@ def _bind(layout: _Layout, arrays: list[tuple[str, Any]]) -> dict[int, list[save
         for p, device in entries:
             if p.leaf not in sources:
                 sources[p.leaf] = _sources_of(arrays[p.leaf][1])
-            source = sources[p.leaf] if device is None else sources[p.leaf][device]
+            source = sources[p.leaf](device)
             out[h].append(save.Piece(p.leaf, p.bounds, source, p.local, p.shape, p.dtype))
     return out
 
 
-def _sources_of(leaf: Any) -> Any:
+def _sources_of(leaf: Any) -> Callable[[Any], Any]:
+    """device -> the single-device data of `leaf` there (any device: the same bytes)."""
     data = jax.random.key_data(leaf) if tree.is_prng_key(leaf) else leaf
     if not isinstance(data, jax.Array):
-        return np.asarray(data)
-    return {s.device: s.data for s in addressable_shards(data)}
+        host = np.asarray(data)
+        return lambda _: host
+    if data.is_fully_replicated:  # one copy serves: no shard list of every device to build
+        one = data.addressable_data(0)
+        return lambda _: one
+    return {s.device: s.data for s in addressable_shards(data)}.__getitem__
 
 
 def _pickled(step: int, values: dict[str, Any]) -> bytes:
@@ -267,8 +272,12 @@ def hand(keeper: Any, step: int, pieces: list[save.Piece], placed: Placed) -> No
     if placed.block is None:
         keeper.write(step, [], 0)
         return
-    layout = [(p.leaf, p.bounds, o, p.shape, p.dtype) for p, o in zip(pieces, placed.offsets, strict=True)]
-    keeper.write_packed(step, placed.block, layout)
+    keeper.write_packed(step, placed.block, layout_of(pieces, placed))
+
+
+def layout_of(pieces: list[save.Piece], placed: Placed) -> list[tuple[Any, ...]]:
+    """(leaf, bounds, byte offset, shape, dtype) of each piece in its host's block."""
+    return [(p.leaf, p.bounds, o, p.shape, p.dtype) for p, o in zip(pieces, placed.offsets, strict=True)]
 
 
 def send(

@@ -165,15 +165,16 @@ class Snapshots:
     # --- taking -------------------------------------------------------------------------------
     def take(self, step: int, tree: Any) -> bool:
         """Copies every distinct shard device -> its host's arena and returns; the keepers get
-        the blocks, replicate and commit them in the background (`snap_commit`). When a pool
-        has no room for one more snapshot, it first waits for the previous one and drops what
-        is not kept. False, with a `SnapshotSkipped` warning naming the sizes, when it does
-        not fit."""
+        the blocks, replicate and commit them in the background (`snap_commit`). It first waits
+        for the previous snapshot to commit (or fail), so that the newest committed one is at
+        most one take old when a host is lost; when a pool has no room for one more snapshot,
+        it also drops what is not kept before copying. False, with a `SnapshotSkipped` warning
+        naming the sizes, when it does not fit."""
         if self._closed:
             raise SnapshotError("this Snapshots is closed")
         started = time.monotonic()
         with self._lock:
-            self._committer.wait_handed()  # at most one snapshot waits behind a replicating one
+            self._committer.wait(None)  # the previous one counts first: a loss costs one interval at most
             hosts, replicas = self._hosts_now()
             self._reopen_restarted(hosts)
             planned = snap_take.plan(step, tree, self.cluster, hosts, replicas, self.placement, self._layouts)
@@ -245,21 +246,25 @@ class Snapshots:
         return None
 
     def _hand_off(self, planned: snap_take.Planned, placed: dict[int, snap_take.Placed]) -> None:
-        """Background, once the previous snapshot ended: every keeper learns the step and drops
-        what is not kept, then takes its host's blocks and starts replicating them."""
-        self._begin(planned, self._kept(planned.step))
-        step, pieces = planned.step, planned.pieces
-        futures = [
-            self._senders.submit(snap_take.hand, self._keepers[h], step, pieces[h], placed.pop(h))
-            for h in list(placed)
-        ]
+        """Background, once the previous snapshot ended: every keeper learns the step, drops
+        what is not kept and takes its host's block, which it starts replicating (one call)."""
+        step, attempt, keep = planned.step, planned.record["attempt"], self._kept(planned.step)
+        futures = []
+        for h in list(placed):
+            done = placed.pop(h)
+            layout = snap_take.layout_of(planned.pieces[h], done)
+            peers = self._targets(planned.targets[h])
+            futures.append(self._keepers[h].store.submit(step, attempt, keep, peers, done.block, layout))
         for future in futures:
             future.result()
 
+    def _targets(self, peers: list[int]) -> list[tuple]:
+        """The peer keepers of `peers`, as a keeper's call takes them."""
+        return [tuple(Target(t, self.cluster.hosts[t].address, self._keeper_name(t))) for t in peers]
+
     def _take_waiting(self, planned: snap_take.Planned) -> str | None:
-        """A take with no room for one more snapshot: waits for the previous one, drops what is
+        """A take with no room for one more snapshot (or the first one): drops what is
         not kept, checks the fit, then copies and hands over; the reason when it does not fit."""
-        self._committer.wait(None)
         hosts = list(planned.pieces)
         self._begin(planned, self._kept(planned.step))
         reason = snap_take.misfit(planned, self._pools(hosts), self.pool)
@@ -294,13 +299,10 @@ class Snapshots:
 
     def _begin(self, planned: snap_take.Planned, keep: list[int]) -> None:
         """Every keeper learns the new step and its peers, and drops what is not kept."""
+        attempt = planned.record["attempt"]
         futures = []
         for h, peers in planned.targets.items():
-            targets = [Target(t, self.cluster.hosts[t].address, self._keeper_name(t)) for t in peers]
-            attempt = planned.record["attempt"]
-            futures.append(
-                self._keepers[h].begin.submit(planned.step, attempt, keep, [tuple(t) for t in targets])
-            )
+            futures.append(self._keepers[h].begin.submit(planned.step, attempt, keep, self._targets(peers)))
         for future in futures:
             future.result()
 
