@@ -88,3 +88,12 @@ def test_the_same_keys_with_other_shardings_get_their_own_layout(cluster):
         assert_same(snaps.restore(1, _like(sharded)), sharded)
         assert_same(snaps.restore(2, _like(replicated)), replicated)
         assert_same(snaps.restore(2, _like(replicated, P("data"))), replicated)  # onto another layout
+
+
+def test_a_take_returns_only_once_the_previous_snapshot_counts(cluster):
+    """A host lost right after a take then finds the snapshot before it committed: the newest
+    one it can restore is at most one take old."""
+    with Snapshots(cluster, replicas=1, keep=2) as snaps:
+        for step in range(1, 5):
+            assert snaps.take(step, _state(cluster, step, P("data")))
+            assert snaps.stats()["committed"][-1:] == ([step - 1] if step > 1 else [])
