@@ -23,6 +23,8 @@ built there) and starts a fresh cluster, then, before the kill:
 * a warm-up (untimed): a tiny tree snapshotted and checkpointed by colocar, each restored onto
   the survivors' devices (Orbax's checkpointer is warmed up the same way, once);
 * Orbax's `StandardCheckpointer` (one for the run, warmed up) saves the same state to local disk;
+* both save it to the GCS emulator too (fake-gcs-server, in memory, one per round: storage as a
+  bucket, not a page-cached disk), colocar with an idle caller (`gcs_save_durable_s`);
 * the training step (`x + 1` on every array, jitted) is compiled for the survivors' mesh (rows
   sharded over the 6 devices left), so no recovery pays XLA's compile.
 
@@ -31,8 +33,10 @@ its session is marked lost. Each recovery is timed from then until one training 
 restored state finished (`block_until_ready`), and reported with `detect_s` added, i.e. from the
 kill: `ram_s` (a: `Snapshots.latest()` + `restore` onto the 6 devices), `storage_s` (b: a
 `CheckpointManager` over a `ClusterView` of the survivors, as the elastic manager reopens it,
-restoring its latest step), `orbax_s` (c: Orbax restoring its save onto the 6 devices). Their order
-rotates by round. `ram_read_s`: (a) without the step (`latest` and `restore` only), and
+restoring its latest step), `orbax_s` (c: Orbax restoring its save onto the 6 devices), and (b)
+and (c) from the GCS emulator: `storage_gcs_s`, `orbax_gcs_s` (`gcs_speedup` = storage_gcs_s /
+ram_s, `gcs_orbax_ratio` = storage_gcs_restore_s / orbax_gcs_restore_s). Their order rotates by
+round. `ram_read_s`: (a) without the step (`latest` and `restore` only), and
 `ram_read_memcpy_ratio` = ram_read_s / memcpy_state_s (goal <= 1.5). Every restore is checked
 against the state (untimed). Both checkpoints were just written, so their files are in the page
 cache (warm): a restore from a cold disk or a remote store would be slower for both. `speedup` =
@@ -72,7 +76,8 @@ MiB = 1 << 20
 POOL = "snap"
 SLOWDOWN_FLOOR = 0.02
 BLOCKED_FIXED_S = 0.001  # the goal's fixed part of a take's blocked time
-SYSTEMS = ("ram", "storage", "orbax")
+SYSTEMS = ("ram", "storage", "orbax", "storage_gcs", "orbax_gcs")
+BUCKET = "colocar-bench-recovery"
 PER_ROUND = (
     "ram_s",
     "storage_s",
@@ -118,41 +123,45 @@ def _recover(name: str, cluster: Any, snaps: Any, m: dict, paths: dict, ckptr: A
     if name == "ram":
         took, m["ram_read_s"] = rs.ram(snaps, surv, m["last_snapshot"])
         return took
-    if name == "storage":
-        return rs.storage(cluster, paths["colocar"], surv)
-    return rs.orbax(ckptr, paths["orbax"], surv)
+    if name.startswith("storage"):
+        return rs.storage(cluster, paths[name.replace("storage", "colocar")], surv)
+    return rs.orbax(ckptr, paths[name], surv)
 
 
-def _round(r: int, state: dict[str, Any], devices: list[Any], cfg: Config, ckptr: Any, root: str) -> dict:
-    """One round on a fresh cluster: the costs, the saves, the kill, the three recoveries."""
+def _round(
+    r: int, state: dict[str, Any], devices: list[Any], cfg: Config, ckptr: Any, root: str, gcs: Any
+) -> dict:
+    """One round on a fresh cluster: the costs, the saves, the kill, the five recoveries."""
     import colocar
-    from colocar.checkpoint import CheckpointManager
     from colocar.elastic.snapshots import Snapshots
 
     victim = 1 + r % 3
     paths = {name: os.path.join(root, f"{name}-{r}") for name in ("colocar", "orbax", "warm")}
+    paths.update({f"{name}_gcs": f"gs://{BUCKET}/{name}-{r}" for name in ("colocar", "orbax")})
     left = [d for i, d in enumerate(devices) if i // 2 != victim]
     arena = cfg.snap_pool + cfg.default_pool
     with colocar.local_cluster(
-        hosts=rs.HOSTS, devices=devices, arena_size=arena, pools={POOL: cfg.snap_pool}, processes=0
+        hosts=rs.HOSTS,
+        devices=devices,
+        arena_size=arena,
+        pools={POOL: cfg.snap_pool},
+        processes=0,
+        env=gcs.env,
     ) as cluster:
         rs.warm_up(cluster, POOL, paths["warm"], devices, left)
         small = rs.small_snapshot_costs(cluster, devices, POOL, cfg.takes * 10)
         snaps = Snapshots(cluster, replicas=1, pool=POOL)
         try:
             m = {**small, **rs.snapshot_costs(snaps, state, cfg.takes, cfg.baseline_s)}
-            mngr = CheckpointManager(paths["colocar"], cluster)
-            try:
-                m.update(rs.storage_save(mngr, state, cfg.baseline_s))
-            finally:
-                mngr.close()
-            ckptr.save(paths["orbax"], state)
-            ckptr.wait_until_finished()
+            m.update(rs.storage_saves(cluster, paths, state, cfg.baseline_s))
+            for where in ("orbax", "orbax_gcs"):
+                ckptr.save(paths[where], state)
+                ckptr.wait_until_finished()
             surv = rs.Survivors.of(state, left)
             gc.collect()
             m["victim"] = victim
             m["detect_s"] = _kill(cluster, victim)
-            order = SYSTEMS[r % 3 :] + SYSTEMS[: r % 3]
+            order = SYSTEMS[r % len(SYSTEMS) :] + SYSTEMS[: r % len(SYSTEMS)]
             for name in order:
                 m[f"{name}_restore_s"] = _recover(name, cluster, snaps, m, paths, ckptr, surv)
                 m[f"{name}_s"] = m["detect_s"] + m[f"{name}_restore_s"]
@@ -162,7 +171,8 @@ def _round(r: int, state: dict[str, Any], devices: list[Any], cfg: Config, ckptr
         finally:
             snaps.close()
     for path in paths.values():
-        shutil.rmtree(path, ignore_errors=True)
+        if not path.startswith("gs://"):  # the server's memory goes with it
+            shutil.rmtree(path, ignore_errors=True)
     return m
 
 
@@ -175,8 +185,13 @@ def _summary(head: dict[str, Any], rounds: list[dict], memcpy: float) -> dict[st
         "ram_restore_s",
         "storage_restore_s",
         "orbax_restore_s",
+        "storage_gcs_s",
+        "orbax_gcs_s",
+        "storage_gcs_restore_s",
+        "orbax_gcs_restore_s",
         "save_blocked_s",
         "save_durable_s",
+        "gcs_save_durable_s",
     )
     for key in keys:
         out[key] = round(med(key), 4)
@@ -185,6 +200,9 @@ def _summary(head: dict[str, Any], rounds: list[dict], memcpy: float) -> dict[st
     # the same ratios without the loss's detection (common to all three, set by the heartbeat)
     out["restore_speedup"] = round(med("storage_restore_s") / med("ram_restore_s"), 2)
     out["orbax_restore_speedup"] = round(med("orbax_restore_s") / med("ram_restore_s"), 2)
+    # from the GCS emulator: colocar's storage tier against RAM and against Orbax on the same store
+    out["gcs_speedup"] = round(med("storage_gcs_s") / med("ram_s"), 2)
+    out["gcs_orbax_ratio"] = round(med("storage_gcs_restore_s") / med("orbax_gcs_restore_s"), 2)
     out["ram_read_s"] = round(med("ram_read_s"), 4)
     out["memcpy_s"] = round(memcpy, 4)
     out["blocked_ratio"] = round(med("snapshot_blocked_s") / memcpy, 2)
@@ -244,13 +262,16 @@ def round_main(quick: bool, r: int) -> None:
         "snap_pool": cfg.snap_pool,
         "default_pool": cfg.default_pool,
     }
+    from colocar.demo.gcs import serve
+
     root = tempfile.mkdtemp(prefix="colocar-bench-recovery-")
     try:
-        ckptr = orbax_checkpointer(state, root)
-        try:
-            m = _round(r, state, devices, cfg, ckptr, root)
-        finally:
-            ckptr.close()
+        with serve(root, BUCKET) as gcs:  # the GCS emulator, for the storage rows on GCS
+            ckptr = orbax_checkpointer(state, root)
+            try:
+                m = _round(r, state, devices, cfg, ckptr, root, gcs)
+            finally:
+                ckptr.close()
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(json.dumps({**head, **m}), flush=True)

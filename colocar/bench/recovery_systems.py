@@ -215,6 +215,27 @@ def small_snapshot_costs(cluster: Any, devices: list[Any], pool: str, takes: int
     }
 
 
+def storage_saves(cluster: Any, paths: dict[str, str], state: dict[str, Any], baseline_s: float) -> dict:
+    """The storage save on local disk with the training loop (`storage_save`), then one to the
+    GCS emulator (idle caller: its durable time)."""
+    from colocar.checkpoint import CheckpointManager
+
+    mngr = CheckpointManager(paths["colocar"], cluster)
+    try:
+        out = storage_save(mngr, state, baseline_s)
+    finally:
+        mngr.close()
+    mngr = CheckpointManager(paths["colocar_gcs"], cluster)
+    try:
+        t0 = time.monotonic()
+        mngr.save(1, state)
+        mngr.wait()
+        out["gcs_save_durable_s"] = time.monotonic() - t0
+    finally:
+        mngr.close()
+    return out
+
+
 def storage_save(mngr: Any, state: dict[str, Any], baseline_s: float) -> dict[str, Any]:
     """A save with the training loop running from the moment `save` returned until durable."""
     step_s = steps_for(baseline_s)
