@@ -10,8 +10,10 @@ uninterrupted run's; the loaders of the old configurations leave no worker and n
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
+import threading
 import time
 
 import jax
@@ -223,6 +225,64 @@ def test_step_time_and_loader_rate_after_the_scale_up(shm_dir, tmp_path):
             stream = [i for ids in log.trained_on() for i in ids]
             assert stream == IndexSampler(120 * B, B, seed=3).epoch_order(0).tolist()
             _print_rates("120 steps", log, next(e for e in el.stats()["events"] if e["kind"] == "scale_up"))
+        finally:
+            el.close()
+        started += log.processes
+
+
+class _Watch:
+    """Every process this one has had below it while the watch runs (sampled every 0.1 s):
+    what a lost sidecar or an old configuration started shows up here before it could be left."""
+
+    def __init__(self) -> None:
+        self.seen: dict[tuple[int, float], psutil.Process] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.1):
+            for p in psutil.Process().children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    self.seen.setdefault((p.pid, p.create_time()), p)
+
+    def orphans(self, timeout: float = 30) -> list[str]:
+        """The processes seen that still run but are no longer below this one (reparented)."""
+        self._stop.set()
+        self._thread.join()
+        below = {p.pid for p in psutil.Process().children(recursive=True)}
+        deadline = time.monotonic() + timeout
+        while True:
+            left = [p for p in self.seen.values() if p.is_running() and p.pid not in below]
+            if not left or time.monotonic() > deadline:
+                return [" ".join(p.cmdline())[:120] for p in left if p.is_running()]
+            time.sleep(0.2)
+
+
+def test_three_losses_and_rejoins_leave_no_orphan(shm_dir, tmp_path):
+    """host2 is killed and started again three times in one run: after each cycle the run is
+    back on all hosts, and nothing a lost sidecar or an old configuration's loader started
+    keeps running once its parent is gone; one arena per host at the end."""
+    cycles = [(3, 5), (9, 11), (15, 17)]
+    with elastic_cluster(shm_dir) as (c, started):
+        arenas = set(_arenas(shm_dir))
+        mngr = CheckpointManager(str(tmp_path / "ckpt"), c)
+        el = Manager(c, mngr, save_every=4, snapshot_every=2)
+        for kill_at, back_at in cycles:
+            el.faults.add(faults.kill("host2", at_step=kill_at))
+            el.faults.add(faults.restart("host2", at_step=back_at))
+        log, watch = Log(), _Watch()
+        try:
+            el.run(min_hosts=2)(make_train(el, log, 20))()
+            stats = el.stats()
+            assert stats["counts"]["loss"] == stats["counts"]["scale_up"] == len(cycles)
+            assert stats["hosts"] == ["host0", "host1", "host2"] and stats["lost"] == []
+            for old in range(1, el.attempt):  # every old configuration's loader workers ended
+                assert not psutil.wait_procs(log.attempt_workers.get(old, []), timeout=30)[1]
+            assert len(watch.seen) > 3 + 3 * len(cycles)  # the sidecars, their helpers and workers
+            assert watch.orphans() == []
+            now = set(_arenas(shm_dir))
+            assert len(now) == len(arenas) == 3 and len(arenas - now) == 1, (arenas, now)  # host2's, new
         finally:
             el.close()
         started += log.processes
