@@ -1,11 +1,23 @@
-"""Crash drills: a trainer, or one of its sidecars, SIGKILLed at random points of its saves and
-restarted at once, on local disk and on a real GCS server (fake-gcs-server).
+"""Crash drills: a trainer, or one of its sidecars, SIGKILLed mid-save and restarted at once, on
+local disk and on a real GCS server (fake-gcs-server).
 
-The restart takes the dead trainer's lease over at once (same host, its process is gone) and
-saves the step the dead one was writing while the dead one's writers may still be running in
-the sidecars. After every restart and at the end, each committed step must restore bit-exactly
-to the state one trainer saved for it (never a mix of two), and every committed step must be
-restorable.
+Every kill fires on an event, not after a guessed delay: as soon as the trainer printed that
+one of its saves (the 1st to 3rd, seeded) returned. That save's pieces are then with the
+sidecars' writers, which take a while to write and commit them (a tenth of a second or more
+for its 2 MiB in 16 KiB chunks, one write at a time), while the trainer queues or copies the
+next one. The restart takes the dead trainer's lease over at once (same host, its process is
+gone) and saves the step the dead one was writing while the dead one's writers may still be
+running: on the same sidecars, taking the lease fences them; on other sidecars (`elsewhere`),
+the lease check each writer makes before it commits refuses them. After every restart and at
+the end, each committed step must restore bit-exactly to the state one trainer saved for it
+(never a mix of two), and every committed step must be restorable.
+
+Each run also asserts that it exercised what it is about: in at least `MID_SAVE_SHARE` of its
+kills, the kill landed mid-save (a step the trainer had saved was not committed right after the
+kill; a commit between the kill and that listing only undercounts), and in at least
+`STOP_SHARE` of its rounds, the restart stopped a stale writer (it fenced a job in progress;
+elsewhere, the lease check refused a dead trainer's writer its commit). The sidecar drill has
+no stale writer to stop: it asserts the first only.
 """
 
 from __future__ import annotations
@@ -20,13 +32,18 @@ from collections import Counter, defaultdict
 import numpy as np
 import pytest
 from checkpoint_helpers import MiB, abstract, drill_state
-from helpers import program
+from helpers import program, wait_for
 
+import colocar
 from colocar.checkpoint import CheckpointError, CheckpointManager
 from colocar.checkpoint.catalog import steps_of
 from colocar.checkpoint.storage import open_storage
 
 ROWS = 8192  # 2 MiB of int32 in 16 KiB chunks: the dead trainer's writers run for a while
+MID_SAVE_SHARE = 0.75  # of a run's kills that must land mid-save (all 239 of 56 runs did)
+STOP_SHARE = 0.5  # of a run's restarts that must stop a stale writer (166 of 170; 2 of 3 at worst)
+FENCED = "restarts that fenced a stale writer"
+REFUSED = "restarts whose lease check refused a stale writer"
 
 
 def _check_step(m: CheckpointManager, step: int, savers: set[int]) -> None:
@@ -48,11 +65,12 @@ def _run_trainer(
     rnd: random.Random,
     kill_sidecar: bool = False,
     layout: str = "colocar",
-) -> list[str]:
+) -> tuple[list[str], bool]:
     """Starts a trainer (it restores the latest step and saves the next ones) and SIGKILLs it
-    at a seeded random point: right after a save returned (its writers are busy), or a little
-    later. `kill_sidecar`: one of its sidecars is SIGKILLed at that point first. Returns its
-    lines."""
+    once it printed its `saves`-th "saved" line (1 to 3, seeded; it saves 4 steps). With
+    `kill_sidecar`, one of its sidecars (seeded) is SIGKILLed then instead, and the trainer a
+    moment later (it may notice, or die first). Returns its lines and whether the kill landed
+    mid-save."""
     trainer = subprocess.Popen(
         [
             sys.executable,
@@ -70,14 +88,15 @@ def _run_trainer(
         env={**os.environ, "COLOCAR_DRILL_LAYOUT": layout},
     )
     lines: list[str] = []
+    mid_save = False
     try:
         saves = rnd.randrange(1, 4)
         while sum(x.startswith("saved") for x in lines) < saves and (line := trainer.stdout.readline()):
             lines.append(line.strip())
-        time.sleep(rnd.choice([0.0, 0.0, rnd.uniform(0.0, 0.3), rnd.uniform(0.3, 2.0)]))
+        (rnd.choice(sidecars.processes) if kill_sidecar else trainer).kill()
+        mid_save = _unfinished(url, layout, lines)
         if kill_sidecar:
-            rnd.choice(sidecars.processes).kill()
-            time.sleep(rnd.uniform(0.0, 0.5))  # the trainer may notice, or die first
+            time.sleep(rnd.uniform(0.0, 0.5))
     finally:
         trainer.kill()
         trainer.wait(timeout=60)
@@ -86,7 +105,19 @@ def _run_trainer(
         trainer.stdout.close()
         trainer.stderr.close()
     assert any(x.startswith("saved") for x in lines), err[-3000:]
-    return lines
+    return lines, mid_save
+
+
+def _unfinished(url: str, layout: str, lines: list[str]) -> bool:
+    """Some step the trainer said it saved (its writers got every piece) is not committed."""
+    saved = {int(x.split()[1]) for x in lines if x.startswith("saved ")}
+    return bool(saved - set(steps_of(open_storage(url), layout).committed()))
+
+
+def _assert_share(counts: Counter, hits: str, rounds: str, share: float) -> None:
+    assert counts[hits] >= share * counts[rounds] > 0, (
+        f"{hits}: {counts[hits]} of {counts[rounds]} {rounds}, fewer than {share:.0%}: {dict(counts)}"
+    )
 
 
 def _drill(
@@ -105,36 +136,54 @@ def _drill(
     sidecars = make_cluster(hosts=2, arena_size=32 * MiB, persist=True, env=env or {})
     restarts = make_cluster(hosts=2, arena_size=32 * MiB, env=env or {}) if elsewhere else sidecars
     restarts.make_current()
+    if elsewhere:  # so that the restart saves at once: not seconds later, the dead writers done
+        _import_tensorstore.on(restarts.hosts)()
     savers: dict[int, set[int]] = defaultdict(set)  # step -> generations that started saving it
     counts: Counter = Counter()
+    refused: set = set()  # the dead trainers' jobs the lease check refused (elsewhere)
     for trial in range(trials):
         for dead in range(3 * trial + 1, 3 * trial + 1 + rnd.choice([1, 1, 2])):  # the 2nd: at once
-            for line in _run_trainer(sidecars, url, dead, rnd, layout=layout):
+            lines, mid_save = _run_trainer(sidecars, url, dead, rnd, layout=layout)
+            for line in lines:
                 what, _, step = line.partition(" ")
                 if what == "saving" and step:  # (a line the kill cut short: its save never began)
                     savers[int(step)].add(dead)
                 counts["steps the dead trainer committed meanwhile"] += what == "exists"
             counts["trainers killed"] += 1
+            counts["kills mid-save"] += mid_save
         m = CheckpointManager(url, restarts, max_chunk_bytes=16 * 1024, layout=layout)  # at once
         _restart(m, 3 * trial + 3, savers, counts)
+        if elsewhere:
+            counts[REFUSED] += _refused_commits(sidecars, m.storage.url, refused) > 0
         m.close()
         counts["trials"] += 1
-    fresh = CheckpointManager(url, restarts)
-    for step in fresh.all_steps():  # the dead trainers' writers may have committed steps too
-        _check_step(fresh, step, savers[step])
-    counts["committed steps"] = len(fresh.all_steps())
-    counts["leftover attempts"] = _leftovers(url, fresh.all_steps(), layout)
-    fresh.close()
+    counts["stale writers refused by the lease"] = len(refused)
+    _check_all(url, restarts, savers, counts, layout)
     print(f"crash drill {url} ({layout} layout) seed {seed}: {dict(counts)}")
     if not elsewhere:  # the restart fenced them: none commits once the restart's save began
         assert not counts["steps a dead trainer's writer committed first"]
+    _assert_share(counts, "kills mid-save", "trainers killed", MID_SAVE_SHARE)
+    _assert_share(counts, REFUSED if elsewhere else FENCED, "trials", STOP_SHARE)
     return counts
 
 
+def _check_all(url: str, cluster, savers: dict, counts: Counter, layout: str | None = None) -> None:
+    """Every committed step restores to one of its savers' states (the dead trainers' writers
+    may have committed steps too); counts them, and the debris of dead saves in them."""
+    fresh = CheckpointManager(url, cluster)
+    for step in fresh.all_steps():
+        _check_step(fresh, step, savers[step])
+    counts["committed steps"] = len(fresh.all_steps())
+    if layout is not None:
+        counts["leftover attempts"] = _leftovers(url, fresh.all_steps(), layout)
+    fresh.close()
+
+
 def _sidecar_drill(make_cluster, url: str, seed: int, trials: int, env: dict | None = None) -> Counter:
-    """`trials` rounds of: a trainer saving, one of its sidecars SIGKILLed at a seeded random
-    point of a save (then the trainer), a restart at once on other sidecars. Every committed
-    step restores bit-exactly to one trainer's state."""
+    """`trials` rounds of: a trainer saving, one of its sidecars SIGKILLed once a save returned
+    (then the trainer), a restart at once on other sidecars. Every committed step restores
+    bit-exactly to one trainer's state. Nothing is left to stop: the dead sidecar's writers
+    died with it, and the survivor's cannot commit without the dead host's part."""
     rnd = random.Random(seed)
     restarts = make_cluster(hosts=2, arena_size=32 * MiB, env=env or {})
     restarts.make_current()
@@ -142,22 +191,55 @@ def _sidecar_drill(make_cluster, url: str, seed: int, trials: int, env: dict | N
     counts: Counter = Counter()
     for trial in range(trials):
         sidecars = make_cluster(hosts=2, arena_size=32 * MiB, persist=True, env=env or {})
-        for line in _run_trainer(sidecars, url, 2 * trial + 1, rnd, kill_sidecar=True):
+        lines, mid_save = _run_trainer(sidecars, url, 2 * trial + 1, rnd, kill_sidecar=True)
+        for line in lines:
             what, _, step = line.partition(" ")
             if what == "saving" and step:
                 savers[int(step)].add(2 * trial + 1)
         counts["sidecars killed"] += 1
+        counts["kills mid-save"] += mid_save
         m = CheckpointManager(url, restarts, max_chunk_bytes=16 * 1024)
         _restart(m, 2 * trial + 2, savers, counts)
         m.close()
         counts["trials"] += 1
-    fresh = CheckpointManager(url, restarts)
-    for step in fresh.all_steps():
-        _check_step(fresh, step, savers[step])
-    counts["committed steps"] = len(fresh.all_steps())
-    fresh.close()
+    _check_all(url, restarts, savers, counts)
     print(f"sidecar crash drill {url} seed {seed}: {dict(counts)}")
+    _assert_share(counts, "kills mid-save", "sidecars killed", MID_SAVE_SHARE)
     return counts
+
+
+@colocar.colocated
+def _import_tensorstore() -> None:
+    import tensorstore  # noqa: F401
+
+
+@colocar.colocated
+def _writer_jobs(url: str) -> list[tuple[str, int, bool, str]]:
+    """(owner, step, ended, error) of every job of this sidecar's checkpoint writers of `url`."""
+    from colocar.checkpoint import fencing, writer_backend
+
+    with fencing._LOCK:
+        writers = [w for w in fencing._WRITERS if w.url == url]
+    return [
+        (w.options.owner, j.step, writer_backend._ended(j), j.error)
+        for w in writers
+        for j in w._jobs.values()
+    ]
+
+
+def _refused_commits(sidecars, url: str, refused: set) -> int:
+    """Waits until the dead trainers' writers on `sidecars` ended all their jobs, or the lease
+    check refused one a commit that `refused` does not hold yet; returns how many it refused
+    since the last call (and adds them to `refused`)."""
+
+    def look() -> tuple[set] | None:
+        jobs = [job for host in _writer_jobs.on(sidecars.hosts)(url) for job in host]
+        new = {(owner, step) for owner, step, _, error in jobs if "holds the lease of" in error} - refused
+        return (new,) if new or all(ended for _, _, ended, _ in jobs) else None
+
+    (new,) = wait_for(look, "the dead trainers' writers to end or be refused a commit")
+    refused |= new
+    return len(new)
 
 
 def _restart(m: CheckpointManager, generation: int, savers: dict, counts: Counter) -> int:
@@ -166,14 +248,19 @@ def _restart(m: CheckpointManager, generation: int, savers: dict, counts: Counte
     if latest is not None:
         _check_step(m, latest, savers[latest])
     step = _save_next(m, latest, generation, savers, counts)
+    counts["orphaned saves fenced"] += m._fenced  # (jobs in progress, one per host and save)
+    counts[FENCED] += m._fenced > 0
     try:
         m.wait(timeout=120)
     except CheckpointError as e:  # a writer the restart could not fence committed first
-        assert "committed by another writer meanwhile" in str(e), e
+        # (its message says so, or, when the winner's cleanup removed the restart's attempt
+        # while it wrote, what that broke): the step is committed, by another trainer
+        assert step in m.all_steps(), e
+        winner = m.restore(step, target=abstract(drill_state(step, 0, ROWS)))["generation"]
+        assert winner != generation, (winner, e)
         counts["steps a dead trainer's writer committed first"] += 1
         _check_step(m, step, savers[step])
         return step
-    counts["orphaned saves fenced"] += m._fenced
     assert m.restore(step, target=abstract(drill_state(step, 0, ROWS)))["generation"] == generation
     _check_step(m, step, savers[step])
     return step
