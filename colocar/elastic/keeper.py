@@ -74,11 +74,13 @@ class SnapshotKeeper:
     def _touch(self) -> None:
         self._touched = time.monotonic()
 
-    def expire_if_idle(self) -> bool:
-        """Drops every snapshot once no controller called for `idle_seconds` (a controller that
-        died without `close` pins no arena memory for longer); True if it did."""
+    def expire_if_idle(self, idle_seconds: float | None = None) -> bool:
+        """Drops every snapshot once no controller called for `idle_seconds` (default: the
+        keeper's; a controller that died without `close` pins no arena memory for longer);
+        True if it did. This call is no controller's: it does not count as one."""
+        idle = self.idle_seconds if idle_seconds is None else idle_seconds
         with self._lock:
-            if time.monotonic() - self._touched <= self.idle_seconds or not self._snaps:
+            if time.monotonic() - self._touched <= idle or not self._snaps:
                 return False
             for step in list(self._snaps):
                 self._forget(step)
