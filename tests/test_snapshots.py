@@ -16,6 +16,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from checkpoint_helpers import assert_same
+from helpers import wait_for
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from security_helpers import kill_sidecar, running_sidecar
@@ -23,12 +24,17 @@ from test_security_tls import pki  # noqa: F401 - the certificates, as a fixture
 
 import colocar
 from colocar.checkpoint import tree
+from colocar.controller_bridge.obj import colocated_class
+from colocar.elastic import faults
+from colocar.elastic.keeper import SnapshotKeeper
+from colocar.elastic.peers import PeerOptions
 from colocar.elastic.snap_take import SnapshotSkipped
 from colocar.elastic.snapshots import Snapshots
 from colocar.errors import ColocarError, SnapshotError
 
 MiB = 1 << 20
 POOL = "snap"
+_Keeper = colocated_class(SnapshotKeeper)
 
 
 @pytest.fixture(scope="module")
@@ -165,14 +171,19 @@ def test_a_shard_and_its_only_replica_lost_is_not_recoverable(make_cluster):
 
 def test_a_host_lost_during_replication_keeps_the_previous_snapshot(make_cluster):
     cluster = _cluster(make_cluster)
-    # 64 KiB/s: each host's 128 KiB take ~2 s to reach its peer, time enough to kill one
-    with Snapshots(cluster, replicas=1, pool=POOL, bandwidth=64 << 10) as snaps:
+    with Snapshots(cluster, replicas=1, pool=POOL) as snaps:
         first = _state(cluster, 4, rows=8)
         assert snaps.take(1, first)
         snaps.wait(60)
-        assert snaps.take(2, _state(cluster, 5, rows=4096))
-        assert snaps.stats()["replication"]["state"] == "replicating"  # take did not wait for it
-        _kill(cluster, 3)
+        for h in range(4):  # step 2's replicas stay in flight until host 3 is gone
+            faults.hold_replication(cluster, h)
+        try:
+            assert snaps.take(2, _state(cluster, 5))
+            assert snaps.stats()["replication"]["state"] == "replicating"  # take did not wait for it
+            _kill(cluster, 3)
+        finally:
+            for h in range(3):
+                faults.hold_replication(cluster, h, held=False)
         snaps.wait(60)
         replication = snaps.stats()["replication"]
         assert (replication["step"], replication["state"]) == (2, "failed")
@@ -335,15 +346,34 @@ def test_blocks_of_another_attempt_at_the_step_are_never_read(four_hosts):
 
 
 def test_snapshots_without_their_controller_are_dropped_after_idle_seconds(four_hosts):
-    """A controller that died without `close` pins no arena memory for longer than that."""
+    """A controller that died without `close` pins no arena memory for longer than that. The
+    idle time is asked of each keeper (`expire_if_idle`, the check its watcher makes) once the
+    snapshot is committed, so no slow moment of the take can cut it short."""
     cluster = four_hosts.make_current()
     hosts = range(4)
-    with Snapshots(cluster, replicas=1, pool=POOL, idle_seconds=1.0) as snaps:
+    with Snapshots(cluster, replicas=1, pool=POOL) as snaps:
         assert snaps.take(1, _state(cluster, 13))
         snaps.wait(60)
-        assert snaps.stats()["replication"]["state"] == "committed"  # its blocks were in place
-        assert _wait_used(cluster, hosts, [0] * 4) == [0] * 4  # no call for a second: dropped
+        assert snaps.stats()["replication"]["state"] == "committed"
+        assert all(n > 0 for n in _used(cluster, hosts))  # its blocks are in place
+        keepers = [cluster.hosts[h].object(f"colocar.snapshots/{snaps.name}/{h}") for h in hosts]
+        assert not any(k.expire_if_idle(3600.0) for k in keepers)  # its controller called lately
+        for k in keepers:  # these calls are no controller's: a tenth of a second without one
+            wait_for(lambda k=k: k.expire_if_idle(0.1), "the keeper to drop its idle snapshots")
+        assert _wait_used(cluster, hosts, [0] * 4) == [0] * 4
         assert snaps.latest() is None
         assert snaps.take(2, _state(cluster, 14))  # the keepers serve the next snapshots
         snaps.wait(60)
         assert snaps.stats()["replication"]["state"] == "committed"
+
+
+def test_a_keeper_drops_its_snapshots_by_itself_once_idle(four_hosts):
+    """The keeper's own watcher applies `idle_seconds`, with no call from anyone."""
+    host = four_hosts.hosts[1]
+    keeper = _Keeper.on(host, name="colocar.snapshots/test-idle/1", ttl=60)(1, POOL, PeerOptions(), 0.2)
+    try:
+        keeper.begin(1, "only", [], [])
+        wait_for(lambda: 1 not in keeper.stats(), "the idle keeper to drop its snapshot")
+    finally:
+        keeper.close()
+        keeper.delete()

@@ -10,6 +10,9 @@ accepted either (about five heartbeats), and
 at_step=s)` starts a dead sidecar of a `local_cluster` again, on its address or a new one.
 Either way the host comes back and the elastic manager scales up onto it. `random_kill(hosts,
 steps, seed)` picks the host and the step from a seed, so a drill is repeatable.
+`hold_replication(cluster, host)` holds the snapshot replicas `host`'s sidecar sends until
+`hold_replication(cluster, host, held=False)`: a drill loses a host while a replication is in
+flight, whatever the speed of the machine.
 
 The sidecar's process is found through `local_cluster` (its `processes`), else through the pid
 the sidecar reported, when it runs on this machine; a remote sidecar cannot be reached (stop
@@ -27,10 +30,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from colocar.controller_bridge.cluster import Cluster
+from colocar.controller_bridge.func import colocated
 
+from . import peers
 from .topology import ElasticError, host_named, loss_grace
 
 ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "resume": signal.SIGCONT}
+_hold = colocated(peers.hold)
 
 
 @dataclass(frozen=True)
@@ -120,6 +126,13 @@ def signal_host(cluster: Cluster, host: int | str, action: str) -> None:
         os.kill(_pid(cluster, host), ACTIONS[action])
     except ProcessLookupError:
         pass  # already gone
+
+
+def hold_replication(cluster: Cluster, host: int | str, held: bool = True) -> None:
+    """Holds the snapshot replication of the sidecar of `host` (by name or by its index in the
+    first cluster): its keepers send no chunk to their peers until called with `held=False`
+    (a replication held when its snapshot is dropped or failed still ends)."""
+    _hold.on(host_named(_root(cluster), host if isinstance(host, str) else f"host{host}"))(held)
 
 
 def inject(cluster: Cluster, fault: Fault) -> None:

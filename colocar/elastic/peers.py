@@ -8,7 +8,8 @@ path is the one that runs across hosts). Each block travels as chunks of just un
 writes them straight into blocks of the snapshot pool; at most `WINDOW` calls are in flight
 (flow control). The sending thread runs at a lower priority than training, and `bandwidth`
 (bytes/s) caps its rate. A controller that does not map a host's arena sends that host's own
-shards the same way.
+shards the same way. For fault drills, `hold` stops a sidecar's keepers from sending until it
+is released (`faults.hold_replication`: a replication in flight, on cue, for as long as needed).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from colocar.protocol.tls import channel_credentials
 CHUNK_BYTES = (1 << 20) - (16 << 10)  # a chunk and its call's arguments stay under the 1 MiB inline limit
 WINDOW = 4  # calls in flight to one peer
 PARTS_PER_CALL = 64  # small pieces sent in one call (their metadata stays within the margin above)
+_RELEASED = threading.Event()  # cleared while `hold` holds this sidecar's replications
+_RELEASED.set()
 
 
 class Target(NamedTuple):
@@ -51,6 +54,16 @@ class PeerOptions:
     connect_timeout: float = 10.0
     bandwidth: float = 0.0  # bytes per second a keeper sends at most (0: no cap)
     nice: int = 5  # scheduling priority of the replicating thread (0: as the sidecar)
+
+
+def hold(held: bool = True) -> None:
+    """Fault injection (runs in the sidecar): while held, this sidecar's keepers send no chunk
+    to their peers (a replication stays in flight); `hold(False)` lets them go on. A held
+    replication still stops once its snapshot was dropped or failed."""
+    if held:
+        _RELEASED.clear()
+    else:
+        _RELEASED.set()
 
 
 def lower_priority(nice: int) -> None:
@@ -81,6 +94,8 @@ def send_chunks(
         for batch in _batches(items):
             while bandwidth > 0 and (ahead := queued / bandwidth - (time.monotonic() - started)) > 0:
                 time.sleep(min(ahead, 0.2))  # the bytes sent so far are ahead of the cap
+                check()
+            while not _RELEASED.wait(0.05):  # held (`hold`)
                 check()
             check()
             in_flight.append(keeper.receive_many.submit(step, attempt, source, batch))
