@@ -1,7 +1,11 @@
 """`colocar bench NAME --quick --json` end to end, for every benchmark: the last line is the result.
 
-Numbers are not asserted (this machine is shared and noisy); only that each benchmark runs,
-cleans up, and reports the keys RESULTS.md and the CLI promise, with positive values.
+Speeds are not asserted (this machine is shared and noisy). What is: each benchmark runs and
+cleans up; its JSON has the keys RESULTS.md and the CLI promise (positive) and every figure
+its module docstring names; it measured what it says (the state's bytes from its documented
+layout, the rounds, every system and recovery it compares); each ratio agrees with the figures
+it is made of; parts of a time never exceed the whole, phases come in order. And the checks
+each benchmark makes of its restores do catch a wrong one.
 """
 
 from __future__ import annotations
@@ -12,7 +16,9 @@ import signal
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+from bench_helpers import CHECKS, assert_documented
 
 REQUIRED = {
     "ckpt": (
@@ -134,38 +140,8 @@ def test_bench_quick_json(name: str, firstbatch_run: tuple) -> None:
         value = result[key]
         assert isinstance(value, (int, float)) and not isinstance(value, bool), (key, value)
         assert value > 0, (key, value)
-    if name == "transfer":
-        assert isinstance(result["device_put_aliased"], bool)
-        assert result["array_mib"] == 64 and "--quick" in result["array"]
-        assert result["source_builds"] == 1  # the warm source really stayed warm on the sidecar
-    if name == "ckpt":
-        assert result["rounds"] == 1 and result["checkpoint_mib"] == 64.1
-        for system in ("colocar", "orbax"):
-            assert isinstance(result[f"{system}_train_slowdown"], float)  # may be ~0 or below
-            for key in ("blocked_s", "durable_s", "restore_s", "train_slowdown", "durable_training_s"):
-                assert len(result[f"{system}_{key}_per_round"]) == 1
-    if name == "recovery":
-        assert result["rounds"] == 1 and result["state_mib"] < 128
-        for key in ("replication_slowdown", "save_slowdown"):
-            assert isinstance(result[key], float)  # may be ~0 or below
-        for key in ("ram_s", "storage_s", "orbax_s", "detect_s"):
-            assert len(result[f"{key}_per_round"]) == 1
-        # each recovery is timed from the kill: the loss's detection is part of all three
-        assert min(result["ram_s"], result["storage_s"], result["orbax_s"]) >= result["detect_s"]
-    if name == "firstbatch":
-        assert result["repeats"] == 1
-        for system in ("colocar", "grain"):
-            for mode in ("fresh", "resume"):
-                assert len(result[f"{system}_{mode}_s_per_round"]) == 1
-                phases = result[f"{system}_{mode}_phases"]
-                # the phases are in order, and the first batch comes last
-                assert 0 < phases["imported"] <= phases["loader"] <= phases["first_batch"], phases
-            assert result[f"{system}_resume_phases"]["restored"] <= result[f"{system}_resume_s"]
-    if name == "loader":
-        assert result["rounds"] == 1
-        for key in ("transfer", "compute"):
-            for system in ("grain", "colocar1", "colocar2"):
-                assert len(result[f"{key}_{system}_bps_per_round"]) == 1
+    assert_documented(name, result)
+    CHECKS[name](result)
 
 
 def test_bench_runs_from_an_installed_wheel(tmp_path) -> None:
@@ -206,3 +182,27 @@ def test_bench_runs_from_an_installed_wheel(tmp_path) -> None:
     assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["quick"] is True and all(result[key] > 0 for key in REQUIRED["rpc"]), result
+
+
+def test_the_benchmarks_restore_checks_catch_a_wrong_restore() -> None:
+    """ckpt and recovery fail their run when a restore differs from the state (`check`,
+    `Survivors.check`): one wrong element, or the right values on another sharding."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from colocar.bench.ckpt_measure import check
+    from colocar.bench.recovery_systems import Survivors
+
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    by_rows, whole = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+    values = np.arange(64, dtype=np.float32).reshape(16, 4)
+    wrong = values.copy()
+    wrong[3, 1] += 1
+    state = {"layer_00": {"w": jax.device_put(values, by_rows)}}
+    survivors = Survivors(target=None, expected=state, compiled=None)
+    for verify in (lambda got: check(got, state), lambda got: survivors.check(got, "recovery")):
+        verify({"layer_00": {"w": jax.device_put(values.copy(), by_rows)}})  # equal: no error
+        for bad in (jax.device_put(wrong, by_rows), jax.device_put(values, whole)):
+            with pytest.raises(AssertionError, match="restored wrong"):
+                verify({"layer_00": {"w": bad}})
