@@ -177,3 +177,28 @@ def test_a_user_error_propagates_and_keeps_the_snapshots_for_the_restart(make_cl
             assert r["step"] in (4, 5) and r["restored_from"] == "snapshot", r
     finally:
         cluster.make_current()
+
+
+def test_a_snapshot_read_failing_in_one_process_sends_every_process_to_storage(
+    make_cluster, tmp_path, cluster
+):
+    """Host 1's keeper fails its reads (an injected fault), host 0's do not: the processes
+    agree, and both restore storage step 6 bit for bit (checked by the trainers, which go on to
+    step 12). First a slice read fails (the snapshot's bookkeeping, then its arrays), then the
+    survey of what the keeper holds (the keepers are new: the run's end deleted them)."""
+    from colocar.elastic import faults
+
+    sidecars = make_cluster(hosts=2, arena_size=16 * MiB, persist=True, lease_seconds=5)
+    directory = str(tmp_path / "ckpt")
+    try:
+        _train_then_kill(sidecars, directory, lapse=False)
+        faults.fail_snapshot_reads(sidecars, 1, ("blocks",))
+        for r in _resume(sidecars, directory):
+            assert r["step"] == 6 and r["restored_from"] == "storage", r
+            assert "injected fault" in r["unusable"][0], r  # the same error in both
+        faults.fail_snapshot_reads(sidecars, 1, ("holdings",))
+        for r in _resume(sidecars, directory):  # storage has step 12 now
+            assert r["step"] == 12 and r["restored_from"] == "storage", r
+    finally:
+        faults.fail_snapshot_reads(sidecars, 1, ())
+        cluster.make_current()

@@ -50,3 +50,11 @@ def test_a_record_counts_only_with_all_its_shards():
     assert snap_agree.complete(record, keys) is not None
     assert snap_agree.complete(record, keys[:1]) is None
     assert snap_agree.complete(None, keys) is None
+
+
+def test_a_keeper_that_cannot_be_read_leaves_no_step_in_any_process():
+    """Its process still takes part with a summary saying why: every process finds no step."""
+    unread = snap_agree.unreadable(1, OSError("reads fail"))
+    both = [_summary({4: "b"}, {1: {4: "b"}}), unread]
+    assert snap_agree.agreed(both) == []
+    assert snap_agree.errors(both) == ["process 1: OSError: reads fail"]

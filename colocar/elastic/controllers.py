@@ -7,10 +7,11 @@ in-process (the run function is called again on the survivors) and hosts that co
 the run function gets every process's devices; a jax.distributed job cannot shrink, so a loss
 ends this trainer with an `ElasticError` (it is restarted in place and resumes from the
 sidecars' RAM); the processes agree on what `restore` reads through jax.distributed's
-key-value store, and the snapshots carry their own bookkeeping (`MultiSnapshotTier`), since a
-restarted trainer has none of its predecessor's. A storage save of a step just snapshotted is
-written by the sidecars from that snapshot's blocks (`MultiSnapshotTier.save_taken`), a choice
-every process makes alike.
+key-value store (a snapshot that fails to restore in one process sends all of them to
+storage: `first_error`), and the snapshots carry their own bookkeeping
+(`MultiSnapshotTier`), since a restarted trainer has none of its predecessor's. A storage
+save of a step just snapshotted is written by the sidecars from that snapshot's blocks
+(`MultiSnapshotTier.save_taken`), a choice every process makes alike.
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ class SingleController:
 
     def agreed(self, value: int | None, what: str) -> int | None:
         return value
+
+    def first_error(self, error: str, what: str) -> str:
+        return error
 
 
 class MultiController:
@@ -100,6 +104,12 @@ class MultiController:
         said = self._exchange.leader_value(json.dumps(value), what)
         out = json.loads(said)
         return None if out is None else int(out)
+
+    def first_error(self, error: str, what: str) -> str:
+        """The first process's error of what every process just tried ("": none failed), the
+        same in every process (a collective): they go on alike, e.g. all from storage."""
+        failed = [f"process {q}: {e}" for q, e in enumerate(self._exchange.allgather(error, what)) if e]
+        return failed[0] if failed else ""
 
 
 class MultiSnapshotTier(SnapshotTier):

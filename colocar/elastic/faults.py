@@ -12,7 +12,8 @@ Either way the host comes back and the elastic manager scales up onto it. `rando
 steps, seed)` picks the host and the step from a seed, so a drill is repeatable.
 `hold_replication(cluster, host)` holds the snapshot replicas `host`'s sidecar sends until
 `hold_replication(cluster, host, held=False)`: a drill loses a host while a replication is in
-flight, whatever the speed of the machine.
+flight, whatever the speed of the machine. `fail_snapshot_reads(cluster, host)` makes the
+snapshot reads of `host`'s sidecar raise: one process's restore fails, the others' do not.
 
 The sidecar's process is found through `local_cluster` (its `processes`), else through the pid
 the sidecar reported, when it runs on this machine; a remote sidecar cannot be reached (stop
@@ -32,11 +33,12 @@ from typing import Any
 from colocar.controller_bridge.cluster import Cluster
 from colocar.controller_bridge.func import colocated
 
-from . import peers
+from . import keeper_multi, peers
 from .topology import ElasticError, host_named, loss_grace
 
 ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "resume": signal.SIGCONT}
 _hold = colocated(peers.hold)
+_fail_reads = colocated(keeper_multi.fail_reads)
 
 
 @dataclass(frozen=True)
@@ -133,6 +135,14 @@ def hold_replication(cluster: Cluster, host: int | str, held: bool = True) -> No
     first cluster): its keepers send no chunk to their peers until called with `held=False`
     (a replication held when its snapshot is dropped or failed still ends)."""
     _hold.on(host_named(_root(cluster), host if isinstance(host, str) else f"host{host}"))(held)
+
+
+def fail_snapshot_reads(cluster: Cluster, host: int | str, reads: tuple[str, ...] = ("blocks",)) -> None:
+    """Makes the snapshot keepers of the sidecar of `host` raise on `reads` until called with
+    `reads=()`: "blocks" (a slice of their shards: a restore's read), "holdings" (what they
+    hold: a survey's read). A drill fails one process's snapshot read, not the others'."""
+    target = host_named(_root(cluster), host if isinstance(host, str) else f"host{host}")
+    _fail_reads.on(target)(list(reads))
 
 
 def inject(cluster: Cluster, fault: Fault) -> None:

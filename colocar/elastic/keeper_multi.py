@@ -13,6 +13,8 @@ keeper (`peers.py`). On top of `SnapshotKeeper` this keeper
   onto another sharding, the peers' parts read keeper to keeper), and refills a peer from
   what it holds (`push`): the peer's own shards from the replicas held here, or this host's
   shards as the peer's replicas again.
+
+For drills, `fail_reads` makes this sidecar's keepers fail their reads.
 """
 
 from __future__ import annotations
@@ -27,6 +29,24 @@ from .peers import PeerOptions, Target, send_chunks
 from .stitch import by_leaf, stitch
 
 BEGIN_WAIT_SECONDS = 120.0  # how long a replica waits for its receiver's process to begin the step
+READS = ("holdings", "blocks")  # the reads `fail_reads` can make fail
+_failing: set[str] = set()  # fault injection: the reads of this sidecar's keepers that raise
+
+
+def fail_reads(reads: list[str]) -> None:
+    """Fault injection (runs in the sidecar): this sidecar's keepers raise on `reads` from now
+    on: "holdings" (what they hold), "blocks" (a slice of their own shards, for their process
+    or a peer's); `[]` heals them (`faults.fail_snapshot_reads`)."""
+    unknown = set(reads) - set(READS)
+    if unknown:
+        raise ValueError(f"reads are among {READS}, got {sorted(unknown)}")
+    _failing.clear()
+    _failing.update(reads)
+
+
+def _fault(read: str, host: int) -> None:
+    if read in _failing:
+        raise OSError(f"host {host}: reading its snapshot keeper ({read}) fails (an injected fault)")
 
 
 class MultiKeeper(SnapshotKeeper):
@@ -95,6 +115,7 @@ class MultiKeeper(SnapshotKeeper):
         """step -> {"attempt", "state", "own": (record, keys), "replicas": {source: (record, keys)}}
         with records as bytes (None when not here) and keys of the complete blocks."""
         self._touch()
+        _fault("holdings", self.host)
         with self._lock:
             out: dict[int, dict[str, Any]] = {}
             for s in self._snaps.values():
@@ -113,6 +134,7 @@ class MultiKeeper(SnapshotKeeper):
     def read_own(self, step: int, attempt: str, requests: list[tuple[int, str, Any]]) -> list[np.ndarray]:
         """[(leaf, dtype, bounds)] -> arena arrays cut from this host's own blocks of `step`."""
         self._touch()
+        _fault("blocks", self.host)
         with self._lock:
             held = by_leaf([self._snap(step, attempt).own])
         out = []

@@ -29,7 +29,6 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from colocar import errors
 from colocar.controller_bridge.cluster import Cluster
 from colocar.errors import HostLostError
 
@@ -227,15 +226,11 @@ class Manager:
         if self.snap is not None and (fell := self.snap.fallback(snap_step, disk_step)):
             self.events.add("fallback", fell[0], 0.0, [], fell[1][:500])
         if snap_step is not None and (disk_step is None or snap_step >= disk_step):
-            assert self.snap is not None
-            meta = self.snap.meta_of(snap_step)
-            try:
-                tree = self.snap.restore(snap_step, wrap(target, meta), None)
-                return unwrap(target, tree, meta), snap_step, "snapshot", meta
-            except errors.ColocarError as e:  # SnapshotError: not recoverable after all
-                if not isinstance(e, getattr(errors, "SnapshotError", ())):
-                    raise
-                self.events.add("restore", snap_step, 0.0, [], f"snapshot unusable: {e}"[:300])
+            assert self.snap is not None  # not recoverable in one process: storage in all
+            found = self.snap.recover(snap_step, target, self.controllers.first_error)
+            if not isinstance(found, str):
+                return found[0], snap_step, "snapshot", found[1]
+            self.events.add("restore", snap_step, 0.0, [], f"snapshot unusable: {found}"[:300])
         if disk_step is None:
             return None
         assert self.storage is not None

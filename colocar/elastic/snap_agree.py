@@ -4,7 +4,10 @@ Each process sees only its own sidecar's keeper. They exchange small JSON summar
 the key-value store of `jax.distributed` (`Exchange.allgather`): what each keeper holds, per
 source host and step, complete with its record. From the same summaries every process computes
 the same answers: the newest step complete everywhere (every process's shards held by itself or
-by a peer's replica, all of the same attempt), and which keeper refills which (`refills`).
+by a peer's replica, all of the same attempt), and which keeper refills which (`refills`). A
+process whose keeper cannot be read still takes part, with a summary saying so (`unreadable`):
+every process then finds no step complete (a process raising alone would leave the others
+waiting in the exchange, then falling back to storage without it).
 """
 
 from __future__ import annotations
@@ -97,6 +100,17 @@ def summarize(holdings: dict[int, dict[str, Any]]) -> Summary:
     return {"own": own, "replicas": dict(replicas)}
 
 
+def unreadable(process: int, error: BaseException) -> Summary:
+    """The summary of a keeper that could not be read: it holds nothing any process counts on,
+    and says why (`agreed` then finds no step, in every process alike)."""
+    return {"own": {}, "replicas": {}, "error": f"process {process}: {type(error).__name__}: {error}"[:500]}
+
+
+def errors(summaries: list[Summary]) -> list[str]:
+    """Why keepers could not be read, per process that could not read its own."""
+    return [s["error"] for s in summaries if s.get("error")]
+
+
 def gather(exchange: Exchange, summary: Summary) -> list[Summary]:
     return [json.loads(s) for s in exchange.allgather(json.dumps(summary), "survey")]
 
@@ -111,7 +125,10 @@ def holders(summaries: list[Summary], step: int, attempt: str, source: int) -> l
 
 
 def agreed(summaries: list[Summary]) -> list[tuple[int, str]]:
-    """(step, attempt) of the snapshots complete everywhere, oldest first."""
+    """(step, attempt) of the snapshots complete everywhere, oldest first; none when a
+    process could not read its keeper (what it holds is unknown, so no step is known whole)."""
+    if errors(summaries):
+        return []
     candidates: set[tuple[int, str]] = set()
     for summary in summaries:
         candidates |= {(int(s), a) for s, a in summary["own"].items()}

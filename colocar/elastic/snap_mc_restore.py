@@ -6,7 +6,8 @@ single-controller restore covers it (`snap_slices.sources`), with processes for 
 process's own shards when they cover it (the same sharding: read in place, `read_own`), else
 by parts of the other processes' shards, which this process's keeper reads from theirs keeper
 to keeper and stitches (`read_across`). A closing exchange keeps every keeper serving reads
-until all processes are done, and fails the restore everywhere if it failed anywhere.
+until all processes are done, and fails the restore everywhere if it failed anywhere: whatever
+fails in one process (its keeper unreadable, a shard read), it still takes both exchanges.
 """
 
 from __future__ import annotations
@@ -32,12 +33,18 @@ Request = tuple[int, str, Any, list[tuple[int, Any]]]  # leaf, dtype, bounds, [(
 def restore(snaps: Any, step: int, attempt: str, target: Any) -> Any:
     """Snapshot (step, attempt), refilled, on `target` (a pytree of ShapeDtypeStructs or arrays
     with shardings, any layout of the saved shapes); a collective."""
-    holdings = snaps.keeper.holdings_by_source()[step]
-    record = snap_agree.complete(*holdings["own"])
-    mine = record["shards"] if record is not None and holdings["attempt"] == attempt else None
+    record: dict[str, Any] | None = None
+    mine, error = None, ""
+    try:  # whatever fails here, this process still takes part in both exchanges
+        holdings = snaps.keeper.holdings_by_source()[step]
+        record = snap_agree.complete(*holdings["own"])
+        mine = record["shards"] if record is not None and holdings["attempt"] == attempt else None
+    except Exception as e:  # noqa: BLE001 - every process hears of it below
+        error = f"process {snaps.process}: reading its keeper: {type(e).__name__}: {e}"
     said = snaps._exchange.allgather(json.dumps(mine), f"layout of step {step}")
-    error = ""
     try:
+        if error:
+            raise SnapshotError(error)
         if record is None or mine is None:
             raise SnapshotError(
                 f"snapshot step {step}: this process's sidecar lacks its shards after the refill"
@@ -48,7 +55,7 @@ def restore(snaps: Any, step: int, attempt: str, target: Any) -> Any:
                 where[key_of(leaf, bounds)].append(q)
         out = _build(snaps, step, attempt, record, where, target)
     except Exception as e:  # noqa: BLE001 - every process hears of it below
-        error = f"process {snaps.process}: {e}"
+        error = error or f"process {snaps.process}: {e}"
     done = snaps._exchange.allgather(error, f"restore of step {step}")
     failed = [s for s in done if s]
     if failed:

@@ -214,8 +214,15 @@ class MultiSnapshots:
 
     # --- finding and restoring ----------------------------------------------------------------
     def _survey(self) -> list[tuple[int, str]]:
-        summary = snap_agree.summarize(self.keeper.holdings_by_source())
+        """The steps complete everywhere, from every keeper's holdings; a keeper that cannot be
+        read (here or in another process) leaves none, in every process alike."""
+        try:
+            summary = snap_agree.summarize(self.keeper.holdings_by_source())
+        except Exception as e:  # noqa: BLE001 - every process hears of it in the exchange
+            summary = snap_agree.unreadable(self.process, e)
         self._summaries = snap_agree.gather(self._exchange, summary)
+        if errors := snap_agree.errors(self._summaries):
+            log.warning("no snapshot counts: a keeper could not be read (%s)", errors[0])
         return snap_agree.agreed(self._summaries)
 
     def latest(self, hosts: Any = None) -> int | None:
@@ -233,8 +240,9 @@ class MultiSnapshots:
         with self._lock:
             found = dict(self._survey())
             if step not in found:
+                unread = "".join(f"; {e}" for e in snap_agree.errors(self._summaries))
                 raise SnapshotError(
-                    f"snapshot step {step} is not complete on every host (complete: {sorted(found)})"
+                    f"snapshot step {step} is not complete on every host (complete: {sorted(found)}{unread})"
                 )
             attempt = found[step]
             self.refill(step, attempt)

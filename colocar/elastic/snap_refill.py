@@ -80,21 +80,24 @@ def refill(snaps: Any, step: int, attempt: str) -> int:
     if not first and not second:
         return 0
     me = snaps.process
-    if any(receiver == me for _, _, receiver in first + second):
-        snaps.keeper.prepare(step, attempt, [tuple(t) for t in snaps._peers])
+    error = ""  # raised by every process after the round's exchange, never by one alone
+    try:
+        if any(receiver == me for _, _, receiver in first + second):
+            snaps.keeper.prepare(step, attempt, [tuple(t) for t in snaps._peers])
+    except Exception as e:  # noqa: BLE001 - every process hears of it below
+        error = f"process {me} preparing its keeper: {type(e).__name__}: {e}"
     addresses = {t.host: t for t in snaps._peers}
     sent = 0
     for round_, moves in (("refill", first), ("re-replicate", second)):
-        error = ""
         for sender, source, receiver in moves:
-            if sender != me:
+            if sender != me or error:
                 continue
             target = addresses.get(receiver) or _target_of(snaps, receiver)
             try:
                 sent += snaps.keeper.push(step, attempt, source, tuple(target))
             except Exception as e:  # noqa: BLE001 - every process hears of it below
                 error = error or f"process {me} sending host {source}'s shards to {receiver}: {e}"
-        said = snaps._exchange.allgather(error, f"{round_} of step {step}")
+        said, error = snaps._exchange.allgather(error, f"{round_} of step {step}"), ""
         if any(said):
             raise SnapshotError(f"snapshot step {step}: {round_} failed: {[s for s in said if s][0]}")
     return sent

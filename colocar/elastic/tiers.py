@@ -204,6 +204,22 @@ class SnapshotTier:
     def restore(self, step: int, target: Any, hosts: list[Any] | None) -> Any:
         return self.snapshots.restore(step, target, hosts)
 
+    def recover(self, step: int, target: Any, agree: Callable[[str, str], str]) -> tuple[Any, Any] | str:
+        """(`restore`'s target filled from snapshot `step`, its bookkeeping), or why it is not
+        recoverable: a `SnapshotError` reading its bookkeeping or its arrays, here or, through
+        `agree` (every process's error, the first one that failed: a collective under
+        multi-controller JAX), in another process, so that every process falls back alike."""
+        from colocar.errors import SnapshotError
+
+        found, error = None, ""
+        try:
+            meta = self.meta_of(step)
+            found = unwrap(target, self.restore(step, wrap(target, meta), None), meta), meta
+        except SnapshotError as e:
+            error = f"{type(e).__name__}: {e}"
+        error = agree(error, f"restore of snapshot step {step}")
+        return error if error or found is None else found
+
     def fallback(self, snap_step: int | None, disk_step: int | None) -> tuple[int, str] | None:
         """When the newest snapshot taken is newer than what a restore will use (`snap_step`,
         else `disk_step`, else nothing): (its step, why it is unusable and what is used instead),

@@ -6,10 +6,11 @@ checkpoints), then the mode: "train" (from init, steps 0..6, then waits for the 
 "ready <json>" and waits on stdin to be killed), "resume" (restores, checks the state bit for
 bit against the state computed from the data, runs to step 12, prints "OK <json>": the step and
 tier it restored from, the events counted) or "lose" (process 1's own sidecar is killed after
-step 4: it prints "ELASTIC <json>", the error and the events, and exits; process 0 hangs) or
-"fail" (both raise a RuntimeError of their own before step 5, inside `with elastic:`). An
-optional last argument: snapshot every that many steps (default 1). Saves of a step just
-snapshotted come from the snapshot's blocks; "train" reports where each save came from.
+step 4: it prints "ELASTIC <json>", the error and the events, and exits; process 0, in a
+collective, is killed by the test) or "fail" (both raise a RuntimeError of their own before
+step 5, inside `with elastic:`). An optional last argument:
+snapshot every that many steps (default 1). Saves of a step just snapshotted come from the
+snapshot's blocks; "train" reports where each save came from.
 """
 
 import json
@@ -146,6 +147,7 @@ report = {
 }
 report["saved_from"] = stats["checkpoints"]["saved_from"]  # how many saves: snapshot / devices
 report["saves"] = [e["detail"] for e in stats["events"] if e["kind"] == "save"]
+report["unusable"] = [e["detail"] for e in stats["events"] if "snapshot unusable" in e["detail"]]
 if mode == "train":
     elastic.checkpoints.wait()  # the saves of steps 3 and 6 are committed
     last = elastic.checkpoints.stats()["save"]  # step 6's: bytes copied from the devices
