@@ -74,3 +74,9 @@ class ProcessesDisagree(ColocarError):
 class SnapshotError(ColocarError):
     """A host-memory snapshot cannot be restored (or taken); the message names the step, the
     leaf and the hosts whose loss made it unrecoverable."""
+
+
+class ProcessLostError(ColocarError):
+    """Under multi-controller JAX, another JAX process of the job is gone (its liveness beat in
+    jax.distributed's key-value store stood still): a job cannot shrink, so this process's
+    trainer must exit and be restarted with the others (the elastic manager does so)."""

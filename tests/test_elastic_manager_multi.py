@@ -202,3 +202,28 @@ def test_a_snapshot_read_failing_in_one_process_sends_every_process_to_storage(
     finally:
         faults.fail_snapshot_reads(sidecars, 1, ())
         cluster.make_current()
+
+
+def test_a_survivor_ends_within_seconds_of_its_peers_death(make_cluster, tmp_path, cluster, monkeypatch):
+    """Process 0 waits in an exchange that process 1 never joins; process 1 is killed
+    (SIGKILL): process 0 notices it from process 1's liveness beat and ends with the
+    ElasticError the restart path handles, far before the 300 s sync timeout (and before
+    jax.distributed's own 100 s heartbeat timeout)."""
+    monkeypatch.setenv("COLOCAR_PROCESS_LOST_SECONDS", "3")  # the trainers inherit it
+    sidecars = make_cluster(hosts=2, arena_size=16 * MiB, persist=True, lease_seconds=5)
+    trainers = two_processes(PROGRAM, sidecars, str(tmp_path / "ckpt"), "stall")
+    try:
+        for t, word in zip(trainers, ("waiting", "stalled"), strict=True):
+            lines = []
+            while (line := t.stdout.readline()) and line.strip() != word:
+                lines.append(line)
+            assert line, "".join(lines)[-3000:]
+        trainers[1].kill()
+        out = trainers[0].communicate(timeout=60)[0]  # today's code waited here till the deadline
+        assert trainers[0].returncode == 1, out[-3000:]
+        lost = json.loads(out.split("ELASTIC", 1)[1].strip().splitlines()[0])
+        assert "JAX process 1 is gone" in lost["error"], lost
+        assert "must exit and be restarted" in lost["error"], lost
+    finally:
+        stop(trainers)
+        cluster.make_current()

@@ -13,7 +13,8 @@ mean the processes' calls are out of step (one skipped or added a call). The fir
 never waits; the others wait until it finished the same call. Keys are numbered per set of
 processes and function, in the order each process starts its calls: every process makes the
 same calls in the same order (SPMD), and waits for their results (the first process publishes
-when it has its own).
+when it has its own). A first process that died ends the others' wait within seconds
+(`ProcessLostError`, `liveness.py`), not after SYNC_TIMEOUT.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ from typing import Any
 
 import jax
 
-from colocar.errors import ColocarError, ProcessesDisagree
+from colocar.errors import ColocarError, ProcessesDisagree, ProcessLostError
 from colocar.jax_compat import distributed_client
+
+from . import liveness
 
 # seconds another process waits, once its own part ended, for the first one to finish the same
 # call (plus the call's timeout if it has one: the first one's part may take that long)
@@ -60,6 +63,7 @@ class OutputCheck:
                 f"{name}: the call spans JAX processes {self.processes} but this process has no "
                 "jax.distributed client: call jax.distributed.initialize() first"
             )
+        liveness.beat(self._client)
 
     @staticmethod
     def needed(plan: Any) -> OutputCheck | None:
@@ -126,8 +130,10 @@ class OutputCheck:
                 pass  # only a few bytes stay
 
     def _theirs(self) -> str:
-        try:
-            return str(self._client.blocking_key_value_get(self._key(), int(self.timeout * 1000)))
+        try:  # a leader that died ends the wait within seconds (ProcessLostError)
+            return liveness.get(self._client, self._key(), self.leader, self.timeout)
+        except ProcessLostError:
+            raise
         except Exception as e:
             raise ProcessesDisagree(
                 f"{self.name}, JAX process {self.process}: JAX process {self.leader} did not finish "

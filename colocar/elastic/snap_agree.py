@@ -18,7 +18,8 @@ import threading
 from collections import defaultdict
 from typing import Any
 
-from colocar.errors import SnapshotError
+from colocar.controller_bridge import liveness
+from colocar.errors import ProcessLostError, SnapshotError
 
 from .keeper import key_of
 
@@ -45,10 +46,12 @@ class Exchange:
         self._client = distributed_client()
         if self._client is None:
             raise SnapshotError("multi-controller snapshots need jax.distributed.initialize() first")
+        liveness.beat(self._client)  # from now on the peers can tell this process's death
 
     def allgather(self, value: str, what: str) -> list[str]:
         """Every process's `value` of this round, in process order. `what` names the round in
-        the error raised when a process does not come within `timeout`."""
+        the error raised when a process does not come within `timeout`; a process that died
+        raises `ProcessLostError` within seconds instead (`liveness.py`)."""
         key = f"{self.prefix}/{self.rounds}"
         self.rounds += 1
         self._client.key_value_set(f"{key}/{self.process}", value)
@@ -58,7 +61,9 @@ class Exchange:
                 out.append(value)
                 continue
             try:
-                out.append(str(self._client.blocking_key_value_get(f"{key}/{q}", int(self.timeout * 1000))))
+                out.append(liveness.get(self._client, f"{key}/{q}", q, self.timeout))
+            except ProcessLostError:
+                raise
             except Exception as e:
                 raise SnapshotError(
                     f"snapshots ({what}): JAX process {q} did not come within {self.timeout:.0f} s "

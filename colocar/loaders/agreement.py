@@ -8,7 +8,8 @@ at every `get_state`/`set_state`, that all processes of its mesh hold the same v
 jax.distributed's key-value store: each process publishes its value, the mesh's first process
 compares them and publishes the verdict, which every process reads (a fixed number of keys per
 process, no collective on the devices). A process that does not come within `timeout` seconds
-is an error naming it, not a hang.
+is an error naming it, not a hang; one that died ends the wait within seconds
+(`ProcessLostError`, `controller_bridge/liveness.py`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import json
 import time
 from typing import Any
 
-from colocar.errors import ColocarError, ProcessesDisagree
+from colocar.controller_bridge import liveness
+from colocar.errors import ColocarError, ProcessesDisagree, ProcessLostError
 
 OK = "ok"
 
@@ -49,6 +51,7 @@ class Agreement:
                     f"the mesh spans JAX processes {self.processes} but this process has no "
                     "jax.distributed client: call jax.distributed.initialize() first"
                 )
+            liveness.beat(self._client)
 
     def check(self, what: str, value: Any) -> None:
         """Returns when every process of the mesh checked `what` with an equal `value` (JSON);
@@ -63,14 +66,20 @@ class Agreement:
         self._publish(f"{key}/{self.process}", mine, what)
         leader = self.processes[0]
         if self.process == leader:
-            verdict = self._compare(key, what, mine)
+            try:
+                verdict = self._compare(key, what, mine)
+            except ProcessLostError as e:  # the others hear of it at once
+                self._publish(f"{key}/verdict", str(e), what)
+                raise
             self._publish(f"{key}/verdict", verdict, what)
             if verdict == OK and n > 0:
                 self._forget(f"{self._prefix}/{what}/{n - 1}")
         else:
             # the leader may come up to `timeout` late, then wait up to `timeout` for the others
             try:
-                verdict = str(client.blocking_key_value_get(f"{key}/verdict", int(2 * self.timeout * 1000)))
+                verdict = liveness.get(client, f"{key}/verdict", leader, 2 * self.timeout)
+            except ProcessLostError:
+                raise
             except Exception as e:
                 verdict = f"JAX process {leader} did not check {what} within {2 * self.timeout:.0f} s ({e})"
         if verdict != OK:
@@ -102,7 +111,9 @@ class Agreement:
         for p in self.processes[1:]:
             wait_ms = max(1, int((deadline - time.monotonic()) * 1000))
             try:
-                theirs = str(self._client.blocking_key_value_get(f"{key}/{p}", wait_ms))
+                theirs = liveness.get(self._client, f"{key}/{p}", p, wait_ms / 1000)
+            except ProcessLostError:
+                raise
             except Exception as e:
                 return f"JAX process {p} did not check {what} within {self.timeout:.0f} s ({e})"
             if theirs != mine:

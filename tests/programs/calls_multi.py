@@ -30,6 +30,7 @@ process, cluster, directory = start()
 import colocar  # noqa: E402
 from colocar.controller_bridge import processes as processes_module  # noqa: E402
 from colocar.errors import ColocarError  # noqa: E402
+from colocar.jax_compat import distributed_client  # noqa: E402
 
 
 @colocar.colocated
@@ -186,6 +187,7 @@ if process == 1:  # process 0 never makes this call
     here = NamedSharding(Mesh(np.array(jax.local_devices()), ("d",)), P("d"))
     got = affine(global_array(full, here))
     assert got.is_fully_addressable and np.array_equal(np.asarray(got), full * 2 + 1)
+    distributed_client().key_value_set("calls_multi/alone", "done")
 # process 1 skips a call process 0 makes: its next call of the function is out of step
 if process == 0:
     check(skipped_by_process_1(x), full, layouts["rows"], "a call process 1 skips")
@@ -210,6 +212,8 @@ with colocar.connect([address], token_file=sys.argv[4], devices=[local[:2]]):
     except ColocarError as e:
         result["uncovered"] = str(e)
 
+if process == 0:  # alive until process 1 waited its 2 s in vain (an exited process 0 ends it at once)
+    distributed_client().blocking_key_value_get("calls_multi/alone", 120_000)
 with open(os.path.join(directory, f"process{process}.json"), "w") as f:
     json.dump(result, f)
 print("OK", flush=True)

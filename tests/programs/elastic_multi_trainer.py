@@ -8,7 +8,10 @@ bit against the state computed from the data, runs to step 12, prints "OK <json>
 tier it restored from, the events counted) or "lose" (process 1's own sidecar is killed after
 step 4: it prints "ELASTIC <json>", the error and the events, and exits; process 0, in a
 collective, is killed by the test) or "fail" (both raise a RuntimeError of their own before
-step 5, inside `with elastic:`). An optional last argument:
+step 5, inside `with elastic:`) or "stall" (process 1 prints "stalled" once its Manager is
+made and waits on stdin to be killed; process 0 prints "waiting" and restores, an exchange
+process 1 never joins: it prints "ELASTIC <json>" and exits once it notices process 1 is
+gone). An optional last argument:
 snapshot every that many steps (default 1). Saves of a step just snapshotted come from the
 snapshot's blocks; "train" reports where each save came from.
 """
@@ -109,6 +112,11 @@ elastic = colocar.elastic.Manager(
     cluster, checkpoints=checkpoints, snapshot_every=SNAPSHOT_EVERY, save_every=3, faults=faults
 )
 stop = TRAIN_STEPS if mode == "train" else TOTAL
+if mode == "stall":
+    print("stalled" if process == 1 else "waiting", flush=True)
+    if process == 1:
+        sys.stdin.readline()  # killed here
+        sys.exit(3)
 
 
 @elastic.run(min_hosts=1)
