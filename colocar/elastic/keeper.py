@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from .peers import PeerLinks, PeerOptions, Target, lower_priority
-from .stitch import Bounds, by_leaf, stitch, within
+from .stitch import Bounds, allocate, by_leaf, stitch, unpack, within
 
 Key = tuple[int, Bounds]  # (leaf index, bounds)
 ENDED = ("replicated", "failed")
@@ -113,27 +113,11 @@ class SnapshotKeeper:
         if total is not None:
             self.finish(step, total)
 
-    def store(
-        self, step: int, attempt: str, keep: list[int], peers: list[Target], block: Any, layout: list[tuple]
-    ) -> None:
-        """`begin` and `write_packed` in one call (a take's whole hand-off to this host);
-        `block` None: this host holds no piece of the step."""
-        self.begin(step, attempt, keep, peers)
-        if block is None:
-            self.write(step, [], 0)
-        else:
-            self.write_packed(step, block, layout)
-
     def write_packed(self, step: int, block: np.ndarray, layout: list[tuple[Any, ...]]) -> None:
         """As `write` with every piece, all of them in one block (one allocation and one view
         per host instead of one per piece): `layout` lists (leaf, bounds, byte offset, shape,
-        dtype) of each (dtype objects: unpickling one imports what registers it)."""
-        flat = block.reshape(-1).view(np.uint8)
-        pieces = []
-        for leaf, bounds, offset, shape, dtype in layout:
-            nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-            pieces.append((leaf, bounds, flat[offset : offset + nbytes].view(dtype).reshape(shape)))
-        self.write(step, pieces, len(pieces))
+        dtype) of each."""
+        self.write(step, unpack(block, layout), len(layout))
 
     def finish(self, step: int, pieces: int) -> None:
         """Every piece was sent (`pieces` in all): replicates in the background."""
@@ -200,7 +184,7 @@ class SnapshotKeeper:
             snap = self._snap(step, attempt)
             slot = snap.incoming.get((source, key))
             if slot is None:
-                slot = snap.incoming[(source, key)] = [_allocate(tuple(shape), dtype, self.pool), 0]
+                slot = snap.incoming[(source, key)] = [allocate(tuple(shape), dtype, self.pool), 0]
         block = slot[0]
         block.reshape(-1).view(np.uint8)[offset : offset + len(data)] = np.frombuffer(data, np.uint8)
         with self._lock:
@@ -384,21 +368,6 @@ def _watch_idle(ref: weakref.ref, idle_seconds: float) -> None:
                 flush=True,
             )
         del keeper
-
-
-def _allocate(shape: tuple[int, ...], dtype: Any, pool: str) -> np.ndarray:
-    """A block of the snapshot pool, at once or ArenaFullError (a snapshot never waits)."""
-    if not isinstance(dtype, np.dtype):  # a name ("bfloat16"): numpy learns it from ml_dtypes,
-        import ml_dtypes  # noqa: F401 - whose import holds the GIL ~1 s, so only when needed
-    dtype = np.dtype(dtype)
-
-    from colocar.shm.context import sidecar_runtime
-
-    try:
-        arena = sidecar_runtime()
-    except RuntimeError:  # not in a sidecar (a unit test of the class)
-        return np.empty(shape, dtype)
-    return arena.empty(shape, dtype, pool, timeout=0.0)
 
 
 def _flush() -> None:

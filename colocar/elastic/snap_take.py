@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 import uuid
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +24,7 @@ import numpy as np
 from colocar.checkpoint import save, tree
 from colocar.controller_bridge.arrays import addressable_shards
 from colocar.errors import HostLostError, SnapshotError
+from colocar.shm import ArenaFullError
 from colocar.shm.allocator import footprint
 
 from .peers import send_chunks
@@ -267,12 +268,12 @@ class Placed:
     offsets: list[int]
 
 
-def hand(keeper: Any, step: int, pieces: list[save.Piece], placed: Placed) -> None:
-    """The placed block to the host's keeper, which starts replicating its pieces."""
+def hand(keeper: Any, step: int, pieces: list[save.Piece], placed: Placed) -> Any:
+    """The placed block to the host's keeper, which starts replicating its pieces: the call,
+    in flight (its future)."""
     if placed.block is None:
-        keeper.write(step, [], 0)
-        return
-    keeper.write_packed(step, placed.block, layout_of(pieces, placed))
+        return keeper.write.submit(step, [], 0)
+    return keeper.write_packed.submit(step, placed.block, layout_of(pieces, placed))
 
 
 def layout_of(pieces: list[save.Piece], placed: Placed) -> list[tuple[Any, ...]]:
@@ -296,5 +297,22 @@ def send(
         sent = send_chunks(keeper, step, attempt, host.index, items)
         keeper.finish(step, len(pieces))
         return sent
-    hand(keeper, step, pieces, place(host, pieces, pool, copiers))
+    hand(keeper, step, pieces, place(host, pieces, pool, copiers)).result()
     return sum(p.nbytes for p in pieces)
+
+
+def on_each(pool: Executor, fn: Callable[[int], Any], hosts: Iterable[int]) -> tuple[dict[int, Any], dict]:
+    """`fn(h)` for every host at once on `pool`: (the results, the ArenaFullError of each host
+    whose pool was full). Every call ended before this returns; any other error is raised."""
+    futures = {h: pool.submit(fn, h) for h in hosts}
+    results, full, error = {}, {}, None
+    for h, future in futures.items():
+        try:
+            results[h] = future.result()
+        except ArenaFullError as e:
+            full[h] = e
+        except BaseException as e:
+            error = error or e
+    if error is not None:
+        raise error
+    return results, full

@@ -25,11 +25,10 @@ import jax
 from colocar.controller_bridge.obj import colocated_class
 from colocar.errors import SnapshotError
 from colocar.protocol.tokens import TOKEN_METADATA_KEY
-from colocar.shm import ArenaFullError
 
-from . import snap_multi, snap_restore, snap_save, snap_take
+from . import snap_handoff, snap_multi, snap_restore, snap_save, snap_take
 from .keeper import SnapshotKeeper
-from .peers import PeerOptions, Target
+from .peers import PeerOptions
 from .snap_commit import Committer
 
 _Keeper = colocated_class(SnapshotKeeper)
@@ -121,16 +120,20 @@ class Snapshots:
         self._generations: dict[int, int] = {}  # of each host's sidecar when its keeper was opened
         self._capacity: dict[int, dict[str, int]] = {}  # each host's pool size, nothing used
         self._layouts: dict[Any, Any] = {}  # `snap_take.plan`'s cache
+        self._open(hosts)
+        self._committed = snap_restore.recoverable(snap_restore.survey(self._keepers, hosts))
+        snap_save._OPEN.add(self)
+
+    def _open(self, hosts: list[int]) -> None:
+        """Checks the pool exists everywhere (noting its size) and opens every host's keeper."""
         try:
-            pools = self._pools(hosts)  # the pool exists everywhere
+            pools = self._pools(hosts)
             self._capacity = {h: {"reserved": p["reserved"], "used": 0} for h, p in pools.items()}
-            for f in [self._senders.submit(self._open_keeper, h) for h in cluster.hosts]:
+            for f in [self._senders.submit(self._open_keeper, h) for h in self.cluster.hosts]:
                 f.result()
         except BaseException:
             self.close()
             raise
-        self._committed = snap_restore.recoverable(snap_restore.survey(self._keepers, hosts))
-        snap_save._OPEN.add(self)
 
     def _keeper_name(self, h: int) -> str:
         return f"colocar.snapshots/{self.name}/{h}"
@@ -180,12 +183,12 @@ class Snapshots:
             planned = snap_take.plan(step, tree, self.cluster, hosts, replicas, self.placement, self._layouts)
             try:
                 reason = snap_take.misfit(planned, self._capacity, self.pool)  # can never fit
-                placed = self._place(planned) if reason is None and self._trusted() else None
+                placed = snap_handoff.place(self, planned) if reason is None and self._trusted() else None
                 if placed is not None:
-                    hand_off = functools.partial(self._hand_off, planned, placed)
+                    hand_off = functools.partial(snap_handoff.hand_off, self, planned, placed)
                     self._committer.track(step, hosts, planned.record, hand_off)
                 elif reason is None:
-                    reason = self._take_waiting(planned)
+                    reason = snap_handoff.take_waiting(self, planned)
             except BaseException:  # a host lost (or an interrupt): no part of this step stays
                 self._drop(step, hosts)
                 raise
@@ -217,63 +220,6 @@ class Snapshots:
             committed = [s for s in self._committed if s != step]
         return committed[-(self.keep - 1) :] if self.keep > 1 else []
 
-    def _place(self, planned: snap_take.Planned) -> dict[int, snap_take.Placed] | None:
-        """Every host's pieces copied into a new block of its pool, one thread per host, before
-        the keepers hear of the step; None (nothing kept) when a host does not map its arena or
-        its pool has no room now."""
-        hosts = [self.cluster.hosts[h] for h in planned.pieces]
-        if not all(host.connection.blocks.mapped for host in hosts):
-            return None
-        place, pieces = snap_take.place, planned.pieces
-        futures = {
-            h.index: self._senders.submit(place, h, pieces[h.index], self.pool, self._copiers) for h in hosts
-        }
-        placed, full, error = {}, False, None
-        for h, future in futures.items():  # all of them end before this returns or raises
-            try:
-                placed[h] = future.result()
-            except ArenaFullError:
-                full = True
-            except BaseException as e:
-                error = error or e
-        if error is None and not full:
-            return placed
-        placed.clear()  # the blocks go back before anything waits for room
-        for host in hosts:
-            host.connection.releases.reclaimer.flush()
-        if error is not None:
-            raise error
-        return None
-
-    def _hand_off(self, planned: snap_take.Planned, placed: dict[int, snap_take.Placed]) -> None:
-        """Background, once the previous snapshot ended: every keeper learns the step, drops
-        what is not kept and takes its host's block, which it starts replicating (one call)."""
-        step, attempt, keep = planned.step, planned.record["attempt"], self._kept(planned.step)
-        futures = []
-        for h in list(placed):
-            done = placed.pop(h)
-            layout = snap_take.layout_of(planned.pieces[h], done)
-            peers = self._targets(planned.targets[h])
-            futures.append(self._keepers[h].store.submit(step, attempt, keep, peers, done.block, layout))
-        for future in futures:
-            future.result()
-
-    def _targets(self, peers: list[int]) -> list[tuple]:
-        """The peer keepers of `peers`, as a keeper's call takes them."""
-        return [tuple(Target(t, self.cluster.hosts[t].address, self._keeper_name(t))) for t in peers]
-
-    def _take_waiting(self, planned: snap_take.Planned) -> str | None:
-        """A take with no room for one more snapshot (or the first one): drops what is
-        not kept, checks the fit, then copies and hands over; the reason when it does not fit."""
-        hosts = list(planned.pieces)
-        self._begin(planned, self._kept(planned.step))
-        reason = snap_take.misfit(planned, self._pools(hosts), self.pool)
-        if reason is None:
-            reason = self._send(planned)
-        if reason is None:
-            self._committer.track(planned.step, hosts, planned.record)
-        return reason
-
     def save_to(self, manager: Any, step: int, *, metadata: dict[str, Any] | None = None) -> bool:
         """Writes snapshot `step` to storage through `manager` (a `CheckpointManager` over these
         hosts) from the blocks the hosts hold: no device-to-host copy (`snap_save`). Returns
@@ -297,15 +243,6 @@ class Snapshots:
             )
         return hosts, replicas
 
-    def _begin(self, planned: snap_take.Planned, keep: list[int]) -> None:
-        """Every keeper learns the new step and its peers, and drops what is not kept."""
-        attempt = planned.record["attempt"]
-        futures = []
-        for h, peers in planned.targets.items():
-            futures.append(self._keepers[h].begin.submit(planned.step, attempt, keep, self._targets(peers)))
-        for future in futures:
-            future.result()
-
     def _pools(self, hosts: list[int]) -> dict[int, dict[str, int]]:
         futures = {h: self._senders.submit(self.cluster.hosts[h].stats) for h in hosts}
         pools = {}
@@ -315,32 +252,6 @@ class Snapshots:
                 raise SnapshotError(f"host {h} has no arena pool {self.pool!r} (it has {sorted(found)})")
             pools[h] = found[self.pool]
         return pools
-
-    def _send(self, planned: snap_take.Planned) -> str | None:
-        """Every host's pieces into its arena and keeper, one thread per host; the reason
-        when one host's pool turned out full (then nothing of it is kept)."""
-        step = planned.step
-
-        def send(h: int) -> int:
-            host = self.cluster.hosts[h]
-            keeper, attempt = self._keepers[h], planned.record["attempt"]
-            return snap_take.send(host, keeper, step, attempt, planned.pieces[h], self.pool, self._copiers)
-
-        futures = {h: self._senders.submit(send, h) for h in planned.pieces}
-        reason, error = None, None
-        for h, future in futures.items():  # all of them end before this returns or raises
-            try:
-                future.result()
-            except ArenaFullError as e:
-                reason = reason or (
-                    f"snapshot of step {step} skipped: host {h} found arena pool {self.pool!r} full "
-                    f"placing {planned.own[h]} bytes ({e}); training goes on"
-                )
-            except BaseException as e:
-                error = error or e
-        if error is not None:
-            raise error
-        return reason
 
     def _drop(self, step: int, hosts: list[int]) -> None:
         for h in hosts:

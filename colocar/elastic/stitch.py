@@ -1,9 +1,10 @@
-"""Slices of a snapshot's leaf cut from the blocks that hold parts of it (in a keeper).
+"""Slices of a snapshot's leaf cut from the blocks that hold parts of it, and blocks (in a keeper).
 
 A keeper holds each leaf as blocks at their bounds in the global array (its own shards and
 replicas of its peers'); a read asks for a slice: a contiguous part of one block is handed
 out as it is (`within`), any other is filled by `stitch` into a new arena array from every
-block that overlaps it. Shared by the single- and multi-controller keepers.
+block that overlaps it. `unpack` cuts a take's packed block into its pieces, `allocate` gives
+a replica its block. Shared by the single- and multi-controller keepers.
 """
 
 from __future__ import annotations
@@ -60,3 +61,29 @@ def _copy_overlap(out: np.ndarray, want: Bounds, data: np.ndarray, held: Bounds)
     src = tuple(slice(a - h[0], b - h[0]) for a, b, h in zip(lo, hi, held, strict=True))
     out[dst] = data[src]  # an assignment: a 0-d array's out[()] is no view to copy into
     return int(np.prod([b - a for a, b in zip(lo, hi, strict=True)], dtype=np.int64))
+
+
+def unpack(block: np.ndarray, layout: list[tuple[Any, ...]]) -> list[tuple[Any, Any, np.ndarray]]:
+    """The pieces (leaf, bounds, view) packed in one block at the layout's (leaf, bounds, byte
+    offset, shape, dtype); dtype objects (unpickling one imports what registers it)."""
+    flat = block.reshape(-1).view(np.uint8)
+    pieces = []
+    for leaf, bounds, offset, shape, dtype in layout:
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        pieces.append((leaf, bounds, flat[offset : offset + nbytes].view(dtype).reshape(shape)))
+    return pieces
+
+
+def allocate(shape: tuple[int, ...], dtype: Any, pool: str) -> np.ndarray:
+    """A block of the snapshot pool, at once or ArenaFullError (a snapshot never waits)."""
+    if not isinstance(dtype, np.dtype):  # a name ("bfloat16"): numpy learns it from ml_dtypes,
+        import ml_dtypes  # noqa: F401 - whose import holds the GIL ~1 s, so only when needed
+    dtype = np.dtype(dtype)
+
+    from colocar.shm.context import sidecar_runtime
+
+    try:
+        arena = sidecar_runtime()
+    except RuntimeError:  # not in a sidecar (a unit test of the class)
+        return np.empty(shape, dtype)
+    return arena.empty(shape, dtype, pool, timeout=0.0)
