@@ -259,10 +259,11 @@ class _Watch:
             time.sleep(0.2)
 
 
+@pytest.mark.slow  # 25 s; the quick suite has one loss/rejoin cycle (test_a_restarted_host_...)
 def test_three_losses_and_rejoins_leave_no_orphan(shm_dir, tmp_path):
     """host2 is killed and started again three times in one run: after each cycle the run is
     back on all hosts, and nothing a lost sidecar or an old configuration's loader started
-    keeps running once its parent is gone; one arena per host at the end."""
+    keeps running once its parent is gone; host2's arena is replaced, no other is left."""
     cycles = [(3, 5), (9, 11), (15, 17)]
     with elastic_cluster(shm_dir) as (c, started):
         arenas = set(_arenas(shm_dir))
@@ -282,7 +283,7 @@ def test_three_losses_and_rejoins_leave_no_orphan(shm_dir, tmp_path):
             assert len(watch.seen) > 3 + 3 * len(cycles)  # the sidecars, their helpers and workers
             assert watch.orphans() == []
             now = set(_arenas(shm_dir))
-            assert len(now) == len(arenas) == 3 and len(arenas - now) == 1, (arenas, now)  # host2's, new
+            assert len(now - arenas) == len(arenas - now) == 1, (arenas, now)  # host2's, replaced
         finally:
             el.close()
         started += log.processes
