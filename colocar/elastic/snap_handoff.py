@@ -1,8 +1,9 @@
 """Getting a take's blocks to the keepers (runs in the controller; `Snapshots.take` calls it).
 
 The usual way (`place`, then `hand_off` in the committer's background thread): each host's
-pieces are copied into one new block of its pool before the keepers hear of the step; the
-keepers then learn the step, drop what is not kept and take the block in one call each. When
+pieces are copied into one new block of its pool before the keepers hear of the step; then
+every keeper learns the step and drops what is not kept (`begin`), and only then takes its
+host's block (a peer's replica may arrive as soon as one host has its block). When
 a pool has no room for one more snapshot next to the kept ones, or for a first take
 (`take_waiting`): the keepers first drop what is not kept, the fit is checked against the
 pools' free bytes, then the pieces are copied and handed over at once (`send`).
@@ -84,12 +85,13 @@ def send(snaps: Any, planned: Planned) -> str | None:
         return send_to(host, keeper, step, attempt, planned.pieces[h], snaps.pool, snaps._copiers)
 
     _, full = on_each(snaps._senders, one, planned.pieces)
-    for h, e in full.items():
-        return (
-            f"snapshot of step {step} skipped: host {h} found arena pool {snaps.pool!r} full "
-            f"placing {planned.own[h]} bytes ({e}); training goes on"
-        )
-    return None
+    if not full:
+        return None
+    h, e = next(iter(full.items()))
+    return (
+        f"snapshot of step {step} skipped: host {h} found arena pool {snaps.pool!r} full "
+        f"placing {planned.own[h]} bytes ({e}); training goes on"
+    )
 
 
 def targets(snaps: Any, peers: list[int]) -> list[tuple]:
