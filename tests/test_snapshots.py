@@ -246,13 +246,17 @@ def test_only_the_two_newest_complete_snapshots_hold_blocks(four_hosts):
     with Snapshots(cluster, replicas=1, pool=POOL) as snaps:
         assert snaps.take(1, _state(cluster, 1))
         snaps.wait(60)
-        one = _used(cluster, hosts)  # one snapshot: a host's shards and the replica it holds
+        spare = [snaps.stats()["spare_bytes"].get(h, 0) for h in hosts]  # the next take's block
+        assert all(n > 0 for n in spare)
+        # one snapshot: a host's shards and the replica it holds (and the spare)
+        one = [n - s for n, s in zip(_used(cluster, hosts), spare, strict=True)]
         assert all(n > 0 for n in one)
         for step in (2, 3, 4):  # each take waits for the previous one's replication
             assert snaps.take(step, _state(cluster, step))
         snaps.wait(60)
         assert snaps.latest() == 4
-        assert _wait_used(cluster, hosts, [2 * n for n in one]) == [2 * n for n in one]
+        two = [2 * n + s for n, s in zip(one, spare, strict=True)]
+        assert _wait_used(cluster, hosts, two) == two
         assert snaps.stats()["committed"] == [3, 4]
         # a late replica of an earlier attempt at a step is refused, never mixed in
         keeper = cluster.hosts[1].object(f"colocar.snapshots/{snaps.name}/1")
@@ -360,7 +364,8 @@ def test_snapshots_without_their_controller_are_dropped_after_idle_seconds(four_
         assert not any(k.expire_if_idle(3600.0) for k in keepers)  # its controller called lately
         for k in keepers:  # these calls are no controller's: a tenth of a second without one
             wait_for(lambda k=k: k.expire_if_idle(0.1), "the keeper to drop its idle snapshots")
-        assert _wait_used(cluster, hosts, [0] * 4) == [0] * 4
+        spare = [snaps.stats()["spare_bytes"][h] for h in hosts]  # the controller's, not theirs
+        assert _wait_used(cluster, hosts, spare) == spare
         assert snaps.latest() is None
         assert snaps.take(2, _state(cluster, 14))  # the keepers serve the next snapshots
         snaps.wait(60)

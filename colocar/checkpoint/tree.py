@@ -45,8 +45,10 @@ def flatten(tree: Any) -> tuple[list[tuple[str, Any]], Any, dict[str, str]]:
     leaves are arrays, so they are computed once per structure (a training loop snapshots the
     same structure every few steps); the skeleton and directories returned are shared: read
     them, never change them."""
-    tree = jax.tree.map(_state_of, tree, is_leaf=_is_none)
     leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_is_none)
+    if any(_has_state(leaf) for leaf in leaves):  # iterators as their states: a new structure
+        tree = jax.tree.map(_state_of, tree, is_leaf=_is_none)
+        leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_is_none)
     structure = (treedef, tuple(is_array(leaf) for leaf in leaves))
     known = _STRUCTURES.get(structure)
     if known is None:

@@ -36,6 +36,7 @@ class Tracked:
     statuses: dict[int, dict[str, Any]] = field(default_factory=dict)
     seconds: float = 0.0
     hand_off: Callable[[], None] | None = None  # run first, then dropped (its blocks with it)
+    then: Callable[[], None] | None = None  # run once committed (before `done`)
     handed: threading.Event = field(default_factory=threading.Event)  # the keepers hold the blocks
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -55,11 +56,16 @@ class Committer:
         self._thread: threading.Thread | None = None
 
     def track(
-        self, step: int, hosts: list[int], record: dict[str, Any], hand_off: Callable[[], None] | None = None
+        self,
+        step: int,
+        hosts: list[int],
+        record: dict[str, Any],
+        hand_off: Callable[[], None] | None = None,
+        then: Callable[[], None] | None = None,
     ) -> Tracked:
         """Follows snapshot `step` once the snapshots tracked before it ended: `hand_off()`
-        first, then the replication wait and the commit."""
-        tracked = Tracked(step, hosts, record, hand_off=hand_off)
+        first, then the replication wait and the commit, then `then()` if it committed."""
+        tracked = Tracked(step, hosts, record, hand_off=hand_off, then=then)
         with self._lock:
             self.last = tracked
             self._unhanded[step] = tracked
@@ -99,6 +105,7 @@ class Committer:
             error = self._await_replicas(tracked, started + self.timeout)
             if error is None:
                 self._commit(tracked)
+                self._then(tracked)
             else:
                 self._abandon(tracked, error)
         except Exception as e:  # noqa: BLE001 - a background thread: the error is recorded
@@ -107,6 +114,15 @@ class Committer:
             tracked.seconds = time.monotonic() - started
             self._handed(tracked)
             tracked.done.set()
+
+    def _then(self, tracked: Tracked) -> None:
+        """`tracked.then()` once it committed; what it raises is logged (the snapshot counts)."""
+        if tracked.state != "committed" or tracked.then is None:
+            return
+        try:
+            tracked.then()
+        except Exception as e:  # noqa: BLE001 - a background thread; the commit stands
+            log.warning("after snapshot step %d committed: %s: %s", tracked.step, type(e).__name__, e)
 
     def _handed(self, tracked: Tracked) -> None:
         with self._lock:

@@ -7,31 +7,38 @@ host's block (a peer's replica may arrive as soon as one host has its block). Wh
 a pool has no room for one more snapshot next to the kept ones, or for a first take
 (`take_waiting`): the keepers first drop what is not kept, the fit is checked against the
 pools' free bytes, then the pieces are copied and handed over at once (`send`).
+Once a snapshot committed, every host gets an empty block of its packed size (`Spares`): the
+next take of the same layout copies into it, with no Allocate round trip on the caller's time.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from .peers import Target
-from .snap_take import Placed, Planned, hand, misfit, on_each
+from .snap_take import Placed, Planned, hand, misfit, on_each, packed_offsets
 from .snap_take import place as place_on
 from .snap_take import send as send_to
 
 
 def place(snaps: Any, planned: Planned) -> dict[int, Placed] | None:
-    """Every host's pieces copied into a new block of its pool, one thread per host, before
-    the keepers hear of the step; None (nothing kept) when a host does not map its arena or
-    its pool has no room now."""
+    """Every host's pieces copied into its spare block or a new block of its pool (then one
+    thread per host: an Allocate each), before the keepers hear of the step; None (nothing
+    kept) when a host does not map its arena or its pool has no room now."""
     hosts = [snaps.cluster.hosts[h] for h in planned.pieces]
     if not all(host.connection.blocks.mapped for host in hosts):
         return None
 
-    def one(h: int) -> Placed:
-        return place_on(snaps.cluster.hosts[h], planned.pieces[h], snaps.pool, snaps._copiers)
+    spares = {h: snaps._spares.pop(snaps.cluster.hosts[h]) for h in planned.pieces}
 
-    try:
-        placed, full = on_each(snaps._senders, one, planned.pieces)
+    def one(h: int) -> Placed:
+        return place_on(snaps.cluster.hosts[h], planned.pieces[h], snaps.pool, snaps._copiers, spares[h])
+
+    try:  # with every block at hand, the copies alone: in this thread (they use the copiers)
+        runner = None if all(b is not None for b in spares.values()) else snaps._senders
+        placed, full = on_each(runner, one, planned.pieces)
         if not full:
             return placed
         placed.clear()  # the blocks go back before anything waits for room
@@ -55,12 +62,13 @@ def take_waiting(snaps: Any, planned: Planned) -> str | None:
     """A take with no room for one more snapshot (or the first one): drops what is
     not kept, checks the fit, then copies and hands over; the reason when it does not fit."""
     hosts = list(planned.pieces)
+    snaps._spares.clear(snaps.cluster)  # their room counts as free below
     begin(snaps, planned, snaps._kept(planned.step))
     reason = misfit(planned, snaps._pools(hosts), snaps.pool)
     if reason is None:
         reason = send(snaps, planned)
     if reason is None:
-        snaps._committer.track(planned.step, hosts, planned.record)
+        snaps._committer.track(planned.step, hosts, planned.record, then=snaps._spares.after(snaps, planned))
     return reason
 
 
@@ -97,3 +105,47 @@ def send(snaps: Any, planned: Planned) -> str | None:
 def targets(snaps: Any, peers: list[int]) -> list[tuple]:
     """The peer keepers of `peers`, as a keeper's call takes them."""
     return [tuple(Target(t, snaps.cluster.hosts[t].address, snaps._keeper_name(t))) for t in peers]
+
+
+class Spares:
+    """One empty block per host, of the packed size of the last committed snapshot's pieces
+    there, for the next take. Allocated in the committer's thread once the replicas are in
+    place (the room the next take needs anyway); dropped when a take must first make room."""
+
+    def __init__(self) -> None:
+        self._blocks: dict[int, tuple[int, np.ndarray]] = {}  # host -> (its sidecar's generation, block)
+
+    def pop(self, host: Any) -> np.ndarray | None:
+        """The host's spare block, if its sidecar is the one that leased it."""
+        found = self._blocks.pop(host.index, None)
+        if found is None or found[0] != host.connection.session.generation:
+            return None
+        return found[1]
+
+    def after(self, snaps: Any, planned: Planned) -> Any:
+        """What the committer runs once `planned` committed: a spare for every host."""
+        return lambda: self.fill(snaps, planned)
+
+    def fill(self, snaps: Any, planned: Planned) -> None:
+        for h, pieces in planned.pieces.items():
+            host = snaps.cluster.hosts[h]
+            if not pieces or not host.connection.blocks.mapped or h in self._blocks:
+                continue
+            generation, size = host.connection.session.generation, packed_offsets(pieces)[1]
+            try:
+                spec = [((size,), np.dtype(np.uint8))]
+                (block,) = host.connection.blocks.empty(spec, pool=snaps.pool, timeout=0.0)
+            except Exception:  # noqa: BLE001 - no room (or the host is lost): the take allocates
+                continue
+            self._blocks[h] = (generation, block)
+
+    def sizes(self) -> dict[int, int]:
+        """host -> bytes of its spare block."""
+        return {h: block.nbytes for h, (_, block) in self._blocks.items()}
+
+    def clear(self, cluster: Any) -> None:
+        """Every spare back to its pool now."""
+        hosts = [cluster.hosts[h] for h in self._blocks]
+        self._blocks.clear()
+        for host in hosts:
+            host.connection.releases.reclaimer.flush()

@@ -9,6 +9,7 @@ host's pool is skipped with a warning naming the sizes, before any block is take
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 import warnings
@@ -231,28 +232,39 @@ def skip(reason: str) -> bool:
 
 
 def _on_host(pieces: list[save.Piece]) -> list[np.ndarray]:
-    """Each piece's data in host memory (all device-to-host copies started first)."""
-    for piece in pieces:
-        if isinstance(piece.source, jax.Array):
-            piece.source.copy_to_host_async()
+    """Each piece's data in host memory (all device-to-host copies started first, unless the
+    devices are the host's CPU: their buffers are host memory already)."""
+    on_devices = [p.source for p in pieces if isinstance(p.source, jax.Array)]
+    if on_devices and next(iter(on_devices[0].devices())).platform != "cpu":  # a host's devices are one kind
+        for source in on_devices:
+            source.copy_to_host_async()
     return [np.asarray(piece.source)[piece.local] for piece in pieces]
 
 
 ALIGN = 64  # bytes: where each piece starts in its host's block
 
 
-def place(host: Any, pieces: list[save.Piece], pool: str, copiers: Executor | None) -> Placed:
-    """`pieces` copied into one new block of `host`'s arena pool (one Allocate, no waiting: a
-    full pool raises ArenaFullError), each at its offset; the block stays the controller's
-    until handed on (`hand`)."""
-    sources = _on_host(pieces)
+def packed_offsets(pieces: list[save.Piece]) -> tuple[list[int], int]:
+    """Where each piece starts in its host's block, and the block's size."""
     offsets, total = [], 0
     for piece in pieces:
         offsets.append(total)
         total += -(-piece.nbytes // ALIGN) * ALIGN
+    return offsets, total
+
+
+def place(
+    host: Any, pieces: list[save.Piece], pool: str, copiers: Executor | None, block: np.ndarray | None = None
+) -> Placed:
+    """`pieces` copied into `block` (an empty one of their packed size) or one new block of
+    `host`'s arena pool (one Allocate, no waiting: a full pool raises ArenaFullError), each
+    at its offset; the block stays the controller's until handed on (`hand`)."""
+    sources = _on_host(pieces)
+    offsets, total = packed_offsets(pieces)
     if not pieces:
         return Placed(None, [])
-    (block,) = host.connection.blocks.empty([((total,), np.dtype(np.uint8))], pool=pool, timeout=0.0)
+    if block is None or block.nbytes != total:
+        (block,) = host.connection.blocks.empty([((total,), np.dtype(np.uint8))], pool=pool, timeout=0.0)
     views = [
         block[o : o + p.nbytes].view(p.dtype).reshape(p.shape) for p, o in zip(pieces, offsets, strict=True)
     ]
@@ -301,14 +313,17 @@ def send(
     return sum(p.nbytes for p in pieces)
 
 
-def on_each(pool: Executor, fn: Callable[[int], Any], hosts: Iterable[int]) -> tuple[dict[int, Any], dict]:
-    """`fn(h)` for every host at once on `pool`: (the results, the ArenaFullError of each host
-    whose pool was full). Every call ended before this returns; any other error is raised."""
-    futures = {h: pool.submit(fn, h) for h in hosts}
+def on_each(
+    pool: Executor | None, fn: Callable[[int], Any], hosts: Iterable[int]
+) -> tuple[dict[int, Any], dict]:
+    """`fn(h)` for every host at once on `pool` (None: one after the other in this thread):
+    (the results, the ArenaFullError of each host whose pool was full). Every call ended
+    before this returns; any other error is raised."""
+    calls = {h: pool.submit(fn, h).result if pool else functools.partial(fn, h) for h in hosts}
     results, full, error = {}, {}, None
-    for h, future in futures.items():
+    for h, call in calls.items():
         try:
-            results[h] = future.result()
+            results[h] = call()
         except ArenaFullError as e:
             full[h] = e
         except BaseException as e:

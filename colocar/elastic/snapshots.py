@@ -120,6 +120,7 @@ class Snapshots:
         self._generations: dict[int, int] = {}  # of each host's sidecar when its keeper was opened
         self._capacity: dict[int, dict[str, int]] = {}  # each host's pool size, nothing used
         self._layouts: dict[Any, Any] = {}  # `snap_take.plan`'s cache
+        self._spares = snap_handoff.Spares()  # the next take's blocks
         self._open(hosts)
         self._committed = snap_restore.recoverable(snap_restore.survey(self._keepers, hosts))
         snap_save._OPEN.add(self)
@@ -186,7 +187,8 @@ class Snapshots:
                 placed = snap_handoff.place(self, planned) if reason is None and self._trusted() else None
                 if placed is not None:
                     hand_off = functools.partial(snap_handoff.hand_off, self, planned, placed)
-                    self._committer.track(step, hosts, planned.record, hand_off)
+                    then = self._spares.after(self, planned)
+                    self._committer.track(step, hosts, planned.record, hand_off, then)
                 elif reason is None:
                     reason = snap_handoff.take_waiting(self, planned)
             except BaseException:  # a host lost (or an interrupt): no part of this step stays
@@ -314,7 +316,12 @@ class Snapshots:
                 "seconds": last.seconds,
                 "bytes": sum(s.get("replicated_bytes", 0) for s in last.statuses.values()),
             }
-        return {**self._stats, "committed": list(self._committed), "replication": replication}
+        return {
+            **self._stats,
+            "committed": list(self._committed),
+            "replication": replication,
+            "spare_bytes": self._spares.sizes(),
+        }
 
     def close(self) -> None:
         """Waits for the last replication, then deletes the keepers (freeing every block)."""
@@ -326,6 +333,7 @@ class Snapshots:
             self._committer.wait(None)
         finally:
             self._committer.close()
+            self._spares.clear(self.cluster)
             for handle in self._keepers.values():
                 try:
                     handle.close()
