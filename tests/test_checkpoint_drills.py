@@ -136,8 +136,6 @@ def _drill(
     sidecars = make_cluster(hosts=2, arena_size=32 * MiB, persist=True, env=env or {})
     restarts = make_cluster(hosts=2, arena_size=32 * MiB, env=env or {}) if elsewhere else sidecars
     restarts.make_current()
-    if elsewhere:  # so that the restart saves at once: not seconds later, the dead writers done
-        _import_tensorstore.on(restarts.hosts)()
     savers: dict[int, set[int]] = defaultdict(set)  # step -> generations that started saving it
     counts: Counter = Counter()
     refused: set = set()  # the dead trainers' jobs the lease check refused (elsewhere)
@@ -209,11 +207,6 @@ def _sidecar_drill(make_cluster, url: str, seed: int, trials: int, env: dict | N
 
 
 @colocar.colocated
-def _import_tensorstore() -> None:
-    import tensorstore  # noqa: F401
-
-
-@colocar.colocated
 def _writer_jobs(url: str) -> list[tuple[str, int, bool, str]]:
     """(owner, step, ended, error) of every job of this sidecar's checkpoint writers of `url`."""
     from colocar.checkpoint import fencing, writer_backend
@@ -272,8 +265,8 @@ def _save_next(
     """Saves the step after `latest`, as the restarted trainer; returns it. Taking the lease
     fences the dead trainer's writers; ones that committed steps just before are no error of
     the drill (the save says so): the restart then saves the next step. The dead trainer may
-    have had two saves queued, and the restart's restore of `latest` can take seconds (its
-    sidecars' first tensorstore import): both may have committed meanwhile."""
+    have had two saves queued, and the restart's restore of `latest` can take seconds on a busy
+    machine: both may have committed meanwhile."""
     step = (latest or 0) + 1
     while True:
         savers[step].add(generation)

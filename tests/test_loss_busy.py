@@ -1,8 +1,8 @@
 """A sidecar whose Python is busy holding its GIL is not a lost host; a stopped or hung one is.
 
-A long C call that keeps the GIL (here libc's `sleep` through `ctypes.PyDLL`; in production the
-sidecar's first tensorstore import, a second or more on a busy machine) stops every Python
-thread of the sidecar, its keepalive answers included. The session then probes the process
+A long C call that keeps the GIL (here libc's `sleep` through `ctypes.PyDLL`; in production a
+shipped function's C extension, or the first import of one, a second or more on a busy machine)
+stops every Python thread of the sidecar, its keepalive answers included. The session then probes the process
 with a new connection, which gRPC's core answers without the GIL: it passes, and the host is
 waited for. A SIGSTOPped sidecar fails the probe and is lost as before; one silent for
 `hung_seconds` though it accepts connections is taken for hung.

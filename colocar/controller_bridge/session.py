@@ -6,7 +6,7 @@ renews it; it reconnects after a sidecar restart (a new `generation`: remote obj
 ones are gone) and marks the host lost when the sidecar stops answering.
 
 An unanswered keepalive alone does not make a host lost: a sidecar's Python can be busy for
-seconds in a call that holds the GIL (its first tensorstore import), and a false loss starts
+seconds in a call that holds the GIL (a C extension's, or its first import), and a false loss starts
 an elastic recovery on a healthy host. The session then probes the process with a new
 connection, which gRPC's core completes without the GIL (`accepts_connections`): a stopped,
 dead or cut-off sidecar fails it and is lost at once, a busy one passes and is waited for,

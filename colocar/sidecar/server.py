@@ -42,6 +42,7 @@ from . import auth, cancels, lifeline, logs  # noqa: E402
 from .blocks import SidecarArena  # noqa: E402
 from .grpc_servicer import GrpcServicer  # noqa: E402
 from .link_server import LinkServer  # noqa: E402
+from .preload import Preload  # noqa: E402
 from .service import ServiceConfig, SidecarService  # noqa: E402
 from .workers import WorkerPool  # noqa: E402
 
@@ -355,6 +356,7 @@ def serve(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.ready_fd is not None:  # for us alone: no child process (the forkserver) inherits it
         os.set_inheritable(args.ready_fd, False)
+    preload = Preload()  # overlaps the start-up; joined before anything serves
     _configure_logging(args.label)
     stop, why = _stop_event(args.parent_pid, args.stop_signal)  # before the workers: they inherit it
     token, credentials = _security(args)
@@ -367,6 +369,8 @@ def serve(argv: list[str] | None = None) -> int:
     service, workers = _start_service(args, arena)
     if metrics is not None:
         metrics.attach(service)
+    for name, why_not in preload.wait().items():  # its first use raises the error itself
+        log.warning("cannot import %s at start: %s", name, why_not)
     link = _start_link(service, arena.arena.path, token)
     server, health_servicer, bound = _start_grpc(args, service, token, credentials, arena)
     _announce(args, bound, arena, metrics)

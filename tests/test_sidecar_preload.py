@@ -1,0 +1,76 @@
+"""A sidecar imports tensorstore before it serves (`colocar.sidecar.preload`): its first import
+holds the sidecar's GIL for a second or more, and taken by a first save or restore it stalled
+every keepalive and call in flight on that sidecar. Now nothing that serves ever waits on it.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import colocar
+from colocar.checkpoint import CheckpointManager
+
+MiB = 1 << 20
+
+
+@colocar.colocated
+def _loaded() -> list[str]:
+    import sys
+
+    return sorted(m for m in ("tensorstore", "ml_dtypes", "jax", "grain") if m in sys.modules)
+
+
+@colocar.colocated
+def _ping(i: int) -> int:
+    return i
+
+
+def test_a_fresh_sidecar_serves_with_tensorstore_imported_and_no_jax(make_cluster):
+    """The first call a new sidecar answers finds tensorstore (and ml_dtypes, the costly part
+    of its import) already loaded: the import ended before the server took any call. JAX and
+    grain still come only with shipped code that uses them."""
+    c = make_cluster(hosts=2, processes=0)
+    assert _loaded.on(c.hosts)() == [["ml_dtypes", "tensorstore"]] * 2
+
+
+def test_calls_and_keepalives_go_on_through_a_first_save_and_restore(make_cluster, tmp_path):
+    """Fresh sidecars with the suite's quick keepalives (a 0.5 s heartbeat, a 2 s lease): while
+    their first checkpoint save and restore run, calls made to them meanwhile all return and no
+    keepalive goes unanswered (a sidecar busy holding its GIL would count a busy spell)."""
+    c = make_cluster(hosts=2, processes=0, arena_size=32 * MiB).make_current()
+    value = np.arange(64 * 256, dtype=np.float32).reshape(64, 256)
+    x = jax.device_put(value, NamedSharding(c.mesh(("d",)), P("d")))
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def save_and_restore() -> None:
+        try:
+            m = CheckpointManager(str(tmp_path / "ckpt"), c)
+            try:
+                m.save(1, {"x": x})
+                m.wait()
+                restored = m.restore(1)
+                np.testing.assert_array_equal(np.asarray(restored["x"]), value)
+            finally:
+                m.close()
+        except BaseException as e:  # noqa: BLE001 - raised by the test below
+            errors.append(e)
+        finally:
+            done.set()
+
+    worker = threading.Thread(target=save_and_restore)
+    worker.start()
+    answered = 0
+    while answered == 0 or not done.wait(0.01):
+        assert _ping.on(c.hosts)(answered) == [answered, answered]
+        answered += 1
+    worker.join()
+    assert not errors, errors
+    for host in c.hosts:
+        assert host.connection.session.lost is None
+        assert host.connection.session.busy_spells == 0, host.name
