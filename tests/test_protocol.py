@@ -60,3 +60,30 @@ def test_unpicklable_argument_is_named() -> None:
 
     with pytest.raises(serialization.SerializationError, match="argument 1"):
         serialization.dumps(((1, threading.Lock()), {}), what="the arguments of f")
+
+
+def test_plain_values_take_the_fast_paths_and_round_trip() -> None:
+    """Builtins without arrays are pickled by one C call (the same bytes as the stdlib's) and
+    unpickled without a persistent-id hook unless the pickle could hold a reference; values with
+    arrays, bytes holding the opcode letters, memoryviews and spilled pickles still round-trip."""
+    import pickle
+
+    sent: list[np.ndarray] = []
+
+    def sink(array: np.ndarray) -> int:
+        sent.append(array)
+        return len(sent) - 1
+
+    plain = ((1, 2.5, "PQ", b"QP", None, True), {"k": [1, {"n": 2}]})
+    data = serialization.dumps(plain, sink)
+    assert data == pickle.dumps(plain, protocol=pickle.HIGHEST_PROTOCOL) and not sent
+    assert serialization.loads(data) == plain and serialization.loads(memoryview(data)) == plain
+    big = np.arange(serialization.ARRAY_THRESHOLD, dtype=np.uint8)
+    data = serialization.dumps(((big, 3), {}), sink)
+    assert len(sent) == 1 and len(data) < 1000
+    (array, three), _ = serialization.loads(data, lambda i, shape, dtype: sent[i].reshape(shape).view(dtype))
+    assert three == 3 and np.array_equal(array, big)
+    large = b"x" * (serialization.PICKLE_THRESHOLD + 1)
+    data = serialization.dumps(((large,), {}), sink)
+    assert len(sent) == 2 and len(data) < 1000
+    assert serialization.loads(data, lambda i, shape, dtype: sent[i]) == ((large,), {})

@@ -87,17 +87,27 @@ _NONE = pickle.dumps(None, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _is_plain(obj: Any, budget: list[int]) -> bool:
-    """Builtin data and numpy arrays only: the stdlib pickler handles these, fast and by value."""
+    """Builtin data and numpy arrays only: the stdlib pickler handles these, fast and by value.
+    `budget` is [nodes left, arrays seen]: a value without arrays needs no `persistent_id`."""
     budget[0] -= 1
     if budget[0] < 0:
         return False
     kind = type(obj)
-    if kind in _PLAIN_SCALARS or kind is np.ndarray:
-        return kind is not np.ndarray or not obj.dtype.hasobject
+    if kind in _PLAIN_SCALARS:
+        return True
+    if kind is np.ndarray:
+        budget[1] += 1
+        return not obj.dtype.hasobject
     if kind is tuple or kind is list:
-        return all(_is_plain(item, budget) for item in obj)
+        for item in obj:
+            if not _is_plain(item, budget):
+                return False
+        return True
     if kind is dict:
-        return all(type(k) in _PLAIN_SCALARS and _is_plain(v, budget) for k, v in obj.items())
+        for k, v in obj.items():
+            if type(k) not in _PLAIN_SCALARS or not _is_plain(v, budget):
+                return False
+        return True
     return False
 
 
@@ -109,10 +119,18 @@ def dumps(obj: Any, sink: ArraySink | None = None, what: str = "value") -> bytes
     """
     if obj is None:
         return _NONE
+    budget = [_PLAIN_LIMIT, 0]
+    plain = _is_plain(obj, budget)
+    if plain and not budget[1]:  # builtins only (most calls' arguments): one C call
+        try:
+            data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as e:
+            raise SerializationError(f"cannot pickle {what}: {_describe_unpicklable(obj, e)}") from e
+        return data if sink is None or len(data) <= PICKLE_THRESHOLD else _spilled(data, sink)
     buffer = io.BytesIO()
     guarded = None if sink is None else _guarded(sink)
     try:
-        if _is_plain(obj, [_PLAIN_LIMIT]):
+        if plain:
             pickler = pickle.Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL)
             pickler.persistent_id = _array_refs(guarded)  # type: ignore[method-assign]
         else:
@@ -130,6 +148,14 @@ def dumps(obj: Any, sink: ArraySink | None = None, what: str = "value") -> bytes
 
 
 _SPILLED = object()  # stands for a pickle that went to the sink
+
+
+def _spilled(data: bytes, sink: ArraySink) -> bytes:
+    """`_spill`, the sink's own error (a full arena) raised as it is."""
+    try:
+        return _spill(data, _guarded(sink))
+    except _SinkError as e:
+        raise e.error from None
 
 
 def _spill(data: bytes, sink: ArraySink) -> bytes:
@@ -163,6 +189,8 @@ def _guarded(sink: ArraySink) -> ArraySink:
 
 def loads(data: bytes | memoryview, source: ArraySource | None = None) -> Any:
     """Inverse of `dumps`; array references are resolved through `source`."""
+    if type(data) is bytes and b"Q" not in data and b"P" not in data:
+        return pickle.loads(data)  # no persistent-id opcode (BINPERSID, PERSID) can be in it
     unpickler = pickle.Unpickler(io.BytesIO(data))
 
     def persistent_load(pid: Any) -> Any:

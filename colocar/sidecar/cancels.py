@@ -16,7 +16,7 @@ import contextlib
 import contextvars
 import functools
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from colocar.protocol import colocar_pb2 as pb
@@ -32,16 +32,12 @@ class CallCancelledError(RuntimeError):
 
 
 class CancelToken:
-    """Set once the call's controller cancelled it."""
+    """Set once the call's controller cancelled it (a plain flag: a call pays for no Event)."""
 
-    __slots__ = ("event",)
+    __slots__ = ("cancelled",)
 
     def __init__(self) -> None:
-        self.event = threading.Event()
-
-    @property
-    def cancelled(self) -> bool:
-        return self.event.is_set()
+        self.cancelled = False
 
 
 _current: contextvars.ContextVar[CancelToken | None] = contextvars.ContextVar("colocar_cancel", default=None)
@@ -61,26 +57,24 @@ class CallRegistry:
         self._abandoned = 0
         self._lock = threading.Lock()
 
-    @contextlib.contextmanager
-    def track(self, session_id: str, call_id: int) -> Iterator[CancelToken]:
-        """Registers the call while it runs; its token is already set if it was cancelled early."""
-        token = CancelToken()
-        key = (session_id, call_id)
+    def track(self, session_id: str, call_id: int) -> _Tracked:
+        """Registers the call while it runs (`with registry.track(...) as token:`); its token
+        is already set if it was cancelled early."""
+        return _Tracked(self, (session_id, call_id))
+
+    def _begin(self, key: tuple[str, int], token: CancelToken) -> None:
         with self._lock:
-            if call_id and self._early.pop(key, 0) is None:
-                token.event.set()
-            elif call_id:
+            if key[1] and self._early.pop(key, 0) is None:
+                token.cancelled = True
+            elif key[1]:
                 self._running[key] = token
-        reset = _current.set(token)
-        try:
-            yield token
-        finally:
-            _current.reset(reset)
-            with self._lock:
-                if self._running.get(key) is token:
-                    del self._running[key]
-                    if token.cancelled:
-                        self._abandoned -= 1
+
+    def _end(self, key: tuple[str, int], token: CancelToken) -> None:
+        with self._lock:
+            if self._running.get(key) is token:
+                del self._running[key]
+                if token.cancelled:
+                    self._abandoned -= 1
 
     def cancel(self, session_id: str, call_ids: list[int]) -> None:
         with self._lock:
@@ -92,12 +86,30 @@ class CallRegistry:
                     while len(self._early) > EARLY_CANCELS:
                         self._early.popitem(last=False)
                 elif not token.cancelled:
-                    token.event.set()
+                    token.cancelled = True
                     self._abandoned += 1
 
     def abandoned(self) -> int:
         """Cancelled calls still running (threads, which cannot be stopped)."""
         return self._abandoned
+
+
+class _Tracked:
+    """A call's registration while it runs (a class, not a generator: it is on every call)."""
+
+    __slots__ = ("_registry", "_key", "_token", "_reset")
+
+    def __init__(self, registry: CallRegistry, key: tuple[str, int]):
+        self._registry, self._key, self._token = registry, key, CancelToken()
+
+    def __enter__(self) -> CancelToken:
+        self._registry._begin(self._key, self._token)
+        self._reset = _current.set(self._token)
+        return self._token
+
+    def __exit__(self, *exc: Any) -> None:
+        _current.reset(self._reset)
+        self._registry._end(self._key, self._token)
 
 
 def cancellable(handler: Callable[[Any, pb.CallRequest], pb.CallReply]) -> Callable[..., pb.CallReply]:
