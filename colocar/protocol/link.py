@@ -52,6 +52,7 @@ METHODS: dict[str, tuple[Any, Any]] = {
     for name in _SERVED
 }  # method -> (request type, reply type)
 LENGTH = struct.Struct("!I")
+READ_BYTES = 64 << 10  # what a serving end reads at once: most requests, whole
 
 
 class LinkClosed(ConnectionError):
@@ -75,6 +76,43 @@ def recv_frame(sock: socket.socket, limit: int = MAX_FRAME) -> bytes:
     if length > limit:
         raise LinkClosed(f"frame of {length} bytes exceeds {limit}")
     return _recv_exactly(sock, length)
+
+
+class FrameReader:
+    """A connection's frames, read in as few `recv`s as they allow (a small request comes in
+    one, header and all); bytes past a frame are kept for the next. For the serving end,
+    whose reads no interrupt cuts short."""
+
+    __slots__ = ("_sock", "_rest")
+
+    def __init__(self, sock: socket.socket):
+        self._sock = sock
+        self._rest = b""
+
+    def frame(self, limit: int = MAX_FRAME) -> bytes:
+        """As `recv_frame`: a frame over `limit` bytes closes the link before its body is read."""
+        data = self._rest
+        while len(data) < 4:
+            data += self._more(READ_BYTES)
+        (length,) = LENGTH.unpack_from(data)
+        if length > limit:
+            raise LinkClosed(f"frame of {length} bytes exceeds {limit}")
+        end = 4 + length
+        if len(data) < end:
+            chunks, have = [data], len(data)
+            while have < end:
+                chunk = self._more(min(end - have, 1 << 20))
+                chunks.append(chunk)
+                have += len(chunk)
+            data = b"".join(chunks)
+        self._rest = data[end:]
+        return data[4:end]
+
+    def _more(self, n: int) -> bytes:
+        chunk = self._sock.recv(n)
+        if not chunk:
+            raise LinkClosed("link closed by peer")
+        return chunk
 
 
 def send_request(sock: socket.socket, method: str, message: bytes) -> None:

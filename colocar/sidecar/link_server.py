@@ -52,7 +52,7 @@ class LinkServer:
         self._unproven: collections.OrderedDict[socket.socket, None] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._closed = False
-        self._busy = 0
+        self._serving: set[socket.socket] = set()  # connections running a call (set.add: no lock)
         threading.Thread(target=self._accept, name="colocar-link-accept", daemon=True).start()
 
     def _accept(self) -> None:
@@ -69,11 +69,11 @@ class LinkServer:
                 self._unproven[conn] = None
             threading.Thread(target=self._serve, args=(conn,), name="colocar-link", daemon=True).start()
 
-    def _hello(self, conn: socket.socket) -> bool:
+    def _hello(self, conn: socket.socket, reader: link.FrameReader) -> bool:
         """Reads the hello within `HELLO_SECONDS`; True once the connection proved the token
         and counts as proven (False: it was answered, or dropped, and must be closed)."""
         conn.settimeout(HELLO_SECONDS)
-        method, token = link.parse_request(link.recv_frame(conn, link.MAX_HELLO))
+        method, token = link.parse_request(reader.frame(link.MAX_HELLO))
         if method != link.HELLO or not hmac.compare_digest(token, self._token.encode()):
             link.send_reply(conn, Status.UNAUTHENTICATED, b"missing or wrong colocar token")
             return False
@@ -89,18 +89,18 @@ class LinkServer:
 
     def _serve(self, conn: socket.socket) -> None:
         try:
-            if not self._hello(conn):
+            reader = link.FrameReader(conn)
+            if not self._hello(conn, reader):
                 return
+            serving = self._serving
             while True:
-                method, body = link.parse_request(link.recv_frame(conn, MAX_REQUEST_FRAME))
-                with self._lock:
-                    self._busy += 1
+                method, body = link.parse_request(reader.frame(MAX_REQUEST_FRAME))
+                serving.add(conn)
                 try:
                     status, reply = self._handle(method, body)
                     link.send_reply(conn, status, reply)
                 finally:
-                    with self._lock:
-                        self._busy -= 1
+                    serving.discard(conn)
         except (link.LinkClosed, OSError):  # TimeoutError (a late hello) included
             pass
         finally:
@@ -128,9 +128,9 @@ class LinkServer:
     def drain(self, timeout: float) -> bool:
         """Waits until no link call is running (after `close`); True if none is left."""
         deadline = time.monotonic() + timeout
-        while self._busy and time.monotonic() < deadline:
+        while self._serving and time.monotonic() < deadline:
             time.sleep(0.05)
-        return not self._busy
+        return not self._serving
 
     def close(self) -> None:
         """Stops accepting connections. Open ones keep serving (keepalives are answered while
