@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 import grpc
@@ -27,6 +26,7 @@ from colocar.protocol.tokens import TOKEN_METADATA_KEY
 from colocar.shm import ArenaFullError
 
 from .link_client import LinkClient, LinkGone
+from .link_pool import LinkJob, LinkPool
 from .sigint import sigint_held
 
 MiB = 1 << 20
@@ -246,7 +246,7 @@ class LinkTransport:
         self.link: LinkClient | None = None
         self._name = name
         self._discard = discard
-        self._executor: ThreadPoolExecutor | None = None
+        self._pool: LinkPool | None = None
         self._lock = threading.Lock()
 
     def attach(self, link: LinkClient | None) -> None:
@@ -284,33 +284,22 @@ class LinkTransport:
         if self.link is None or method not in LINK_METHODS:
             self.grpc.call_async(method, request, timeout, done, unsent)
             return
-        future = self._threads().submit(self.call, method, request, timeout, unsent)
+        job = LinkJob(lambda: self.call(method, request, timeout, unsent), done)  # done: a
+        self._threads().submit(job)  # TransportError, or CancelledError at close
 
-        def finished(f: Any) -> None:
-            try:
-                reply = f.result()
-            except BaseException as e:  # a TransportError, or cancelled at close
-                done(None, e)
-            else:
-                done(reply, None)
-
-        future.add_done_callback(finished)
-
-    def _threads(self) -> ThreadPoolExecutor:
-        executor = self._executor
-        if executor is not None:
-            return executor
+    def _threads(self) -> LinkPool:
+        pool = self._pool
+        if pool is not None:
+            return pool
         with self._lock:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(
-                    max_workers=LINK_THREADS, thread_name_prefix=f"colocar-link-{self._name}"
-                )
-            return self._executor
+            if self._pool is None:
+                self._pool = LinkPool(LINK_THREADS, self._name)
+            return self._pool
 
     def close(self) -> None:
         """Cancels the futures not started yet and closes the link (not the gRPC channel); a
         call after this fails as UNAVAILABLE."""
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._pool is not None:
+            self._pool.close()
         if self.link is not None:
             self.link.close()
