@@ -203,7 +203,18 @@ def _check_firstbatch(r: dict) -> None:
     _assert_ratio(r, "peak_rss_ratio", "colocar_peak_rss_mib", "grain_peak_rss_mib", (3, 1, 1))
 
 
+def _check_rpc(r: dict) -> None:
+    """The control-path goals (issue 34): each ratio is its p50 over the socket's, against its
+    goal, and the verdict follows from the two."""
+    for name, p50, goal in (("socket", "p50_us", 4.0), ("future_socket", "future_p50_us", 6.0)):
+        assert r[f"{name}_ratio"] == round(r[p50] / r["socket_p50_us"], 2), (name, r)
+        assert r[f"{name}_ratio_goal"] == goal
+        assert r[f"{name}_goal_met"] is (r[f"{name}_ratio"] <= goal), (name, r)
+    assert r["future_p50_us"] >= r["socket_p50_us"] and r["p50_us"] >= r["socket_p50_us"], r
+
+
 CHECKS = {
+    "rpc": _check_rpc,
     "transfer": _check_transfer,
     "recovery": _check_recovery,
     "ckpt": _check_ckpt,

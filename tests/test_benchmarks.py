@@ -74,7 +74,16 @@ REQUIRED = {
         "grain_peak_rss_mib",
         "peak_rss_ratio",
     ),
-    "rpc": ("p50_us", "p99_us", "grpc_echo_p50_us", "ratio", "socket_p50_us"),
+    "rpc": (
+        "p50_us",
+        "p99_us",
+        "grpc_echo_p50_us",
+        "ratio",
+        "socket_p50_us",
+        "future_p50_us",
+        "socket_ratio",
+        "future_socket_ratio",
+    ),
     "transfer": ("gbps", "memcpy_gbps", "ratio", "view_ms", "device_put_ms"),
     "loader": (
         "transfer_ratio",
@@ -182,6 +191,8 @@ def test_bench_runs_from_an_installed_wheel(tmp_path) -> None:
     assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["quick"] is True and all(result[key] > 0 for key in REQUIRED["rpc"]), result
+    assert_documented("rpc", result)
+    CHECKS["rpc"](result)
 
 
 def test_the_benchmarks_restore_checks_catch_a_wrong_restore() -> None:

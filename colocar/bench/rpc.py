@@ -8,6 +8,11 @@ round's percentile. The peers run in separate processes, like the sidecar:
   handler returns the request; no (de)serializers on either side (bytes in, bytes out).
 * `socket`: a TCP ping-pong (TCP_NODELAY) of a small message; the floor for any loopback RPC.
 
+Goals (issue 34): a call's p50 within 4x the socket's (`socket_ratio`, `p50_us` /
+`socket_p50_us`, against `socket_ratio_goal`) and `submit().result()` within 6x
+(`future_socket_ratio`, `future_p50_us` / `socket_p50_us`, against `future_socket_ratio_goal`);
+`socket_goal_met` and `future_socket_goal_met` say whether this run met them.
+
 `python -m colocar.bench.rpc grpc-server|socket-server` runs a peer (it prints its port).
 """
 
@@ -25,6 +30,8 @@ from typing import Any
 from colocar.bench import child_env
 
 PAYLOAD = b"x" * 64
+SOCKET_RATIO_GOAL = 4.0  # a call's p50 over the socket ping-pong's
+FUTURE_SOCKET_RATIO_GOAL = 6.0  # submit().result()'s p50 over the socket ping-pong's
 METHOD = "/colocar.bench.Echo/Echo"
 
 
@@ -185,6 +192,13 @@ def _summary(
     }
     result["ratio"] = round(result["p50_us"] / result["grpc_echo_p50_us"], 3)
     result["grpc_path_ratio"] = round(result["grpc_path_p50_us"] / result["grpc_echo_p50_us"], 3)
+    for name, key, goal in (
+        ("socket", "p50_us", SOCKET_RATIO_GOAL),
+        ("future_socket", "future_p50_us", FUTURE_SOCKET_RATIO_GOAL),
+    ):
+        result[f"{name}_ratio"] = round(result[key] / result["socket_p50_us"], 2)
+        result[f"{name}_ratio_goal"] = goal
+        result[f"{name}_goal_met"] = result[f"{name}_ratio"] <= goal
     result["p50_us_per_round"] = [round(p[0], 1) for p in per_round["colocar"]]
     result["grpc_echo_p50_us_per_round"] = [round(p[0], 1) for p in per_round["grpc_echo"]]
     return result
