@@ -65,22 +65,13 @@ def test_hung_sidecar_raises_host_lost():
 def test_a_killed_controller_gets_its_lent_slots_freed_and_workers_stopped(make_cluster):
     """A training process killed while it holds batches (slots lent over its feed) never gives
     them back; its sidecar frees them all and stops the pipeline's workers anyway."""
-    import subprocess
-    import sys
-
     import psutil
 
     sidecars = make_cluster(hosts=1, persist=True)
     host = sidecars.hosts[0]
     used = lambda: host.stats()["pools"]["default"]["used"]  # noqa: E731
     baseline = used()
-    controller = subprocess.Popen(
-        [sys.executable, program("loaders_holding_controller"), host.address, sidecars.token_file],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    controller = _holding_controller(sidecars)
     try:
         line = controller.stdout.readline()
         assert line.strip(), controller.stderr.read()[-3000:]
@@ -89,6 +80,47 @@ def test_a_killed_controller_gets_its_lent_slots_freed_and_workers_stopped(make_
         controller.kill()
         controller.wait(timeout=30)
         wait_for(lambda: used() == baseline, "the dead controller's slots to be freed")
+        wait_for(lambda: not any(psutil.pid_exists(pid) for pid in workers), "its workers to stop")
+    finally:
+        if controller.poll() is None:
+            controller.kill()
+            controller.wait(timeout=30)
+
+
+def _holding_controller(sidecars, *extra: str):
+    import subprocess
+    import sys
+
+    host = sidecars.hosts[0]
+    return subprocess.Popen(
+        [sys.executable, program("loaders_holding_controller"), host.address, sidecars.token_file, *extra],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_a_script_ending_in_an_error_with_an_open_iterator_exits(make_cluster):
+    """An uncaught error with the iterator still open: the interpreter's shutdown closes it
+    without waiting on the link's threads, which no longer run then (it hung there for good)."""
+    import subprocess
+
+    import psutil
+
+    sidecars = make_cluster(hosts=1, persist=True)
+    host = sidecars.hosts[0]
+    used = lambda: host.stats()["pools"]["default"]["used"]  # noqa: E731
+    baseline = used()
+    controller = _holding_controller(sidecars, "raise")
+    try:
+        workers = [int(pid) for pid in controller.stdout.readline().split()]
+        try:
+            _, err = controller.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the controller hung at interpreter shutdown with its iterator open")
+        assert controller.returncode == 1 and "a bug in the training loop" in err, err[-3000:]
+        wait_for(lambda: used() == baseline, "the ended controller's slots to be freed")
         wait_for(lambda: not any(psutil.pid_exists(pid) for pid in workers), "its workers to stop")
     finally:
         if controller.poll() is None:

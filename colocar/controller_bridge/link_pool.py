@@ -10,6 +10,7 @@ nothing: the thread that `submit` woke still contends for the GIL.)
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import CancelledError
@@ -58,6 +59,10 @@ class LinkPool:
         self._closed = False
 
     def submit(self, job: LinkJob) -> None:
+        """Hands `job` to a thread. Refused at the interpreter's shutdown (a finalizer's call):
+        daemon threads no longer run then, so the job would never end and its waiter hang."""
+        if sys.is_finalizing():
+            raise RuntimeError("cannot schedule new futures after interpreter shutdown")
         with self._lock:
             if self._closed:
                 raise RuntimeError("cannot schedule new futures after shutdown")

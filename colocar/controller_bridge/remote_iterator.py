@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -112,6 +113,8 @@ class RemoteIterator:
         _stop_stream(self._conn, self._requests, self._replies, self._responses, timeout, self._finished)
 
     def __del__(self) -> None:
+        if sys.is_finalizing():  # no thread starts now; the session's end stops the stream
+            return
         if not getattr(self, "_closed", True):  # dropped without close(): stop it, do not block
             self._closed = True
             args = (self._conn, self._requests, self._replies, self._responses, 10.0, self._finished)

@@ -24,6 +24,7 @@ pipelines again at the same batch, so the stream of batches stays exact.
 
 from __future__ import annotations
 
+import sys
 import time
 import warnings
 from typing import Any
@@ -350,6 +351,8 @@ class DataIterator:
         self.close()
 
     def __del__(self) -> None:
+        if sys.is_finalizing():  # no call can end now; the session's end frees the workers
+            return
         try:
             self._close_remote()
         except Exception:

@@ -1,7 +1,10 @@
 """A training process that holds two batches (two slots lent to it over its feed), says where
 its pipeline's workers are, and waits to be killed.
 
-Run by test_loaders_failures.py; argv: its sidecar's address, the token file.
+Run by test_loaders_failures.py; argv: its sidecar's address, the token file, and optionally
+"raise": then it prints the same line and ends in an uncaught error instead, from a function
+whose frame holds the open iterator (as a training loop's bug leaves it: the traceback keeps the
+frame until the interpreter's shutdown).
 """
 
 import os
@@ -21,8 +24,16 @@ config = {
     "prefetch": 3,
     "workers_per_host": 1,
 }
-it = loaders.load(config, cluster)
-held = [next(it), next(it)]
-assert it._fed, "the batches should come over a feed"
-print(*it._remote[0].worker_pids(), flush=True)
-sys.stdin.readline()
+
+
+def train() -> None:
+    it = loaders.load(config, cluster)
+    held = [next(it), next(it)]  # noqa: F841 - held
+    assert it._fed, "the batches should come over a feed"
+    print(*it._remote[0].worker_pids.submit().result(), flush=True)  # a link thread now idles
+    if sys.argv[3:] == ["raise"]:
+        raise RuntimeError("a bug in the training loop")
+    sys.stdin.readline()
+
+
+train()
