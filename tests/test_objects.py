@@ -73,7 +73,6 @@ def test_code_is_resent_when_the_sidecar_does_not_know_it(cluster):
 
 
 def test_sidecar_does_not_import_jax_until_shipped_code_does():
-    """(tensorstore it imports before it serves: tests/test_sidecar_preload.py)"""
     with colocar.local_cluster(hosts=1, arena_size=16 << 20, processes=0) as c:
 
         @colocar.colocated

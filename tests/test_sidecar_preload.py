@@ -1,6 +1,7 @@
-"""A sidecar imports tensorstore before it serves (`colocar.sidecar.preload`): its first import
-holds the sidecar's GIL for a second or more, and taken by a first save or restore it stalled
-every keepalive and call in flight on that sidecar. Now nothing that serves ever waits on it.
+"""tensorstore's first import holds a sidecar's GIL for a second or more; taken by a first save
+or restore it stalled every keepalive and call in flight on that sidecar. A checkpoint manager
+has its sidecars import it as it is made, and `--preload tensorstore` imports it before a
+sidecar serves (`colocar.sidecar.preload`); a sidecar that never checkpoints never pays for it.
 """
 
 from __future__ import annotations
@@ -30,19 +31,36 @@ def _ping(i: int) -> int:
     return i
 
 
-def test_a_fresh_sidecar_serves_with_tensorstore_imported_and_no_jax(make_cluster):
-    """The first call a new sidecar answers finds tensorstore (and ml_dtypes, the costly part
-    of its import) already loaded: the import ended before the server took any call. JAX and
-    grain still come only with shipped code that uses them."""
+def test_a_manager_has_its_sidecars_import_tensorstore_as_it_is_made(make_cluster, tmp_path):
+    """A fresh sidecar has imported neither tensorstore nor JAX; once a checkpoint manager is
+    made on the cluster, every sidecar has tensorstore (and ml_dtypes, the costly part), and
+    still no JAX or grain (they come only with shipped code that uses them)."""
     c = make_cluster(hosts=2, processes=0)
+    assert _loaded.on(c.hosts)() == [[], []]
+    CheckpointManager(str(tmp_path / "ckpt"), c).close()
     assert _loaded.on(c.hosts)() == [["ml_dtypes", "tensorstore"]] * 2
+
+
+def test_a_sidecar_started_with_preload_serves_with_the_module_imported(tmp_path):
+    """`colocar sidecar --preload tensorstore`: the first call it answers finds it loaded."""
+    from security_helpers import running_sidecar
+
+    with running_sidecar(tmp_path, "--preload", "tensorstore", "--processes", "0") as sidecar:
+        c = colocar.connect([sidecar.address])
+        try:
+            assert _loaded.on(c.hosts)() == [["ml_dtypes", "tensorstore"]]
+        finally:
+            c.close()
 
 
 def test_calls_and_keepalives_go_on_through_a_first_save_and_restore(make_cluster, tmp_path):
     """Fresh sidecars with the suite's quick keepalives (a 0.5 s heartbeat, a 2 s lease): while
     their first checkpoint save and restore run, calls made to them meanwhile all return and no
-    keepalive goes unanswered (a sidecar busy holding its GIL would count a busy spell)."""
+    keepalive goes unanswered (a sidecar busy holding its GIL would count a busy spell). The
+    manager was made before: its making imported tensorstore."""
     c = make_cluster(hosts=2, processes=0, arena_size=32 * MiB).make_current()
+    m = CheckpointManager(str(tmp_path / "ckpt"), c)
+    busy = [host.connection.session.busy_spells for host in c.hosts]
     value = np.arange(64 * 256, dtype=np.float32).reshape(64, 256)
     x = jax.device_put(value, NamedSharding(c.mesh(("d",)), P("d")))
     done = threading.Event()
@@ -50,7 +68,6 @@ def test_calls_and_keepalives_go_on_through_a_first_save_and_restore(make_cluste
 
     def save_and_restore() -> None:
         try:
-            m = CheckpointManager(str(tmp_path / "ckpt"), c)
             try:
                 m.save(1, {"x": x})
                 m.wait()
@@ -73,4 +90,4 @@ def test_calls_and_keepalives_go_on_through_a_first_save_and_restore(make_cluste
     assert not errors, errors
     for host in c.hosts:
         assert host.connection.session.lost is None
-        assert host.connection.session.busy_spells == 0, host.name
+    assert [host.connection.session.busy_spells for host in c.hosts] == busy

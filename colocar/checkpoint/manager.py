@@ -131,6 +131,7 @@ class CheckpointManager:
         the hosts' writers, and the tracker of saves in flight."""
         self._senders = ThreadPoolExecutor(len(self.cluster.hosts), thread_name_prefix="colocar-ckpt-send")
         self._writers = Writers(self.topology, self.storage.url, self.options, self._id, self._senders)
+        self._writers.import_storage()
         self._inflight = InFlight(self.topology, self.steps, self._writers, self._senders, commit_timeout)
         self._copiers = ThreadPoolExecutor(
             copy_threads or _default_copy_threads(), thread_name_prefix="colocar-ckpt-copy"

@@ -48,6 +48,11 @@ def writer_for(step: int, attempt: str) -> CheckpointWriter:
     return writer
 
 
+def import_storage() -> None:
+    """Imports tensorstore in this sidecar, if it has not yet (called as a manager is made)."""
+    import tensorstore  # noqa: F401
+
+
 def _lower_priority(nice: int) -> None:
     """Writer threads (and the tensorstore threads they start) yield the CPU to the trainer:
     a save is background work, and on a busy host it must not slow the training step."""

@@ -24,10 +24,11 @@ from colocar.controller_bridge.obj import colocated_class
 
 from .fencing import fence_writers
 from .topology import Topology
-from .writer_backend import CheckpointWriter, WriterOptions
+from .writer_backend import CheckpointWriter, WriterOptions, import_storage
 
 _Writer = colocated_class(CheckpointWriter)
 _fence = colocated(fence_writers)
+_import_storage = colocated(import_storage)
 
 
 @dataclass
@@ -83,6 +84,18 @@ class Writers:
         generation = host.connection.session.generation
         handle = _Writer.on(host, name=name, ttl=2 * self.renew_after)(self.url, h, self.options)
         return _Held(handle, generation, time.monotonic())
+
+    def import_storage(self) -> None:
+        """Has this process's hosts import tensorstore now, as the manager is made, all at once:
+        its first import holds a sidecar's GIL for a second, which no save or restore, nor the
+        calls in flight beside it, should wait on (see `colocar.sidecar.preload`). A host that
+        cannot be reached is skipped: its first save says so."""
+        futures = [_import_storage.on(h).submit() for h in self.topology.cluster.hosts]
+        for future in futures:
+            try:
+                future.result()
+            except Exception:
+                pass
 
     def fence_others(self) -> int:
         """Fences the writers of this directory other managers left on this process's hosts;

@@ -1,14 +1,15 @@
-"""Modules the sidecar imports at start, before it serves (runs in the sidecar).
+"""Modules a sidecar imports at start, before it serves: `--preload MODULE` (runs in the sidecar).
 
 tensorstore's first import holds the sidecar's GIL for a second or more (nearly all of it in
-ml_dtypes' extension registering its dtypes' numpy loops, C code that never lets the GIL go).
-Imported on demand, by a checkpoint writer's or reader's first save or restore, that second
-stalls every other thread of the sidecar: its keepalive and health replies and every call in
-flight, so that a busy but healthy host looks lost. So the sidecar imports it at start, on a
-thread that overlaps the rest of its start-up (the arena's pre-faulting releases the GIL), and
-waits for it before its servers start: nothing that a heartbeat or a call waits on ever takes
-that import. JAX and grain still come only with the shipped code
-that uses them.
+ml_dtypes' extension registering its dtypes' numpy loops, C code that never lets the GIL go),
+stalling every other thread of the sidecar: its keepalive and health replies and every call in
+flight. A checkpoint manager therefore has it imported on its sidecars as it is made
+(`checkpoint.writers`), before any save or restore. A sidecar that should never stall once it
+serves (one shared by several jobs) imports it at start instead, on a thread that overlaps the
+rest of its start-up (the arena's pre-faulting releases the GIL), joined before its servers
+start. Not by default: it costs every sidecar start that second of CPU, and most never write a
+checkpoint (a local cluster's sidecars, a notebook's). JAX and grain come only with the shipped
+code that uses them.
 """
 
 from __future__ import annotations
@@ -16,14 +17,11 @@ from __future__ import annotations
 import importlib
 import threading
 
-# imported before the sidecar serves: checkpoint writes and restores use it
-AT_START = ("tensorstore",)
-
 
 class Preload:
     """The imports of `modules`, running on a thread from construction; `wait` joins it."""
 
-    def __init__(self, modules: tuple[str, ...] = AT_START):
+    def __init__(self, modules: tuple[str, ...]):
         self.modules = modules
         self.failed: dict[str, str] = {}  # module -> why (a sidecar without it serves all else)
         self._thread = threading.Thread(target=self._run, name="colocar-preload", daemon=True)

@@ -137,6 +137,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop-signal", choices=STOP_SIGNALS, default="TERM", help=STOP_SIGNAL_HELP)
     p.add_argument("--label", default=DEFAULT_LABEL, help="name part of the arena file and host in log lines")
     p.add_argument(
+        "--preload",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import MODULE before serving (repeatable), e.g. tensorstore: its first import holds the "
+        "GIL for a second, which a checkpoint manager otherwise takes as it is made",
+    )
+    p.add_argument(
         "--metrics-port",
         type=int,
         help="serve Prometheus metrics over HTTP on this port, at /metrics (0: any free port; "
@@ -356,7 +364,7 @@ def serve(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.ready_fd is not None:  # for us alone: no child process (the forkserver) inherits it
         os.set_inheritable(args.ready_fd, False)
-    preload = Preload()  # overlaps the start-up; joined before anything serves
+    preload = Preload(tuple(args.preload))  # overlaps the start-up; joined before anything serves
     _configure_logging(args.label)
     stop, why = _stop_event(args.parent_pid, args.stop_signal)  # before the workers: they inherit it
     token, credentials = _security(args)
