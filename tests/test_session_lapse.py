@@ -1,22 +1,26 @@
-"""What a controller holds does not change when its sidecar lapses its session and it comes
-back (`sidecar/lapsed.py`).
+"""A session lapses only when its controller was silent while the sidecar listened, and what a
+controller holds never changes when its session lapses and it comes back (`sidecar/sessions.py`,
+`sidecar/held_blocks.py`).
 
-A sidecar stopped past its lease (SIGSTOP, a frozen VM) lapses the session of a controller that
-is alive, maps the arena and holds arrays over the session's blocks. It reconnects under the same
-session id; the blocks must not have been reused meanwhile (they were: the held array changed).
-Once the controller is gone, the blocks are freed.
+A controller that sleeps past its lease (a laptop's lid, SIGSTOP) while holding an array over
+its session's blocks has them freed by the lapse; it reconnects under the same session id, and
+its new results must not reuse the blocks it still maps (they did: the held array changed). A
+sidecar that did not run for longer than a lease (its GIL held by code in its own process, as a
+first tensorstore import with `processes=0` does) keeps its sessions: the keepalives of that time
+wait unread on their sockets.
 """
 
 from __future__ import annotations
 
-import os
 import signal
-import time
+import subprocess
+import sys
 
 import numpy as np
-from helpers import wait_for
+from helpers import program, wait_for
 
 import colocar
+from colocar.protocol import colocar_pb2 as pb
 
 
 @colocar.colocated
@@ -26,18 +30,55 @@ def filled(value):
     return out
 
 
-def test_arrays_held_from_a_host_whose_session_lapsed_never_change(make_cluster):
-    c = make_cluster(lease_seconds=2, heartbeat_seconds=0.5)
-    host = c.hosts[0]
-    held = filled.on(host)(1.0)
-    process = c.processes[0]
-    os.kill(process.pid, signal.SIGSTOP)
+@colocar.colocated
+def hold_the_gil(seconds: float) -> None:
+    """Sleeps in C with the GIL held (ctypes.PyDLL keeps it): no other thread of the process runs."""
+    import ctypes
+
+    ctypes.PyDLL(None).usleep(int(seconds * 1e6))
+
+
+@colocar.colocated_class
+class Counter:
+    def __init__(self, n):
+        self.n = n
+
+    def add(self, k):
+        self.n += k
+        return self.n
+
+
+def _controllers(sidecar) -> list[str]:
+    reply = sidecar.hosts[0].connection.unary("ListSessions", pb.Empty(), 10)
+    return [s.controller for s in reply.sessions]
+
+
+def test_arrays_held_by_a_controller_whose_session_lapsed_never_change(make_cluster):
+    sidecar = make_cluster(lease_seconds=2, heartbeat_seconds=0.5)
+    argv = [sys.executable, program("lapse_holder"), sidecar.hosts[0].address, sidecar.token_file]
+    child = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        wait_for(lambda: host.connection.session.lost is not None, "the host to be marked lost")
-        time.sleep(3)  # past the sidecar's 2 s lease
+        assert child.stdout.readline() == "READY\n"  # type: ignore[union-attr]
+        mine = f":{child.pid}"
+        assert any(c.endswith(mine) for c in _controllers(sidecar))
+        child.send_signal(signal.SIGSTOP)
+        wait_for(lambda: not any(c.endswith(mine) for c in _controllers(sidecar)), "the session to lapse")
+        child.send_signal(signal.SIGCONT)
+        child.stdin.write("check\n")  # type: ignore[union-attr]
+        child.stdin.flush()  # type: ignore[union-attr]
+        assert child.stdout.readline() == "CHECK True True\n"  # type: ignore[union-attr]
     finally:
-        os.kill(process.pid, signal.SIGCONT)
-    wait_for(lambda: host.connection.session.lost is None, "the controller to reconnect", timeout=60)
-    for _ in range(3):
-        np.testing.assert_array_equal(filled.on(host)(2.0), 2.0)
-    assert float(held.min()) == float(held.max()) == 1.0, (held.min(), held.max())
+        child.send_signal(signal.SIGCONT)
+        child.kill()
+        child.wait()
+
+
+def test_a_sidecar_that_did_not_run_for_longer_than_the_lease_keeps_its_sessions(make_cluster):
+    c = make_cluster(processes=0, lease_seconds=1, heartbeat_seconds=0.25)
+    host = c.hosts[0]
+    counter = Counter.on(host)(10)  # type: ignore[attr-defined]
+    kept = filled.on(host)(1.0)
+    hold_the_gil.on(host)(3.0)  # three leases without a keepalive read
+    assert counter.add(1) == 11  # a lapse would have ended the session and freed the object
+    np.testing.assert_array_equal(filled.on(host)(2.0), 2.0)
+    assert float(kept.min()) == float(kept.max()) == 1.0

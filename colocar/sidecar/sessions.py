@@ -2,7 +2,8 @@
 
 A controller opens a session at connect and renews it with keepalives (and with every call).
 When a lease runs out (controller killed, disconnected or partitioned), `on_expire` frees
-everything the session owned. A reaper thread checks a few times per lease.
+everything the session owned. A reaper thread checks a few times per lease; the time the
+sidecar's process did not run (stopped, or its GIL held) does not count against a lease.
 
 A **named** session (`connect(..., session="exp1")`) outlives its controller: when the lease
 runs out it is only *detached*, and keeps what it holds for its grace period. Its controller
@@ -32,6 +33,7 @@ LOG_QUEUE_LINES = 10_000
 # how a session's controller went away (`Session.ended`)
 LAPSED, CLOSED, STOPPED, TAKEN_OVER = "lapsed", "closed", "stopped", "taken over"
 ENDED_KEPT = 1024  # ids taken over or closed from outside, remembered to tell their controllers
+STALL_FORGIVEN_AFTER = 0.2  # seconds the reaper woke late by: the process did not run
 
 _serving = threading.local()  # .session: the session of the request this thread serves last
 _TABLES: weakref.WeakSet[SessionTable] = weakref.WeakSet()  # this sidecar's tables (one, in practice)
@@ -261,11 +263,15 @@ class SessionTable:
         session._run_end_hooks(how)
 
     def _reap(self) -> None:
-        while not self._stop.wait(min(0.25, self.default_lease / 4)):
-            now = time.monotonic()
+        period = min(0.25, self.default_lease / 4)
+        woke = time.monotonic()
+        while not self._stop.wait(period):
+            now, last = time.monotonic(), woke
+            woke = now
             detached: list[Session] = []
             over: list[Session] = []
             with self._lock:
+                self._forgive_stall(now - last - period)
                 for session in self._sessions.values():
                     if session.detached:
                         if session.grace_left(now) == 0.0:
@@ -280,6 +286,19 @@ class SessionTable:
                 session._run_end_hooks(LAPSED)  # its controller is gone; what it holds stays
             for session in over:
                 self._expire(session, LAPSED)
+
+    def _forgive_stall(self, stall: float) -> None:
+        """Moves every deadline on by the time this process did not run (lock held): a
+        SIGSTOP, a frozen VM, or code in the sidecar's own process holding the GIL (a first
+        import of tensorstore with `processes=0`). The controllers' keepalives of that time
+        wait unread on their sockets: a lease lapses only when the sidecar listened for all
+        of it and heard nothing."""
+        if stall < STALL_FORGIVEN_AFTER:
+            return
+        for session in self._sessions.values():
+            session.expires_at += stall
+            if session.detached_at is not None:
+                session.detached_at += stall
 
     def stop(self) -> None:
         self._stop.set()
