@@ -5,7 +5,8 @@ Every kill fires on an event, not after a guessed delay: as soon as the trainer 
 one of its saves (the 1st to 3rd, seeded) returned. That save's pieces are then with the
 sidecars' writers, which take a while to write and commit them (a tenth of a second or more
 for its 2 MiB in 16 KiB chunks, one write at a time), while the trainer queues or copies the
-next one. The restart takes the dead trainer's lease over at once (same host, its process is
+next one. The restart (its manager made while the dead trainer ran, so nothing but its save
+follows the kill) takes the dead trainer's lease over at once (same host, its process is
 gone) and saves the step the dead one was writing while the dead one's writers may still be
 running: on the same sidecars, taking the lease fences them; on other sidecars (`elsewhere`),
 the lease check each writer makes before it commits refuses them. After every restart and at
@@ -140,6 +141,8 @@ def _drill(
     counts: Counter = Counter()
     refused: set = set()  # the dead trainers' jobs the lease check refused (elsewhere)
     for trial in range(trials):
+        # the restarted trainer, up and waiting for the kill: its save begins at once after it
+        m = CheckpointManager(url, restarts, max_chunk_bytes=16 * 1024, layout=layout)
         for dead in range(3 * trial + 1, 3 * trial + 1 + rnd.choice([1, 1, 2])):  # the 2nd: at once
             lines, mid_save = _run_trainer(sidecars, url, dead, rnd, layout=layout)
             for line in lines:
@@ -149,7 +152,6 @@ def _drill(
                 counts["steps the dead trainer committed meanwhile"] += what == "exists"
             counts["trainers killed"] += 1
             counts["kills mid-save"] += mid_save
-        m = CheckpointManager(url, restarts, max_chunk_bytes=16 * 1024, layout=layout)  # at once
         _restart(m, 3 * trial + 3, savers, counts)
         if elsewhere:
             counts[REFUSED] += _refused_commits(sidecars, m.storage.url, refused) > 0
@@ -236,11 +238,14 @@ def _refused_commits(sidecars, url: str, refused: set) -> int:
 
 
 def _restart(m: CheckpointManager, generation: int, savers: dict, counts: Counter) -> int:
-    """The restarted trainer: restores the latest step, saves the next one; returns it."""
+    """The restarted trainer: saves the step after the latest one, and restores the latest;
+    returns the step it saved. It saves first, as a trainer whose restore is quick does: a
+    restore on a busy machine can take longer than the dead trainer's writers, which would
+    then have nothing left to fence."""
     latest = m.latest_step()
+    step = _save_next(m, latest, generation, savers, counts)
     if latest is not None:
         _check_step(m, latest, savers[latest])
-    step = _save_next(m, latest, generation, savers, counts)
     counts["orphaned saves fenced"] += m._fenced  # (jobs in progress, one per host and save)
     counts[FENCED] += m._fenced > 0
     try:

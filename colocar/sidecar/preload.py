@@ -17,6 +17,11 @@ from __future__ import annotations
 import importlib
 import threading
 
+PRELOAD_HELP = (
+    "import MODULE before serving (repeatable), e.g. tensorstore: its first import holds the GIL "
+    "for a second, which a checkpoint manager otherwise takes as it is made"
+)
+
 
 class Preload:
     """The imports of `modules`, running on a thread from construction; `wait` joins it."""

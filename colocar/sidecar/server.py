@@ -42,7 +42,7 @@ from . import auth, cancels, lifeline, logs  # noqa: E402
 from .blocks import SidecarArena  # noqa: E402
 from .grpc_servicer import GrpcServicer  # noqa: E402
 from .link_server import LinkServer  # noqa: E402
-from .preload import Preload  # noqa: E402
+from .preload import PRELOAD_HELP, Preload  # noqa: E402
 from .service import ServiceConfig, SidecarService  # noqa: E402
 from .workers import WorkerPool  # noqa: E402
 
@@ -136,14 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone")
     p.add_argument("--stop-signal", choices=STOP_SIGNALS, default="TERM", help=STOP_SIGNAL_HELP)
     p.add_argument("--label", default=DEFAULT_LABEL, help="name part of the arena file and host in log lines")
-    p.add_argument(
-        "--preload",
-        action="append",
-        default=[],
-        metavar="MODULE",
-        help="import MODULE before serving (repeatable), e.g. tensorstore: its first import holds the "
-        "GIL for a second, which a checkpoint manager otherwise takes as it is made",
-    )
+    p.add_argument("--preload", action="append", default=[], metavar="MODULE", help=PRELOAD_HELP)
     p.add_argument(
         "--metrics-port",
         type=int,
