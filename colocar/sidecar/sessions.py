@@ -266,12 +266,11 @@ class SessionTable:
         period = min(0.25, self.default_lease / 4)
         woke = time.monotonic()
         while not self._stop.wait(period):
-            now, last = time.monotonic(), woke
-            woke = now
+            now = time.monotonic()
             detached: list[Session] = []
             over: list[Session] = []
             with self._lock:
-                self._forgive_stall(now - last - period)
+                self._forgive_stall(now - woke - period)
                 for session in self._sessions.values():
                     if session.detached:
                         if session.grace_left(now) == 0.0:
@@ -286,6 +285,7 @@ class SessionTable:
                 session._run_end_hooks(LAPSED)  # its controller is gone; what it holds stays
             for session in over:
                 self._expire(session, LAPSED)
+            woke = time.monotonic()  # the wait starts now (ending sessions may take a while)
 
     def _forgive_stall(self, stall: float) -> None:
         """Moves every deadline on by the time this process did not run (lock held): a
