@@ -17,6 +17,7 @@ import subprocess
 import sys
 
 import numpy as np
+from failures_helpers import Counter
 from helpers import program, wait_for
 
 import colocar
@@ -36,16 +37,6 @@ def hold_the_gil(seconds: float) -> None:
     import ctypes
 
     ctypes.PyDLL(None).usleep(int(seconds * 1e6))
-
-
-@colocar.colocated_class
-class Counter:
-    def __init__(self, n):
-        self.n = n
-
-    def add(self, k):
-        self.n += k
-        return self.n
 
 
 def _controllers(sidecar) -> list[str]:
@@ -76,9 +67,10 @@ def test_arrays_held_by_a_controller_whose_session_lapsed_never_change(make_clus
 def test_a_sidecar_that_did_not_run_for_longer_than_the_lease_keeps_its_sessions(make_cluster):
     c = make_cluster(processes=0, lease_seconds=1, heartbeat_seconds=0.25)
     host = c.hosts[0]
-    counter = Counter.on(host)(10)  # type: ignore[attr-defined]
+    counter = Counter.on(host)()  # type: ignore[attr-defined]
+    assert counter.bump() == 1
     kept = filled.on(host)(1.0)
     hold_the_gil.on(host)(3.0)  # three leases without a keepalive read
-    assert counter.add(1) == 11  # a lapse would have ended the session and freed the object
+    assert counter.bump() == 2  # a lapse would have ended the session and freed the object
     np.testing.assert_array_equal(filled.on(host)(2.0), 2.0)
     assert float(kept.min()) == float(kept.max()) == 1.0
