@@ -97,3 +97,23 @@ def test_a_take_returns_only_once_the_previous_snapshot_counts(cluster):
         for step in range(1, 5):
             assert snaps.take(step, _state(cluster, step, P("data")))
             assert snaps.stats()["committed"][-1:] == ([step - 1] if step > 1 else [])
+
+
+def test_a_controller_that_does_not_map_the_arena_restores_the_slices_it_asked_for(grpc_cluster):
+    """Without shared memory the restore downloads each slice: a slice that lies within a
+    block (rows of a saved shard, restored onto a finer sharding) comes as its own bytes,
+    not as the whole block (the download once streamed the whole block and failed)."""
+    mesh = Mesh(np.array(grpc_cluster.devices).reshape(2, 4), ("data", "model"))
+    rows = np.random.default_rng(7).standard_normal((64, 32), np.float32)
+    state = {"w": jax.device_put(rows, NamedSharding(mesh, P("data"))), "step": 7}
+    finer = {
+        "w": jax.ShapeDtypeStruct(rows.shape, rows.dtype, sharding=NamedSharding(mesh, P(("data", "model")))),
+        "step": 7,
+    }
+    with Snapshots(grpc_cluster, replicas=1, keep=2) as snaps:
+        assert snaps.take(1, state)
+        snaps.wait(60)
+        assert_same(snaps.restore(1, _like(state)), state)
+        restored = snaps.restore(1, finer)
+        assert restored["w"].sharding == finer["w"].sharding
+        assert_same(restored, state)

@@ -160,7 +160,10 @@ class ArenaClient(payload.BlockSpace):
     def download(self, desc: pb.BlockDesc, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         out = np.empty(shape, dtype)
         target = out.reshape(-1).view(np.uint8)
-        request = pb.BlockRef(session_id=self.session_id, block_id=desc.id)
+        # the payload's region of the block: a shared part of a block is not all of it
+        request = pb.BlockRef(
+            session_id=self.session_id, block_id=desc.id, offset=desc.offset, nbytes=desc.nbytes
+        )
 
         def receive(stub: Any, metadata: Any) -> int:
             position = 0

@@ -250,12 +250,16 @@ class ReleaseRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BlockRef(_message.Message):
-    __slots__ = ("session_id", "block_id")
+    __slots__ = ("session_id", "block_id", "offset", "nbytes")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     block_id: int
-    def __init__(self, session_id: _Optional[str] = ..., block_id: _Optional[int] = ...) -> None: ...
+    offset: int
+    nbytes: int
+    def __init__(self, session_id: _Optional[str] = ..., block_id: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("session_id", "total_bytes", "pool", "data")

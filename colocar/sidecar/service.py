@@ -285,9 +285,12 @@ class SidecarService(SessionHandlers):
             raise Refused(
                 Status.INVALID_ARGUMENT, f"block {request.block_id} is not leased by this session"
             ) from None
-        for start in range(0, block.nbytes, CHUNK_BYTES):
-            n = min(CHUNK_BYTES, block.nbytes - start)
-            yield pb.Chunk(data=bytes(self.arena.arena.buffer(block.offset + start, n)))
+        offset, nbytes = (request.offset, request.nbytes) if request.nbytes else (block.offset, block.nbytes)
+        if not block.offset <= offset <= offset + nbytes <= block.offset + block.nbytes:
+            raise Refused(Status.INVALID_ARGUMENT, f"region {offset}+{nbytes} is not within block {block.id}")
+        for start in range(0, nbytes, CHUNK_BYTES):
+            n = min(CHUNK_BYTES, nbytes - start)
+            yield pb.Chunk(data=bytes(self.arena.arena.buffer(offset + start, n)))
 
     # --- observability ---------------------------------------------------------------------
     def Logs(self, request: pb.SessionRef, context: Any) -> Iterator[pb.LogLine]:
