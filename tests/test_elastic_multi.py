@@ -154,3 +154,67 @@ def test_save_to_writes_a_committed_checkpoint_from_the_sidecars(make_cluster, t
         assert os.listdir(directory)  # the committed step is in storage
     finally:
         cluster.make_current()
+
+
+def _job(sidecars, processes: int, mode: str) -> list:
+    """tests/programs/snap_mc_shrink.py as `processes` JAX processes on the first sidecars."""
+    import socket
+    import subprocess
+    import sys
+
+    from helpers import program
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    common = [str(processes), port]
+    return [
+        subprocess.Popen(
+            [sys.executable, program("snap_mc_shrink"), str(i), *common, sidecars.hosts[i].address]
+            + [sidecars.token_file, mode],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(processes)
+    ]
+
+
+def test_a_job_restarted_without_the_lost_host_reads_its_shards_from_the_replicas(make_cluster, cluster):
+    """Three processes snapshot (each host's shards replicated on the next); host 2 is lost
+    and the job restarts on the other two, onto their devices: the shards of host 2 exist
+    only as host 0's replicas, and come from there, bit for bit (before, only owners were
+    read and the restart fell back to storage)."""
+    import jax
+
+    devices = jax.devices()[:6]  # the trainers' own; three sidecars need a share that splits
+    sidecars = make_cluster(hosts=3, devices=devices, arena_size=16 * MiB, persist=True, lease_seconds=5)
+    try:
+        trainers = _job(sidecars, 3, "train")
+        try:
+            for t in trainers:
+                line = t.stdout.readline()
+                if not line.startswith("ready"):
+                    _ended(t)
+                    raise AssertionError((line + t.stdout.read())[-3000:])
+                assert 3 in json.loads(line.split(" ", 1)[1]), line
+        finally:
+            stop(trainers)
+        sidecars.processes[2].kill()  # host 2 is lost with its sidecar
+        sidecars.processes[2].wait()
+        resumed = _job(sidecars, 2, "resume")
+        try:
+            outputs = [t.communicate(timeout=180)[0] for t in resumed]
+        finally:
+            stop(resumed)
+        for t, out in zip(resumed, outputs, strict=True):
+            assert t.returncode == 0 and "OK" in out, out[-3000:]
+        results = [json.loads(out.split("OK", 1)[1].strip().splitlines()[0]) for out in outputs]
+        assert [r["step"] for r in results] == [3, 3]
+        # host 2's shards stay where they are; process 1's go to its new replica peer, process 0
+        assert results[0]["refilled_bytes"] == 0 < results[1]["refilled_bytes"], results
+        # process 1's devices need rows 6-11 of w and h: 8-11 of them were host 2's
+        assert results[1]["fetched"] > 0, results
+    finally:
+        cluster.make_current()

@@ -58,3 +58,20 @@ def test_a_keeper_that_cannot_be_read_leaves_no_step_in_any_process():
     both = [_summary({4: "b"}, {1: {4: "b"}}), unread]
     assert snap_agree.agreed(both) == []
     assert snap_agree.errors(both) == ["process 1: OSError: reads fail"]
+
+
+def test_a_job_restarted_with_fewer_processes_needs_every_taker_held_somewhere():
+    """Three processes took step 4 (their records say so); two restart: host 2's shards count
+    only as a survivor's replica, and are read from it (`absent`), never refilled."""
+    took = {"4": 3}
+    held = [
+        {**_summary({4: "b"}, {2: {4: "b"}}), "processes": took},
+        {**_summary({4: "b"}), "processes": took},
+    ]
+    assert snap_agree.agreed(held) == [(4, "b")]
+    assert snap_agree.absent(held, 4) == [2]
+    assert snap_agree.holders(held, 4, "b", 2) == [0]
+    assert snap_agree.refills(held, 4, "b", RING) == ([], [(0, 0, 1), (1, 1, 0)])
+    gone = [{**_summary({4: "b"}), "processes": took}, {**_summary({4: "b"}), "processes": took}]
+    assert snap_agree.agreed(gone) == []  # host 2's shards are nowhere: not the two survivors' alone
+    assert snap_agree.absent([_summary({4: "b"}), _summary({4: "b"})], 4) == []  # records without a count

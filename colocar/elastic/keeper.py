@@ -257,6 +257,16 @@ class SnapshotKeeper:
         with self._lock:
             snap = self._snap(step, attempt)
             held = by_leaf([snap.own, *snap.replicas.values()])
+        return self._cut(held, requests, f"step {step}")
+
+    def _cut(
+        self,
+        held: dict[int, list[tuple[np.ndarray, Bounds]]],
+        requests: list[tuple[int, str, Any]],
+        what: str,
+    ) -> list[np.ndarray]:
+        """Each requested slice: the bytes of the one block holding it whole where they are
+        contiguous (no copy), else stitched from the blocks it overlaps; KeyError on a hole."""
         out = []
         for leaf, dtype, bounds in requests:
             want = key_of(leaf, bounds)
@@ -267,7 +277,8 @@ class SnapshotKeeper:
             result, covered = stitch(want[1], dtype, held.get(want[0], []))
             if covered != result.size:
                 raise KeyError(
-                    f"host {self.host} holds {covered} of {result.size} elements of leaf {leaf} {bounds}"
+                    f"host {self.host} holds {covered} of {result.size} elements of leaf {leaf} "
+                    f"{[list(b) for b in want[1]]} in {what}"
                 )
             out.append(result)
         return out

@@ -20,6 +20,7 @@ For drills, `fail_reads` makes this sidecar's keepers fail their reads.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -131,31 +132,32 @@ class MultiKeeper(SnapshotKeeper):
                 }
             return out
 
-    def read_own(self, step: int, attempt: str, requests: list[tuple[int, str, Any]]) -> list[np.ndarray]:
-        """[(leaf, dtype, bounds)] -> arena arrays cut from this host's own blocks of `step`."""
+    def read_own(
+        self, step: int, attempt: str, requests: list[tuple[int, str, Any]], absent: Sequence[int] = ()
+    ) -> list[np.ndarray]:
+        """[(leaf, dtype, bounds)] -> arena arrays cut from this host's own blocks of `step` and
+        its replicas of the `absent` sources (hosts of the snapshot that are in the job no
+        more: their shards live on only as replicas)."""
         self._touch()
         _fault("blocks", self.host)
         with self._lock:
-            held = by_leaf([self._snap(step, attempt).own])
-        out = []
-        for leaf, dtype, bounds in requests:
-            want = key_of(leaf, bounds)
-            result, covered = stitch(want[1], dtype, held.get(want[0], []))
-            if covered != result.size:
-                raise KeyError(
-                    f"host {self.host} holds {covered} of {result.size} elements of leaf {leaf} "
-                    f"{[list(b) for b in want[1]]} in its own shards of step {step}"
-                )
-            out.append(result)
-        return out
+            snap = self._snap(step, attempt)
+            held = by_leaf([snap.own, *(snap.replicas.get(int(s), {}) for s in absent)])
+        return self._cut(held, requests, f"its own shards of step {step}")
 
     def read_across(
-        self, step: int, attempt: str, requests: list[tuple[int, str, Any, Any]], peers: dict[int, tuple]
+        self,
+        step: int,
+        attempt: str,
+        requests: list[tuple[int, str, Any, Any]],
+        peers: dict[int, tuple],
+        absent: Sequence[int] = (),
     ) -> list[np.ndarray]:
         """[(leaf, dtype, bounds, parts)], parts [(process, part bounds)] -> arena arrays, each
         stitched from its parts: this host's cut from its own blocks, the other processes' read
         from their keepers (`peers`: process -> Target) over the peer path, never through a
-        controller. The parts must fill each slice exactly."""
+        controller (each process's parts from its own blocks and its replicas of the `absent`
+        sources, as `read_own`). The parts must fill each slice exactly."""
         self._touch()
         wanted: dict[int, list[tuple[int, str, Any]]] = {}  # process -> its parts to cut
         slots = []  # per request: [(process, index in wanted[process], part)]
@@ -166,7 +168,7 @@ class MultiKeeper(SnapshotKeeper):
                 slot.append((int(process), len(cut), key_of(leaf, part)[1]))
                 cut.append((leaf, dtype, [list(b) for b in part]))
             slots.append(slot)
-        got = self._read_parts(step, attempt, wanted, peers)
+        got = self._read_parts(step, attempt, wanted, peers, list(absent))
         out = []
         for (leaf, dtype, bounds, _), slot in zip(requests, slots, strict=True):
             want = key_of(leaf, bounds)[1]
@@ -179,7 +181,12 @@ class MultiKeeper(SnapshotKeeper):
         return out
 
     def _read_parts(
-        self, step: int, attempt: str, wanted: dict[int, list[Any]], peers: dict[int, tuple]
+        self,
+        step: int,
+        attempt: str,
+        wanted: dict[int, list[Any]],
+        peers: dict[int, tuple],
+        absent: list[int],
     ) -> dict[int, list[np.ndarray]]:
         """Each process's parts: the peers cut theirs at once while this host cuts its own."""
         futures = {}
@@ -187,8 +194,10 @@ class MultiKeeper(SnapshotKeeper):
             for process, cut in wanted.items():
                 if process != self.host:
                     peer = self._peers._keeper(Target(*peers[process]))
-                    futures[process] = peer.read_own.submit(step, attempt, cut)
-            got = {self.host: self.read_own(step, attempt, wanted[self.host])} if self.host in wanted else {}
+                    futures[process] = peer.read_own.submit(step, attempt, cut, absent)
+            got = {}
+            if self.host in wanted:
+                got[self.host] = self.read_own(step, attempt, wanted[self.host], absent)
             got.update({process: list(future.result()) for process, future in futures.items()})
             return got
         except BaseException:

@@ -93,16 +93,22 @@ def complete(record: bytes | None, keys: list[Any]) -> dict[str, Any] | None:
 
 
 def summarize(holdings: dict[int, dict[str, Any]]) -> Summary:
-    """What a keeper holds complete (its `holdings_by_source`), as an exchangeable summary."""
+    """What a keeper holds complete (its `holdings_by_source`), as an exchangeable summary,
+    with the number of processes that took each step (its records say)."""
     own: dict[str, str] = {}
     replicas: dict[str, dict[str, str]] = defaultdict(dict)
+    processes: dict[str, int] = {}
     for step, info in holdings.items():
-        if complete(*info["own"]) is not None:
-            own[str(step)] = info["attempt"]
-        for source, held in info["replicas"].items():
-            if complete(*held) is not None:
+        for source, held in [(None, info["own"]), *info["replicas"].items()]:
+            record = complete(*held)
+            if record is None:
+                continue
+            if source is None:
+                own[str(step)] = info["attempt"]
+            else:
                 replicas[str(source)][str(step)] = info["attempt"]
-    return {"own": own, "replicas": dict(replicas)}
+            processes[str(step)] = max(processes.get(str(step), 0), int(record.get("processes", 0)))
+    return {"own": own, "replicas": dict(replicas), "processes": processes}
 
 
 def unreadable(process: int, error: BaseException) -> Summary:
@@ -121,17 +127,33 @@ def gather(exchange: Exchange, summary: Summary) -> list[Summary]:
 
 
 def holders(summaries: list[Summary], step: int, attempt: str, source: int) -> list[int]:
-    """The processes whose keepers hold `source`'s shards of (step, attempt): itself first."""
-    out = [source] if summaries[source]["own"].get(str(step)) == attempt else []
+    """The processes whose keepers hold `source`'s shards of (step, attempt): itself first
+    (a `source` beyond this job's processes, a host the job restarted without, only as
+    replicas)."""
+    mine = source < len(summaries) and summaries[source]["own"].get(str(step)) == attempt
+    out = [source] if mine else []
     for r, summary in enumerate(summaries):
         if r != source and summary["replicas"].get(str(source), {}).get(str(step)) == attempt:
             out.append(r)
     return out
 
 
+def sources_of(summaries: list[Summary], step: int) -> range:
+    """The processes whose shards `step` needs: this job's, and more when it restarted with
+    fewer than took it (its records say how many did)."""
+    took = [int(s.get("processes", {}).get(str(step), 0)) for s in summaries]
+    return range(max([len(summaries), *took]))
+
+
+def absent(summaries: list[Summary], step: int) -> list[int]:
+    """The sources of `step` that are not among this job's processes (read from replicas)."""
+    return list(sources_of(summaries, step))[len(summaries) :]
+
+
 def agreed(summaries: list[Summary]) -> list[tuple[int, str]]:
-    """(step, attempt) of the snapshots complete everywhere, oldest first; none when a
-    process could not read its keeper (what it holds is unknown, so no step is known whole)."""
+    """(step, attempt) of the snapshots complete everywhere (every process that took it held
+    by itself or a replica), oldest first; none when a process could not read its keeper
+    (what it holds is unknown, so no step is known whole)."""
     if errors(summaries):
         return []
     candidates: set[tuple[int, str]] = set()
@@ -141,7 +163,7 @@ def agreed(summaries: list[Summary]) -> list[tuple[int, str]]:
             candidates |= {(int(s), a) for s, a in held.items()}
     found = {}
     for step, attempt in sorted(candidates):
-        if all(holders(summaries, step, attempt, q) for q in range(len(summaries))):
+        if all(holders(summaries, step, attempt, q) for q in sources_of(summaries, step)):
             found[step] = attempt  # the same step complete under two attempts: either will do
     return sorted(found.items())
 

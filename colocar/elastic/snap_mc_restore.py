@@ -35,10 +35,9 @@ def restore(snaps: Any, step: int, attempt: str, target: Any) -> Any:
     with shardings, any layout of the saved shapes); a collective."""
     record: dict[str, Any] | None = None
     mine, error = None, ""
+    absent = snap_agree.absent(snaps._summaries, step)
     try:  # whatever fails here, this process still takes part in both exchanges
-        holdings = snaps.keeper.holdings_by_source()[step]
-        record = snap_agree.complete(*holdings["own"])
-        mine = record["shards"] if record is not None and holdings["attempt"] == attempt else None
+        record, mine = _held(snaps.keeper.holdings_by_source()[step], attempt, absent)
     except Exception as e:  # noqa: BLE001 - every process hears of it below
         error = f"process {snaps.process}: reading its keeper: {type(e).__name__}: {e}"
     said = snaps._exchange.allgather(json.dumps(mine), f"layout of step {step}")
@@ -52,8 +51,9 @@ def restore(snaps: Any, step: int, attempt: str, target: Any) -> Any:
         where: dict[Key, list[int]] = defaultdict(list)
         for q, listed in enumerate(json.loads(s) for s in said):
             for leaf, bounds in listed or []:
-                where[key_of(leaf, bounds)].append(q)
-        out = _build(snaps, step, attempt, record, where, target)
+                if q not in where[key_of(leaf, bounds)]:
+                    where[key_of(leaf, bounds)].append(q)
+        out = _build(snaps, step, attempt, record, where, target, absent)
     except Exception as e:  # noqa: BLE001 - every process hears of it below
         error = error or f"process {snaps.process}: {e}"
     done = snaps._exchange.allgather(error, f"restore of step {step}")
@@ -63,8 +63,28 @@ def restore(snaps: Any, step: int, attempt: str, target: Any) -> Any:
     return out
 
 
+def _held(holdings: dict[str, Any], attempt: str, absent: list[int]) -> tuple[dict[str, Any] | None, Any]:
+    """This process's record of the step and the shards its keeper serves: its own, and its
+    replicas of the `absent` sources (hosts the job restarted without); (None, None) when its
+    own are not all here."""
+    record = snap_agree.complete(*holdings["own"])
+    if record is None or holdings["attempt"] != attempt:
+        return None, None
+    shards = list(record["shards"])
+    for source in absent:
+        replica = snap_agree.complete(*holdings["replicas"].get(source, (None, [])))
+        shards += replica["shards"] if replica is not None else []
+    return record, shards
+
+
 def _build(
-    snaps: Any, step: int, attempt: str, record: dict[str, Any], where: dict[Key, list[int]], target: Any
+    snaps: Any,
+    step: int,
+    attempt: str,
+    record: dict[str, Any],
+    where: dict[Key, list[int]],
+    target: Any,
+    absent: list[int],
 ) -> Any:
     leaves, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=lambda x: x is None)
     values = pickle.loads(record["values"])
@@ -86,7 +106,7 @@ def _build(
             check_covered(step, saved["index"], bounds, [p for _, p in parts])
             arrays[i][2].append((device, len(requests)))
             requests.append((saved["index"], saved["dtype"], bounds, parts))
-    got = _read(snaps, step, attempt, requests)
+    got = _read(snaps, step, attempt, requests, absent)
     for i, (key, sharding, placed) in arrays.items():
         shape = tuple(record["leaves"][key]["shape"])
         dtype = np.dtype(record["leaves"][key]["dtype"])
@@ -109,13 +129,17 @@ def _saved(record: dict[str, Any], key: str, wanted: Any, step: int) -> dict[str
     return dict(saved)
 
 
-def _read(snaps: Any, step: int, attempt: str, requests: list[Request]) -> list[np.ndarray]:
-    """The slices: read in place when this process's own shards cover them all (the saved
+def _read(
+    snaps: Any, step: int, attempt: str, requests: list[Request], absent: list[int]
+) -> list[np.ndarray]:
+    """The slices: read in place when this process's keeper covers them all (the saved
     layout), else stitched by its keeper from its own and the peers' keepers (the bytes of
-    the peers' parts count in stats' "fetched_bytes")."""
+    the peers' parts count in stats' "fetched_bytes"); each keeper serves its own shards and
+    its replicas of the `absent` sources."""
     me = snaps.process
     if all(p == me for _, _, _, parts in requests for p, _ in parts):
-        return list(snaps.keeper.read_own(step, attempt, [(leaf, d, b) for leaf, d, b, _ in requests]))
+        wanted = [(leaf, d, b) for leaf, d, b, _ in requests]
+        return list(snaps.keeper.read_own(step, attempt, wanted, absent))
     snaps._stats["fetched_bytes"] = snaps._stats.get("fetched_bytes", 0) + sum(
         volume(part) * np.dtype(d).itemsize for _, d, _, parts in requests for p, part in parts if p != me
     )
@@ -124,7 +148,7 @@ def _read(snaps: Any, step: int, attempt: str, requests: list[Request]) -> list[
         (leaf, d, [list(x) for x in b], [(p, [list(x) for x in part]) for p, part in parts])
         for leaf, d, b, parts in requests
     ]
-    return list(snaps.keeper.read_across(step, attempt, wire, peers))
+    return list(snaps.keeper.read_across(step, attempt, wire, peers, absent))
 
 
 def _target(snaps: Any, process: int) -> Any:

@@ -30,7 +30,8 @@ def plan(
     step: int, attempt: str, state: Any, process: int, peers: list[int], cluster: Any
 ) -> tuple[list[Piece], bytes]:
     """This process's pieces of `state` and its record (pickled), with what a storage save of
-    it needs (`snap_mc_save.storage_fields`; `cluster`: this process's)."""
+    it needs (`snap_mc_save.storage_fields`; `cluster`: this process's) and how many processes
+    take the step (a job restarted with fewer then knows whose shards to read from replicas)."""
     named, skeleton, dirs = tree.flatten(state)
     pieces: list[Piece] = []
     leaves: dict[str, dict[str, Any]] = {}
@@ -61,6 +62,7 @@ def plan(
         "attempt": attempt,
         "time": time.time(),
         "process": process,
+        "processes": jax.process_count(),
         "keys": [k for k, _ in named],
         "tree": skeleton,
         "leaves": leaves,

@@ -18,11 +18,15 @@ Bounds = tuple[tuple[int, int], ...]  # ((start, stop), ...) in the global array
 
 def by_leaf(held: list[dict[tuple[int, Bounds], np.ndarray]]) -> dict[int, list[tuple[np.ndarray, Bounds]]]:
     """Blocks keyed (leaf, bounds), from several holdings, as each leaf's (block, bounds): the
-    parts `stitch` takes, grouped once for all requests."""
+    parts `stitch` takes, grouped once for all requests. A key held twice (a replicated array's
+    shard, its own and a peer's replica: the same bytes) counts once, from the first holding."""
+    seen: set[tuple[int, Bounds]] = set()
     out: dict[int, list[tuple[np.ndarray, Bounds]]] = {}
     for blocks in held:
         for (leaf, bounds), data in blocks.items():
-            out.setdefault(leaf, []).append((data, bounds))
+            if (leaf, bounds) not in seen:
+                seen.add((leaf, bounds))
+                out.setdefault(leaf, []).append((data, bounds))
     return out
 
 
