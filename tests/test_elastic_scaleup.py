@@ -31,6 +31,7 @@ from elastic_helpers import (
     plain_run,
     replicated,
 )
+from helpers import wait_for
 from security_helpers import running_sidecar
 
 from colocar.checkpoint import CheckpointManager
@@ -150,6 +151,23 @@ def test_restart_host_brings_a_dead_sidecar_back_on_its_address(make_cluster, sh
     c.processes[1].wait(timeout=30)
     assert c.restart_host(1, address="127.0.0.1:0") is host  # a free port: a new address
     assert host.address != address and host.stats()["sessions"] >= 1
+
+
+def test_a_fresh_session_holds_blocks_again(make_cluster):
+    """The rejoin's `fresh_session` ends a returned host's session and opens it again under
+    the same id: blocks allocated there afterwards (the refill's snapshot of a sharded state)
+    are granted, not refused as an ended session's. The soak found the refill failing so."""
+    import numpy as np
+
+    from colocar.elastic.rejoin import fresh_session
+
+    host = make_cluster(hosts=1, processes=0).hosts[0]
+    assert fresh_session(host)
+    (block,) = host.connection.blocks.empty([((1024,), np.dtype(np.uint8))], timeout=0.0)
+    assert block.nbytes == 1024 and host.stats()["pools"]["default"]["blocks"] == 1
+    del block  # given back (soon) under that session id, open or closed
+    assert fresh_session(host)
+    wait_for(lambda: host.stats()["pools"]["default"]["blocks"] == 0, "the block to be freed")
 
 
 def test_replace_host_points_a_lost_host_at_a_new_sidecar(make_cluster, tmp_path):

@@ -285,6 +285,13 @@ class Allocator:
                 del self._ended[next(iter(self._ended))]
         return 0 if keep else self.release_owner(owner)
 
+    def reopen_owner(self, owner: str) -> None:
+        """``owner`` (a session id) is open again: it may lease blocks, which are freed when it
+        ends again. A controller that ends its session and reconnects under the same id (the
+        elastic manager's fresh session for a host that came back) must get blocks there."""
+        with self._lock:
+            self._ended.pop(owner, None)
+
     def owned_bytes(self, owner: str) -> int:
         """Bytes of the blocks ``owner`` holds a lease on."""
         with self._lock:

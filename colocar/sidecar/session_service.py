@@ -89,6 +89,7 @@ class SessionHandlers:
             )
         except SessionGone as e:
             raise Refused(Status.ABORTED, str(e)) from None
+        self.arena.allocator.reopen_owner(session.id)  # a session closed, then opened again
         if previous is not None:  # its named objects are the new controller's; the rest goes
             self.objects.move_named(previous.id, session.id)
             self.sessions.end(previous, TAKEN_OVER)
