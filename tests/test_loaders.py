@@ -252,6 +252,23 @@ def test_a_released_batch_gives_its_slots_back_at_once_and_cannot_be_read(two_ho
         assert [third, *got] == [expected_labels(k, num_epochs=None) for k in range(2, 7)]
 
 
+def test_batches_dropped_while_next_waits_give_their_slots_back(two_hosts):
+    """A loop that does not wait for its steps drops batches while `next()` already waits for
+    a slot: JAX lets go of a dropped batch's views only in its deferred releases, which the
+    wait runs, so the ring turns instead of starving (it once waited for the starve timeout:
+    the releases ran only as `next()` began). The soak test found it."""
+    c = two_hosts.make_current()
+    with loaders.load(config(prefetch=2, num_epochs=None), c, starve_timeout=15) as it:
+        held = [next(it), next(it)]  # every slot of the 2-slot ring
+        dropper = threading.Timer(1.0, held.clear)  # while the next() below waits
+        dropper.start()
+        try:
+            third = next(it)
+        finally:
+            dropper.join()
+        assert labels(third) == expected_labels(2, num_epochs=None)
+
+
 def test_a_ring_starved_by_held_batches_raises(two_hosts):
     c = two_hosts.make_current()
     with loaders.load(config(prefetch=2, num_epochs=None), c, starve_timeout=2) as it:

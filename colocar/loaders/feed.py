@@ -16,6 +16,7 @@ import struct
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -84,6 +85,9 @@ class Feed:
         self._closed = False
         self._ended = False
         self._failure = ""  # why the feed ended early (a pipeline error, a stop): raised again
+        # run at each timeout of a wait for a batch: slots of batches dropped meanwhile go back
+        # (their anchors die only once JAX's deferred releases run), the ring may wait on one
+        self.waiting: Callable[[], None] = self.poll
 
     def views(self, slot: int) -> dict[str, list[np.ndarray]]:
         """A received slot's per-device views by field (`placed` order), over a new anchor
@@ -132,6 +136,7 @@ class Feed:
         if self._closed:
             return
         self.poll()
+        self.waiting = self.poll  # the iterator's hook goes: nothing waits any more
         self._regions = []  # live anchors keep their own
         self._closed = True
         with self._send_lock:
@@ -204,6 +209,7 @@ class Feed:
                     got = self._sock.recv_into(free[self._end :])
             except BlockingIOError:  # the kernel's timeout (`_set_kernel_timeout`)
                 session.check_alive()  # lost, or its session ended from elsewhere
+                self.waiting()
                 continue
             except OSError as e:
                 got = 0

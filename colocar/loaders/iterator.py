@@ -147,6 +147,8 @@ class DataIterator:
             RemoteLoaderHost.on, self._plan, self.config, start, self.starve_timeout
         )
         self._fed = [feed for feed in self._feeds if feed is not None]
+        for feed in self._fed:  # a wait for one host's batch frees the dropped batches' slots
+            feed.waiting = self._free_dropped_slots
         self._generations = [host.connection.session.generation for host, _, _ in self._plan]
         self.position = start
         self._out_of_step = False
