@@ -6,8 +6,9 @@ blocks (`hand_off`: the keepers learn the step, drop what is not kept, take the 
 start replicating), and long-polls each host's keeper until its replication ended. When all
 report `replicated`, the snapshot's record (pickled) is stored in every live keeper: from then
 on it counts (`latest`), and a restarted controller finds it there. When one fails or its host
-is lost, the snapshot never counts: its blocks are dropped on the live hosts and a warning
-names the step and the cause.
+is lost, the snapshot never counts, unless every shard is complete on a live host (its own
+copy or a replica that arrived: `_salvaged` commits it there); else its blocks are dropped on
+the live hosts and a warning names the step and the cause.
 """
 
 from __future__ import annotations
@@ -188,6 +189,8 @@ class Committer:
             return failed
 
     def _abandon(self, tracked: Tracked, error: str) -> None:
+        if self._salvaged(tracked, error):
+            return
         tracked.state, tracked.error = "failed", error
         log.warning(
             "snapshot of step %d is abandoned (the previous complete one stays): %s", tracked.step, error
@@ -197,3 +200,45 @@ class Committer:
                 self._keeper(h).drop(tracked.step)
             except Exception:  # noqa: BLE001 - a lost host took its blocks with it
                 pass
+
+    def _salvaged(self, tracked: Tracked, error: str) -> bool:
+        """Whether a snapshot whose replication a lost host cut short counts after all: when
+        every shard is complete on a host that still answers (its own copy, or a replica that
+        arrived), the record is stored on those hosts, so a loss right after a take costs the
+        steps since that take, not since the one before (the snapshot's redundancy is what
+        survived: the next take replicates in full again)."""
+        from . import snap_restore
+
+        keepers = {}
+        for h in tracked.hosts:
+            try:
+                keepers[h] = self._keeper(h)
+            except Exception:  # noqa: BLE001 - a lost host: it holds nothing
+                pass
+        found = snap_restore.survey(keepers, tracked.hosts)
+        attempt = tracked.record["attempt"]
+        holding = [h for h, held in found.items() if held.get(tracked.step, {}).get("attempt") == attempt]
+        if len(holding) == len(tracked.hosts) or not holding:
+            return False  # no host was lost (a failure of its own: a full pool, a timeout), or none is left
+        if snap_restore.missing(tracked.record, snap_restore.holders(found, tracked.step, attempt)):
+            return False
+        record = pickle.dumps(tracked.record)
+        stored = 0
+        for h in holding:
+            try:
+                self._keeper(h).commit(tracked.step, attempt, record)
+                stored += 1
+            except Exception:  # noqa: BLE001 - lost meanwhile: the others hold the record
+                pass
+        if not stored:
+            return False
+        lost = sorted(set(tracked.hosts) - set(holding))
+        log.warning(
+            "snapshot of step %d counts without hosts %s (%s): every shard is on the others",
+            tracked.step,
+            lost,
+            error,
+        )
+        tracked.state, tracked.error = "committed", f"salvaged without hosts {lost}: {error}"
+        self._on_commit(tracked.step)
+        return True

@@ -29,7 +29,7 @@ from colocar.protocol.tokens import TOKEN_METADATA_KEY
 from . import snap_handoff, snap_multi, snap_restore, snap_save, snap_take
 from .keeper import SnapshotKeeper
 from .peers import PeerOptions
-from .snap_commit import Committer
+from .snap_commit import POLL_SECONDS, Committer
 
 _Keeper = colocated_class(SnapshotKeeper)
 log = logging.getLogger("colocar.elastic")
@@ -267,6 +267,13 @@ class Snapshots:
         self._committer.wait(timeout)
 
     # --- finding and restoring ----------------------------------------------------------------
+    def _settle(self) -> None:
+        """Waits for the snapshot in flight to end (a loss ends its wait within a poll round)."""
+        try:
+            self._committer.wait(self._committer.timeout + 2 * POLL_SECONDS)
+        except TimeoutError:
+            pass  # the older ones answer; the late one counts once it commits
+
     def _live(self, hosts: Any) -> list[int]:
         """Indices in this cluster of `hosts` (indices, or `Host`s of this cluster or of a view
         of it that renumbered them: matched by their connection); None: the hosts not lost."""
@@ -284,12 +291,15 @@ class Snapshots:
         return out
 
     def latest(self, hosts: Any = None) -> int | None:
-        """Newest committed snapshot recoverable from `hosts` (default: the hosts not lost)."""
+        """Newest committed snapshot recoverable from `hosts` (default: the hosts not lost),
+        once the one in flight ended (committed, salvaged after a loss, or abandoned)."""
+        self._settle()
         steps = snap_restore.recoverable(snap_restore.survey(self._keepers, self._live(hosts)))
         return steps[-1] if steps else None
 
     def unusable(self, step: int, hosts: Any = None) -> str | None:
         """Why `step` cannot be restored from `hosts` (default: the hosts not lost), or None."""
+        self._settle()
         found = snap_restore.survey(self._keepers, self._live(hosts))
         if snap_restore.usable(found, step) is not None:
             return None
