@@ -165,8 +165,27 @@ def test_a_fresh_session_holds_blocks_again(make_cluster):
     assert fresh_session(host)
     (block,) = host.connection.blocks.empty([((1024,), np.dtype(np.uint8))], timeout=0.0)
     assert block.nbytes == 1024 and host.stats()["pools"]["default"]["blocks"] == 1
-    del block  # given back (soon) under that session id, open or closed
+    del block  # its release, queued, goes before the session ends
     assert fresh_session(host)
+    wait_for(lambda: host.stats()["pools"]["default"]["blocks"] == 0, "the block to be freed")
+
+
+def test_a_block_dropped_while_its_session_reopens_is_freed(make_cluster):
+    """A block the program drops in the moment its session is closed and not yet open again
+    (a rejoin's fresh session, a lapse): the sidecar refuses the release (unknown session) and
+    keeps the block under the session's id, as the controller still maps the arena; the
+    release is sent again once the session is back (it was lost, and the block with it)."""
+    import numpy as np
+
+    from colocar.protocol import colocar_pb2 as pb
+
+    host = make_cluster(hosts=1, processes=0).hosts[0]
+    conn = host.connection
+    (block,) = conn.blocks.empty([((1024,), np.dtype(np.uint8))], timeout=0.0)
+    conn.unary("Disconnect", pb.SessionRef(session_id=conn.session.session_id), timeout=10)
+    del block
+    time.sleep(0.5)  # refused meanwhile, and kept for later
+    conn.session.connect(10)
     wait_for(lambda: host.stats()["pools"]["default"]["blocks"] == 0, "the block to be freed")
 
 

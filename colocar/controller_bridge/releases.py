@@ -7,14 +7,17 @@ collector and calls cut short all end here, batched by a `Reclaimer` thread into
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from typing import Any, Protocol
 
 from colocar.protocol import colocar_pb2 as pb
-from colocar.protocol.status import TransportError
+from colocar.protocol.status import Status, TransportError
 from colocar.shm.reclaim import Reclaimer
 
 from .transport import Transport
+
+RETRY_SECONDS = 0.05  # before a release refused while the session reopens is sent again
 
 
 class _Session(Protocol):
@@ -81,8 +84,13 @@ class Releases:
             for kind, ident, generation in items:
                 if kind == "object" and generation == session.generation:
                     call("DeleteObject", pb.ObjectRef(session_id=sid, object_id=ident), 30)
-        except TransportError:
-            pass  # the session's lease frees them if the sidecar cannot be told
+        except TransportError as e:
+            if dropped and e.status == Status.FAILED_PRECONDITION and not (session.closed or session.lost):
+                # Refused in the moment the session is reopened under its id (a lapse, a rejoin's
+                # fresh session): its blocks come back under it, so their release must too.
+                time.sleep(RETRY_SECONDS)
+                self.release_soon(dropped)
+            # else the session's lease frees them if the sidecar cannot be told
 
     def flush(self, timeout: float) -> None:
         self.reclaimer.flush(timeout=timeout)

@@ -61,6 +61,7 @@ def fresh_session(host: Host, timeout: float = 10.0) -> bool:
     host was lost). A sidecar that hung for less than its session lease still holds that
     session when it answers again. False (and the host stays out) if it does not answer."""
     conn = host.connection
+    conn.releases.flush(timeout)  # what the program dropped goes back under the old session
     try:
         conn.unary("Disconnect", pb.SessionRef(session_id=conn.session.session_id), timeout=10)
         conn.session.connect(timeout)
