@@ -40,6 +40,43 @@ def _train_then_kill(sidecars, directory: str, lapse: bool = True) -> None:
         assert host.stats()["pools"]["default"]["blocks"] >= 18, host.stats()
 
 
+def test_a_snapshot_still_replicating_when_the_trainers_die_counts_once_it_ends(
+    make_cluster, tmp_path, cluster
+):
+    """Step 5 is taken while the test holds replication back, and both trainers are killed
+    before it ends: the keepers commit the records the trainers handed them once their shards
+    are replicated, so the restart resumes from step 5 (before, only a living trainer committed
+    its part, and a kill after a take lost two snapshot intervals)."""
+    from colocar.elastic import faults
+
+    sidecars = make_cluster(hosts=2, arena_size=16 * MiB, persist=True, lease_seconds=5)
+    directory = str(tmp_path / "unused")
+    try:
+        trainers = two_processes("snap_multi_trainer", sidecars, directory, "held")
+        try:
+            for t in trainers:
+                assert t.stdout.readline().startswith("ready"), t.stdout.read()[-3000:]
+            for h in (0, 1):
+                faults.hold_replication(sidecars, h)
+            for t in trainers:
+                t.stdin.write("go\n")
+                t.stdin.flush()
+            for t in trainers:
+                line = t.stdout.readline()
+                assert line.startswith("taken") and 5 not in json.loads(line.split(" ", 1)[1]), line
+        finally:
+            stop(trainers)  # SIGKILL while step 5 waits to replicate
+        for h in (0, 1):
+            faults.hold_replication(sidecars, h, held=False)
+        for host in sidecars.hosts:
+            keeper = host.object(f"colocar.snapshots/mc-test/{sidecars.hosts.index(host)}")
+            wait_for(lambda k=keeper: k.holdings_by_source()[5]["own"][0] is not None, "step 5's records")
+        results = _resume(sidecars, directory)
+        assert [r["step"] for r in results] == [5, 5]
+    finally:
+        cluster.make_current()
+
+
 def _ended(trainer) -> None:
     try:
         trainer.wait(timeout=30)

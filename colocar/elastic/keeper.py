@@ -43,6 +43,7 @@ class _Snap:
     state: str = "copying"  # copying -> replicating -> replicated | failed
     error: str = ""
     record: bytes | None = None  # set by commit
+    pending: bytes | None = None  # a record to commit once replicated (`MultiKeeper.commit_when_replicated`)
     replicated_bytes: int = 0
     replication_seconds: float = 0.0
 
@@ -150,9 +151,16 @@ class SnapshotKeeper:
             items = []
         with self._lock:
             snap.replication_seconds = time.monotonic() - started
-            if snap.state == "replicating":
-                snap.state = "replicated"
-                self._changed.notify_all()
+            if snap.state != "replicating":
+                return
+            snap.state, record, snap.pending = "replicated", snap.pending, None
+            snap.record = record or snap.record
+            self._changed.notify_all()
+        if record is not None:
+            self._committed_here(snap.step, snap.attempt, record)
+
+    def _committed_here(self, step: int, attempt: str, record: bytes) -> None:
+        """After this keeper committed a pending record itself (a subclass shares it)."""
 
     def _alive(self, snap: _Snap) -> Any:
         """A check that raises once the snapshot was dropped or failed (replication stops)."""

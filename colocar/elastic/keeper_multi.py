@@ -19,6 +19,7 @@ For drills, `fail_reads` makes this sidecar's keepers fail their reads.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -29,6 +30,7 @@ from .keeper import SnapshotKeeper, _flush, _Snap, key_of
 from .peers import PeerOptions, Target, send_chunks
 from .stitch import by_leaf, stitch
 
+log = logging.getLogger("colocar.elastic")
 BEGIN_WAIT_SECONDS = 120.0  # how long a replica waits for its receiver's process to begin the step
 READS = ("holdings", "blocks")  # the reads `fail_reads` can make fail
 _failing: set[str] = set()  # fault injection: the reads of this sidecar's keepers that raise
@@ -88,6 +90,27 @@ class MultiKeeper(SnapshotKeeper):
             snap = self._snap(step, attempt)
             if snap.state != "failed":
                 snap.state = "replicated"
+
+    def commit_when_replicated(self, step: int, attempt: str, record: bytes) -> None:
+        """Commits this host's `record` of (step, attempt) and shares it with the peers holding
+        its replicas once its shards are replicated: by this keeper, so a trainer killed in the
+        meantime loses no snapshot that finished (a restart finds it complete)."""
+        self._touch()
+        with self._lock:
+            snap = self._snap(step, attempt)
+            if snap.state == "failed":
+                return
+            if snap.state != "replicated":
+                snap.pending = record
+                return
+        self.commit(step, attempt, record)
+        self._committed_here(step, attempt, record)
+
+    def _committed_here(self, step: int, attempt: str, record: bytes) -> None:
+        try:
+            self.share_record(step, attempt, record)
+        except Exception as e:  # noqa: BLE001 - a background thread: the peers' copies are missing
+            log.warning("host %d: sharing the record of step %d failed: %s", self.host, step, e)
 
     def share_record(self, step: int, attempt: str, record: bytes) -> None:
         """Stores this host's record of `step` with the peers holding its replicas."""

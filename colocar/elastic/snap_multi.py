@@ -164,13 +164,12 @@ class MultiSnapshots:
 
         def run() -> None:
             deadline = time.monotonic() + self.timeout
-            try:
+            try:  # the keeper commits and shares the record itself once replicated
+                self.keeper.commit_when_replicated(step, attempt, record)
                 while (status := self.keeper.status(step, attempt, 1.0))["state"] not in ENDED:
                     if status["state"] == "unknown" or time.monotonic() > deadline:
                         break
                 if status["state"] == "replicated":
-                    self.keeper.commit(step, attempt, record)
-                    self.keeper.share_record(step, attempt, record)
                     ok[0] = True
                 else:
                     log.warning("snapshot of step %d is abandoned: %s", step, status.get("error") or status)

@@ -3,8 +3,10 @@ were killed) restore from those sidecars' RAM.
 
 Run by test_elastic_multi.py; argv as in ckpt_processes.py (the directory unused), then the
 mode: "train" (snapshots of steps 1-5, step 4 waited for, prints "ready", then waits on stdin
-to be killed), "resume" (restores the newest snapshot complete everywhere, checks it bit for
-bit, takes and waits for the next step, prints "OK <json>"), "hold" (restores and checks, prints
+to be killed), "held" (as "train", but prints "ready" before step 5 and waits for a line on
+stdin, then takes step 5, prints "taken" and waits to be killed), "resume" (restores the
+newest snapshot complete everywhere, checks it bit for bit, takes and waits for the next step,
+prints "OK <json>"), "hold" (restores and checks, prints
 "OK <json>", then waits on stdin to be killed: its keepers keep what the restore refilled) or
 "reshard" (restores the newest snapshot onto other shardings and meshes, each checked bit for bit,
 then in the saved layout, prints "OK <json>") or "save" (saves the newest snapshot to storage in
@@ -15,6 +17,7 @@ checked bit for bit, prints "OK <json>").
 import json
 import os
 import sys
+import time
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 os.environ["JAX_PLATFORMS"] = "cpu"
@@ -106,16 +109,21 @@ def previous_hosts(hosts: list, replicas: int) -> dict:
 
 
 snaps = Snapshots(cluster, replicas=1, name="mc-test", replication_timeout=60, placement=previous_hosts)
-if mode == "train":
+if mode in ("train", "held"):
     state = make(0)
     for step in range(5):
+        if mode == "held" and step + 1 == 5:  # the test holds replication now
+            print("ready", json.dumps(snaps.stats()["committed"]), flush=True)
+            sys.stdin.readline()
         state = {**train_step({k: state[k] for k in SHARDINGS}, step + 1), "step": step + 1}
         state["host"] = np.full(3, step + 1)
         assert snaps.take(step + 1, state)
         if step + 1 == 4:
             snaps.wait()
     check(state, 5)
-    print("ready", json.dumps(snaps.stats()["committed"]), flush=True)
+    if mode == "held":
+        time.sleep(1.0)  # the commit thread hands step 5's record to the keeper, which holds it
+    print("ready" if mode == "train" else "taken", json.dumps(snaps.stats()["committed"]), flush=True)
     sys.stdin.readline()  # killed here
     sys.exit(3)
 
