@@ -25,7 +25,6 @@ from test_security_tls import pki  # noqa: F401 - the certificates, as a fixture
 import colocar
 from colocar.checkpoint import tree
 from colocar.controller_bridge.obj import colocated_class
-from colocar.elastic import faults
 from colocar.elastic.keeper import SnapshotKeeper
 from colocar.elastic.peers import PeerOptions
 from colocar.elastic.snap_take import SnapshotSkipped
@@ -167,58 +166,6 @@ def test_a_shard_and_its_only_replica_lost_is_not_recoverable(make_cluster):
         assert snaps.latest() is None
         with pytest.raises(SnapshotError, match=r"step 1 is not recoverable: .* of host 1 .*\[2\]"):
             snaps.restore(1, _target(state, cluster, {1, 2}))
-
-
-def test_a_host_lost_during_replication_keeps_the_previous_snapshot(make_cluster):
-    cluster = _cluster(make_cluster)
-    with Snapshots(cluster, replicas=1, pool=POOL) as snaps:
-        first = _state(cluster, 4, rows=8)
-        assert snaps.take(1, first)
-        snaps.wait(60)
-        for h in range(4):  # step 2's replicas stay in flight until host 3 is gone
-            faults.hold_replication(cluster, h)
-        try:
-            assert snaps.take(2, _state(cluster, 5))
-            assert snaps.stats()["replication"]["state"] == "replicating"  # take did not wait for it
-            _kill(cluster, 3)
-        finally:
-            for h in range(3):
-                faults.hold_replication(cluster, h, held=False)
-        snaps.wait(60)
-        replication = snaps.stats()["replication"]
-        assert (replication["step"], replication["state"]) == (2, "failed")
-        assert snaps.latest() == 1
-        assert_same(snaps.restore(1, _target(first, cluster, {3})), first)
-
-
-def test_a_host_lost_after_its_shards_reached_a_peer_keeps_the_snapshot_in_flight(make_cluster):
-    """Host 3 is lost while step 2 still replicates, but once its own shards reached their
-    replica: every shard of step 2 is on a live host, so it counts (before, step 1 did: a loss
-    right after a take cost two snapshot intervals instead of one)."""
-    cluster = _cluster(make_cluster)
-    with Snapshots(cluster, replicas=1, pool=POOL) as snaps:
-        assert snaps.take(1, _state(cluster, 4, rows=8))
-        snaps.wait(60)
-        for h in range(3):  # hosts 0-2 hold their replicas back; host 3 sends its own
-            faults.hold_replication(cluster, h)
-        try:
-            second = _state(cluster, 5)
-            assert snaps.take(2, second)
-            attempt = snaps._records[2]["attempt"]
-            wait_for(
-                lambda: snaps._keepers[3].status(2, attempt, 1.0)["state"] == "replicated",
-                "host 3's shards to reach its peer",
-            )
-            assert snaps.stats()["replication"]["state"] == "replicating"
-            _kill(cluster, 3)
-        finally:
-            for h in range(3):
-                faults.hold_replication(cluster, h, held=False)
-        assert snaps.latest() == 2  # it waits for the snapshot in flight to end
-        replication = snaps.stats()["replication"]
-        assert (replication["step"], replication["state"]) == (2, "committed"), replication
-        assert "without hosts [3]" in replication["error"]
-        assert_same(snaps.restore(2, _target(second, cluster, {3})), second)
 
 
 def test_a_host_lost_before_a_snapshot_keeps_the_previous_one(make_cluster):
