@@ -159,11 +159,16 @@ class Committer:
 
     def _commit(self, tracked: Tracked) -> None:
         """The record goes to every host at once; it counts once one of them holds it."""
+        if not self._store(tracked, tracked.hosts):
+            self._abandon(tracked, "no host took the commit record")
+            return
+        tracked.state = "committed"
+        self._on_commit(tracked.step)
+
+    def _store(self, tracked: Tracked, hosts: list[int]) -> int:
+        """The record stored in the keepers of `hosts`, all at once; how many took it."""
         record = pickle.dumps(tracked.record)
-        calls = {
-            h: self._submit(h, "commit", tracked.step, tracked.record["attempt"], record)
-            for h in tracked.hosts
-        }
+        calls = {h: self._submit(h, "commit", tracked.step, tracked.record["attempt"], record) for h in hosts}
         stored = 0
         for h, call in calls.items():
             try:
@@ -173,11 +178,7 @@ class Committer:
                 log.warning(
                     "snapshot step %d: host %d did not take the commit record: %s", tracked.step, h, e
                 )
-        if not stored:
-            self._abandon(tracked, "no host took the commit record")
-            return
-        tracked.state = "committed"
-        self._on_commit(tracked.step)
+        return stored
 
     def _submit(self, h: int, method: str, *args: Any) -> Any:
         """A call of host `h`'s keeper in flight (a future; failed at once when it cannot start)."""
@@ -222,15 +223,7 @@ class Committer:
             return False  # no host was lost (a failure of its own: a full pool, a timeout), or none is left
         if snap_restore.missing(tracked.record, snap_restore.holders(found, tracked.step, attempt)):
             return False
-        record = pickle.dumps(tracked.record)
-        stored = 0
-        for h in holding:
-            try:
-                self._keeper(h).commit(tracked.step, attempt, record)
-                stored += 1
-            except Exception:  # noqa: BLE001 - lost meanwhile: the others hold the record
-                pass
-        if not stored:
+        if not self._store(tracked, holding):
             return False
         lost = sorted(set(tracked.hosts) - set(holding))
         log.warning(
