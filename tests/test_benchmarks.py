@@ -62,6 +62,7 @@ REQUIRED = {
         "orbax_restore_s",
         "slowdown_ratio",
         "state_mib",
+        "goodput",
     ),
     "firstbatch": (
         "colocar_fresh_s",

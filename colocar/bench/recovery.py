@@ -48,6 +48,12 @@ pre-faulted buffer (`blocked_ratio` = snapshot_blocked_s / memcpy_s); `take` cop
 share, all from the controller, on this machine's 2 cores: `memcpy_state_s` is one thread copying
 all four shares. `load_avg_1m`: the machine's load when the run ended (other tenants make the
 figures scatter).
+
+`goodput`: useful step time over wall time of a run modelled from this run's medians (the
+bench's own training step is too short to stand for one): `GOODPUT_STEPS` steps of
+`GOODPUT_STEP_S` s with a snapshot every `GOODPUT_EVERY`, each costing its blocked time and the
+training time its replication took away (`replication_training_s` x slowdown / (1 +
+slowdown)), and one loss: `ram_s` (kill to the next step) and half an interval of steps redone.
 """
 
 from __future__ import annotations
@@ -76,6 +82,7 @@ MiB = 1 << 20
 POOL = "snap"
 SLOWDOWN_FLOOR = 0.02
 BLOCKED_FIXED_S = 0.001  # the goal's fixed part of a take's blocked time
+GOODPUT_STEPS, GOODPUT_STEP_S, GOODPUT_EVERY = 1000, 0.1, 10  # the run `goodput` models
 SYSTEMS = ("ram", "storage", "orbax", "storage_gcs", "orbax_gcs")
 BUCKET = "colocar-bench-recovery"
 PER_ROUND = (
@@ -222,6 +229,15 @@ def _summary(head: dict[str, Any], rounds: list[dict], memcpy: float) -> dict[st
     return out
 
 
+def goodput(out: dict[str, Any]) -> float:
+    """Useful step time over wall time of the modelled run (see the module's docstring)."""
+    slow = max(out["replication_slowdown"], 0.0)
+    per_snapshot = out["snapshot_blocked_s"] + out["replication_training_s"] * slow / (1 + slow)
+    useful = GOODPUT_STEPS * GOODPUT_STEP_S
+    lost = GOODPUT_STEPS // GOODPUT_EVERY * per_snapshot + out["ram_s"] + GOODPUT_EVERY / 2 * GOODPUT_STEP_S
+    return useful / (useful + lost)
+
+
 def _config(quick: bool, state: dict[str, Any], share: int) -> Config:
     import jax
 
@@ -315,5 +331,7 @@ def run(quick: bool, repeats: int) -> dict:
     out["snapshot_blocked_goal_s"] = round(BLOCKED_FIXED_S + 1.2 * out["memcpy_state_s"], 4)
     # goal <= 1.5: the restore itself (no step) against one memcpy of the state
     out["ram_read_memcpy_ratio"] = round(out["ram_read_s"] / out["memcpy_state_s"], 2)
+    out["replication_training_s"] = round(statistics.median(m["replication_training_s"] for m in results), 4)
+    out["goodput"] = round(goodput(out), 4)
     out["load_avg_1m"] = round(os.getloadavg()[0], 1)
     return out
