@@ -12,6 +12,11 @@ from helpers import program
 def two_processes(name: str, sidecars, directory: str, *extra: str) -> list[subprocess.Popen]:
     """Starts tests/programs/<name>.py (see ckpt_processes.py) as processes 0 and 1, each on its
     own sidecar; `extra` arguments follow the common ones."""
+    return processes(name, sidecars, directory, 2, *extra)
+
+
+def processes(name: str, sidecars, directory: str, count: int, *extra: str) -> list[subprocess.Popen]:
+    """As `two_processes`, as processes 0 to `count - 1` on the first `count` sidecars."""
     import socket
 
     with socket.socket() as s:
@@ -34,7 +39,7 @@ def two_processes(name: str, sidecars, directory: str, *extra: str) -> list[subp
             stderr=subprocess.STDOUT,
             text=True,
         )
-        for i in range(2)
+        for i in range(count)
     ]
 
 

@@ -15,7 +15,7 @@ import os
 import pytest
 from checkpoint_helpers import MiB
 from helpers import wait_for
-from multi_helpers import stop, two_processes
+from multi_helpers import processes, stop, two_processes
 
 
 def _train_then_kill(sidecars, directory: str, lapse: bool = True) -> None:
@@ -193,29 +193,9 @@ def test_save_to_writes_a_committed_checkpoint_from_the_sidecars(make_cluster, t
         cluster.make_current()
 
 
-def _job(sidecars, processes: int, mode: str) -> list:
-    """tests/programs/snap_mc_shrink.py as `processes` JAX processes on the first sidecars."""
-    import socket
-    import subprocess
-    import sys
-
-    from helpers import program
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    common = [str(processes), port]
-    return [
-        subprocess.Popen(
-            [sys.executable, program("snap_mc_shrink"), str(i), *common, sidecars.hosts[i].address]
-            + [sidecars.token_file, mode],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(processes)
-    ]
+def _job(sidecars, count: int, mode: str) -> list:
+    """tests/programs/snap_mc_shrink.py as `count` JAX processes on the first sidecars."""
+    return processes("snap_mc_shrink", sidecars, "unused", count, mode, str(count))
 
 
 def test_a_job_restarted_without_the_lost_host_reads_its_shards_from_the_replicas(make_cluster, cluster):

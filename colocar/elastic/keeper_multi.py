@@ -6,13 +6,14 @@ keeper (`peers.py`). On top of `SnapshotKeeper` this keeper
 
 * takes replicas that arrive before its own process began the step (`receive` waits for
   `begin`: the processes are not in lock-step);
-* hands its process's commit record to the peers holding its replicas (`share_record`), so a
-  replaced host's record survives with its shards;
-* reports what it holds per source host (`holdings_by_source`), reads only its own blocks
-  (`read_own`), stitches slices from its own blocks and the peers' (`read_across`: a restore
-  onto another sharding, the peers' parts read keeper to keeper), and refills a peer from
-  what it holds (`push`): the peer's own shards from the replicas held here, or this host's
-  shards as the peer's replicas again.
+* commits its process's record once its shards are replicated, by itself, and hands it to the
+  peers holding its replicas (`commit_when_replicated`, `share_record`), so a killed trainer's
+  last snapshot and a replaced host's record survive with their shards;
+* reports what it holds per source host (`holdings_by_source`), reads its own blocks and its
+  replicas of hosts the job restarted without (`read_own`), stitches slices from its own
+  blocks and the peers' (`read_across`: a restore onto another sharding, the peers' parts read
+  keeper to keeper), and refills a peer from what it holds (`push`): the peer's own shards from
+  the replicas held here, or this host's shards as the peer's replicas again.
 
 For drills, `fail_reads` makes this sidecar's keepers fail their reads.
 """

@@ -3,8 +3,9 @@
 Each process copies only its addressable shards (each distinct one once, replicated arrays
 included, so that every process can restore its devices from its own host) into its own
 sidecar's keeper (`keeper_multi.py`); that keeper replicates them to the next hosts' keepers in
-ring order over the peer path, and once done the process stores its record (tree, leaves, its
-shards, plain leaves pickled) there and with its replicas. A snapshot counts once every
+ring order over the peer path and, once done, stores the record the process handed it (tree,
+leaves, its shards, plain leaves pickled) there and with its replicas, whether or not that
+process still lives (`commit_when_replicated`). A snapshot counts once every
 process's record and shards are in place: the processes learn it from each other at the next
 `take` (or `wait`, `latest`) through jax.distributed's key-value store (`snap_agree.py`).
 
@@ -12,7 +13,8 @@ Restarted trainers (new processes, same sidecars) make a `Snapshots` of the same
 keepers are detached and still hold the blocks; `latest()` agrees on the newest step complete
 everywhere and `restore` refills a replaced (empty) sidecar from its peers' replicas
 (`snap_refill.py`) before each process builds its devices' slices of the target, of the saved
-sharding or another one (`snap_mc_restore.py`).
+sharding or another one (`snap_mc_restore.py`). A job restarted with fewer processes reads the
+shards of the processes it lacks from the replicas the others hold (`snap_agree.absent`).
 """
 
 from __future__ import annotations

@@ -2,11 +2,11 @@
 run again with fewer processes (a host lost and not replaced), restores from the survivors'
 RAM: the lost host's shards from the replicas its peer holds.
 
-Run by test_elastic_multi.py; argv: process index, process count, coordinator port, its own
-sidecar's address, the token file, then the mode: "train" (3 processes: snapshots of steps
-1-3, each waited for, prints "ready <committed>", then waits on stdin to be killed) or
-"resume" (2 processes: restores the newest snapshot onto their 4 devices, checks it bit for
-bit, takes and restores the next step, prints "OK <json>").
+Run by test_elastic_multi.py; argv as in ckpt_processes.py (the directory unused), then the
+mode and the process count: "train" (3 processes: snapshots of steps 1-3, each waited for,
+prints "ready <committed>", then waits on stdin to be killed) or "resume" (2 processes:
+restores the newest snapshot onto their 4 devices, checks it bit for bit, takes and restores
+the next step, prints "OK <json>").
 """
 
 import json
@@ -22,8 +22,8 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-process, processes, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-address, token_file, mode = sys.argv[4:7]
+process, port, address, token_file = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+mode, processes = sys.argv[6], int(sys.argv[7])
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=processes, process_id=process)
 
 import colocar  # noqa: E402
