@@ -153,11 +153,14 @@ class SnapshotKeeper:
             snap.replication_seconds = time.monotonic() - started
             if snap.state != "replicating":
                 return
-            snap.state, record, snap.pending = "replicated", snap.pending, None
+            record, snap.pending = snap.pending, None
             snap.record = record or snap.record
-            self._changed.notify_all()
-        if record is not None:
+        if record is not None:  # shared before "replicated": who then surveys finds it with the peers
             self._committed_here(snap.step, snap.attempt, record)
+        with self._lock:
+            if snap.state == "replicating":
+                snap.state = "replicated"
+            self._changed.notify_all()
 
     def _committed_here(self, step: int, attempt: str, record: bytes) -> None:
         """After this keeper committed a pending record itself (a subclass shares it)."""

@@ -86,7 +86,11 @@ fetched = snaps.stats()["fetched_bytes"]
 assert snaps.take(latest + 1, make(latest + 1))  # the job goes on with its new layout
 snaps.wait()
 assert snaps.latest() == latest + 1
+refilled = snaps.stats()["refilled_bytes"]
 check(snaps.restore(latest + 1, target), latest + 1)
+# a snapshot waited for is complete on its peers too (before, a keeper reported "replicated"
+# before its record reached them, and the restore sent every shard again)
+assert snaps.stats()["refilled_bytes"] == refilled, (refilled, snaps.stats())
 print(
     "OK", json.dumps({"step": latest, "fetched": fetched, "refilled_bytes": snaps.stats()["refilled_bytes"]})
 )
