@@ -147,8 +147,6 @@ class SnapshotKeeper:
             with self._lock:
                 self._fail(snap, f"host {self.host}: replicating step {snap.step} failed: {e}")
             return
-        finally:
-            items = []
         with self._lock:
             snap.replication_seconds = time.monotonic() - started
             if snap.state != "replicating":
