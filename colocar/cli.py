@@ -1,6 +1,7 @@
-"""The `colocar` command: `sidecar`, `demo`, `bench`, `ckpt` (inspect checkpoints), `k8s` (render manifests),
-`slurm` (sbatch scripts and their tasks), `examples` (write the example pipeline's data), `sessions` (list
-and end sessions), `clean` (what killed sidecars left).
+"""The `colocar` command: `sidecar`, `demo`, `bench`, `ckpt` (inspect checkpoints), `k8s` (render
+manifests), `slurm` (sbatch scripts and their tasks), `pool` (a shared pool of tenants), `examples`
+(write the example pipeline's data), `sessions` (list and end sessions), `clean` (what killed
+sidecars left).
 
 A user's mistake (a missing file, a bucket that does not exist, storage that does not answer)
 ends the command with one line on stderr naming what failed, and exit status 1; a traceback
@@ -12,7 +13,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-USAGE = """usage: colocar [--version] {sidecar,demo,bench,ckpt,k8s,slurm,examples,sessions,clean} ...
+USAGE = """usage: colocar [--version] {sidecar,demo,bench,ckpt,k8s,slurm,pool,examples,sessions,clean} ...
 
   sidecar   run a sidecar (colocar sidecar --help)
   demo      train on a local cluster, lose a host, recover from RAM (colocar demo --help)
@@ -20,6 +21,7 @@ USAGE = """usage: colocar [--version] {sidecar,demo,bench,ckpt,k8s,slurm,example
   ckpt      list, inspect and convert checkpoints: colocar ckpt {ls PATH,show PATH STEP,convert SRC DST}
   k8s       render Kubernetes manifests: colocar k8s render --topology T --image I --bucket B
   slurm     Slurm jobs: colocar slurm render --nodes N -- COMMAND (an sbatch script); slurm run (under srun)
+  pool      a shared pool several tenants use: colocar pool {up --tenants FILE,status,admit,down}
   examples  write the data examples/pipeline.yaml reads: colocar examples write-data examples/data
   sessions  list, end or stop sessions: colocar sessions {ls [ADDRESS...],close NAME [ADDRESS...],stop NAME}
   clean     remove the arenas and folders killed sidecars and controllers left on this machine
@@ -64,6 +66,10 @@ def _command(name: str) -> Callable[[list[str]], object] | None:
         from colocar.slurm.cli import main as slurm_main
 
         return slurm_main
+    if name == "pool":
+        from colocar.pool.cli import main as pool_main
+
+        return pool_main
     if name == "examples":
         from colocar.loaders.example_data import main as examples_main
 
@@ -92,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     command, rest = argv[0], argv[1:]
     run = _command(command)
     if run is None:
-        known = "sidecar, demo, bench, ckpt, k8s, slurm, examples, sessions, clean"
+        known = "sidecar, demo, bench, ckpt, k8s, slurm, pool, examples, sessions, clean"
         print(f"colocar: unknown command {command!r} ({known})", file=sys.stderr)
         sys.exit(2)
     try:

@@ -50,6 +50,15 @@ class AuthError(ColocarError):
     """The sidecar refused the token (or none was given)."""
 
 
+class PoolFullError(ColocarError):
+    """A shared pool had no room for the tenant: it would not wait, or waited its timeout."""
+
+
+class QuotaExceededError(ColocarError):
+    """A shared pool refused: the tenant's quota (sessions, concurrent calls, arena bytes) is
+    used up; the message names the tenant, the quota and the current use."""
+
+
 class SerializationError(ColocarError, TypeError):
     """An argument or a result could not be pickled or unpickled; the message names the value."""
 

@@ -48,12 +48,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def server_children() -> list[psutil.Process]:
-    """Sidecar (and fake GCS server) processes started by this test process that still run."""
+    """Sidecar (pool agent, fake GCS server) processes started by this test process that still run."""
     found = []
     for child in psutil.Process().children(recursive=True):
         try:
             command = " ".join(child.cmdline())
-            server = "colocar.sidecar" in command or "fake-gcs-server" in command
+            server = any(name in command for name in ("colocar.sidecar", "colocar.pool", "fake-gcs-server"))
             if server and child.status() != psutil.STATUS_ZOMBIE:
                 found.append(child)
         except psutil.Error:

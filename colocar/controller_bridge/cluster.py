@@ -83,6 +83,7 @@ class Cluster:
     def __init__(self, hosts: list[Host], on_close: Callable[[], None] | None = None):
         self.hosts = hosts
         self._on_close = on_close
+        self.admission: dict[str, Any] | None = None  # how a shared pool admitted this job
         self._closed = False
         self._device_hosts = {d: h for h in hosts for d in h.devices}
         with _active_lock:
@@ -126,6 +127,11 @@ class Cluster:
             f"{len(found)} hosts hold an object named {name!r} ({holders}): ask one, "
             f"cluster.host(i).object({name!r})"
         )
+
+    def stats(self) -> dict[str, Any]:
+        """Every host's counters (`Host.stats`) and, in a shared pool, how this job was
+        admitted (its tenant, the queue positions and estimated waits it saw, the wait)."""
+        return {"hosts": [h.stats() for h in self.hosts], "pool": self.admission}
 
     def host_of(self, device: Any) -> Host | None:
         return self._device_hosts.get(device)
@@ -325,6 +331,9 @@ def connect(
     tls_key: str | None = None,
     session: str | None = None,
     grace_seconds: float | None = None,
+    pool: str | None = None,
+    wait: bool = True,
+    queue_timeout: float = 0.0,
 ) -> Cluster:
     """Connects to running sidecars.
 
@@ -339,13 +348,20 @@ def connect(
     controller connecting later under the same name and token takes it over, with its named
     objects (`cluster.object(name)`); what else the old one held is freed. Without a name a
     session ends with its controller (its lease, `lease_seconds`).
-    """
+
+    `pool` (a pool file of `colocar pool up`, or its agent's host:port) joins a shared pool as
+    the token's tenant, on sidecars of its own. A full pool queues it (position and wait
+    printed, and in `cluster.stats()["pool"]`); PoolFullError without `wait` or after
+    `queue_timeout` s."""
+    secret = token_from_env(token, token_file)
+    admitted = None
+    if pool is not None:
+        from colocar.pool.client import admit
+
+        admitted = admit(pool, secret or "", wait=wait, queue_timeout=queue_timeout)
+        addresses = admitted.addresses
     addresses = sidecar_addresses(addresses)
-    groups = (
-        [list(g) for g in devices]
-        if devices is not None
-        else split_devices(jax.local_devices(), len(addresses))
-    )
+    groups = [list(g) for g in devices] if devices else split_devices(jax.local_devices(), len(addresses))
     options = dict(
         shm=shm,
         lease_seconds=lease_seconds,
@@ -354,14 +370,20 @@ def connect(
         credentials=channel_credentials(tls_ca, tls_cert, tls_key),
         named=session_name(session, grace_seconds),
     )
-    secret = token_from_env(token, token_file)
-    hosts = []
+    cluster = Cluster(_hosts(addresses, secret, groups, options))
+    cluster.admission = admitted.as_dict() if admitted is not None else None
+    return cluster
+
+
+def _hosts(addresses: list[str], secret: str | None, groups: list[list[Any]], options: dict) -> list[Host]:
+    """A connected host per address (device group i to address i); none left open on a failure."""
+    hosts: list[Host] = []
     try:
         for i, address in enumerate(addresses):
-            conn = HostConnection(address, f"host{i}", secret, **options)  # type: ignore[arg-type]
+            conn = HostConnection(address, f"host{i}", secret, **options)
             hosts.append(Host(i, conn, groups[i]))
     except BaseException:
         for host in hosts:
             host.connection.close()
         raise
-    return Cluster(hosts)
+    return hosts

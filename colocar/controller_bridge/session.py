@@ -25,10 +25,17 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from colocar.errors import AuthError, ColocarError, HostLostError, SessionEndedError, VersionSkewError
+from colocar.errors import (
+    AuthError,
+    ColocarError,
+    HostLostError,
+    QuotaExceededError,
+    SessionEndedError,
+    VersionSkewError,
+)
 from colocar.protocol import colocar_pb2 as pb
 from colocar.protocol import versions
-from colocar.protocol.status import Status, TransportError
+from colocar.protocol.status import QUOTA_REACHED, Status, TransportError
 
 from .transport import GrpcTransport, Transport
 
@@ -150,6 +157,8 @@ class Session:
         if e.status == Status.ABORTED:
             self.mark_ended(e.details)
             return SessionEndedError(str(self.ended) if self.ended else e.details)
+        if e.status == Status.RESOURCE_EXHAUSTED and QUOTA_REACHED in e.details:
+            return QuotaExceededError(f"sidecar {self.name} at {self.address}: {e.details}")
         return HostLostError(f"cannot reach sidecar {self.name} at {self.address}: {e.details}")
 
     def start(self) -> None:

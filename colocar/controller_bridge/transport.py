@@ -17,11 +17,18 @@ from typing import Any, Protocol
 
 import grpc
 
-from colocar.errors import AuthError, CallTimeoutError, ColocarError, HostLostError, SessionEndedError
+from colocar.errors import (
+    AuthError,
+    CallTimeoutError,
+    ColocarError,
+    HostLostError,
+    QuotaExceededError,
+    SessionEndedError,
+)
 from colocar.protocol import colocar_pb2_grpc as pb_grpc
 from colocar.protocol.link import MAX_FRAME, MAX_REQUEST
 from colocar.protocol.link import METHODS as LINK_METHODS
-from colocar.protocol.status import Status, TransportError
+from colocar.protocol.status import QUOTA_REACHED, Status, TransportError
 from colocar.protocol.tokens import TOKEN_METADATA_KEY
 from colocar.shm import ArenaFullError
 
@@ -96,6 +103,10 @@ class Peer(Protocol):
     def mark_ended(self, reason: str) -> None: ...
 
 
+class ArenaQuotaError(QuotaExceededError, ArenaFullError):
+    """A tenant's arena quota is used up: a full arena to the code that waits for room."""
+
+
 def translate(e: TransportError, what: str, peer: Peer) -> Exception:
     """A failed call as the error a user should see (a lost host is marked lost)."""
     status, details, name = e.status, e.details, peer.name
@@ -117,6 +128,9 @@ def translate(e: TransportError, what: str, peer: Peer) -> Exception:
         )
     if status == Status.RESOURCE_EXHAUSTED and "message larger than max" in details:  # gRPC's limit
         return ColocarError(f"{what} on {name}: {details}; {TOO_LARGE_HINT}")
+    if status == Status.RESOURCE_EXHAUSTED and QUOTA_REACHED in details:
+        error = ArenaQuotaError if " arena " in details else QuotaExceededError
+        return error(f"{what} on {name}: {details}")
     if status == Status.RESOURCE_EXHAUSTED:
         return ArenaFullError(f"{what} on {name}: {details}")
     return ColocarError(f"{what} on {name} failed: {status.name}: {details}")

@@ -310,7 +310,14 @@ class PoolStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., reserved: _Optional[int] = ..., used: _Optional[int] = ..., peak: _Optional[int] = ..., blocks: _Optional[int] = ..., largest_free: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("calls", "errors", "latency_p50_us", "latency_p99_us", "sessions", "objects", "in_flight", "pools", "uptime_seconds", "worker_processes", "abandoned_calls")
+    __slots__ = ("calls", "errors", "latency_p50_us", "latency_p99_us", "sessions", "objects", "in_flight", "pools", "uptime_seconds", "worker_processes", "abandoned_calls", "tenant", "quota_refusals")
+    class QuotaRefusalsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     CALLS_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     LATENCY_P50_US_FIELD_NUMBER: _ClassVar[int]
@@ -322,6 +329,8 @@ class StatsReply(_message.Message):
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     WORKER_PROCESSES_FIELD_NUMBER: _ClassVar[int]
     ABANDONED_CALLS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_REFUSALS_FIELD_NUMBER: _ClassVar[int]
     calls: int
     errors: int
     latency_p50_us: float
@@ -333,4 +342,34 @@ class StatsReply(_message.Message):
     uptime_seconds: float
     worker_processes: int
     abandoned_calls: int
-    def __init__(self, calls: _Optional[int] = ..., errors: _Optional[int] = ..., latency_p50_us: _Optional[float] = ..., latency_p99_us: _Optional[float] = ..., sessions: _Optional[int] = ..., objects: _Optional[int] = ..., in_flight: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., worker_processes: _Optional[int] = ..., abandoned_calls: _Optional[int] = ...) -> None: ...
+    tenant: str
+    quota_refusals: _containers.ScalarMap[str, int]
+    def __init__(self, calls: _Optional[int] = ..., errors: _Optional[int] = ..., latency_p50_us: _Optional[float] = ..., latency_p99_us: _Optional[float] = ..., sessions: _Optional[int] = ..., objects: _Optional[int] = ..., in_flight: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., worker_processes: _Optional[int] = ..., abandoned_calls: _Optional[int] = ..., tenant: _Optional[str] = ..., quota_refusals: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class AdmitRequest(_message.Message):
+    __slots__ = ("timeout_seconds", "wait")
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FIELD_NUMBER: _ClassVar[int]
+    timeout_seconds: float
+    wait: bool
+    def __init__(self, timeout_seconds: _Optional[float] = ..., wait: _Optional[bool] = ...) -> None: ...
+
+class AdmitUpdate(_message.Message):
+    __slots__ = ("position", "estimated_wait_seconds", "addresses", "tenant", "waiting")
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATED_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    position: int
+    estimated_wait_seconds: float
+    addresses: _containers.RepeatedScalarFieldContainer[str]
+    tenant: str
+    waiting: int
+    def __init__(self, position: _Optional[int] = ..., estimated_wait_seconds: _Optional[float] = ..., addresses: _Optional[_Iterable[str]] = ..., tenant: _Optional[str] = ..., waiting: _Optional[int] = ...) -> None: ...
+
+class PoolStatus(_message.Message):
+    __slots__ = ("json",)
+    JSON_FIELD_NUMBER: _ClassVar[int]
+    json: str
+    def __init__(self, json: _Optional[str] = ...) -> None: ...

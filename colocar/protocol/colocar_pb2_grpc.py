@@ -801,3 +801,176 @@ class Sidecar:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class PoolStub:
+    """A shared pool's agent (`colocar pool`): admits tenants, starts each admitted tenant's
+    sidecars (one per host) and reports the pool. A tenant's calls carry its own token; the
+    pool's admin token (its pool file) may also ask for every tenant's status and stop the pool.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Admit = channel.unary_stream(
+                '/colocar.v1.Pool/Admit',
+                request_serializer=colocar__pb2.AdmitRequest.SerializeToString,
+                response_deserializer=colocar__pb2.AdmitUpdate.FromString,
+                _registered_method=True)
+        self.Status = channel.unary_unary(
+                '/colocar.v1.Pool/Status',
+                request_serializer=colocar__pb2.Empty.SerializeToString,
+                response_deserializer=colocar__pb2.PoolStatus.FromString,
+                _registered_method=True)
+        self.Shutdown = channel.unary_unary(
+                '/colocar.v1.Pool/Shutdown',
+                request_serializer=colocar__pb2.Empty.SerializeToString,
+                response_deserializer=colocar__pb2.Empty.FromString,
+                _registered_method=True)
+
+
+class PoolServicer:
+    """A shared pool's agent (`colocar pool`): admits tenants, starts each admitted tenant's
+    sidecars (one per host) and reports the pool. A tenant's calls carry its own token; the
+    pool's admin token (its pool file) may also ask for every tenant's status and stop the pool.
+    """
+
+    def Admit(self, request, context):
+        """Waits in the admission queue until the tenant is served (at once when it already is, or
+        when there is room): updates with the queue position and the estimated wait, then one
+        with the addresses of the tenant's sidecars. Ends with DEADLINE_EXCEEDED after
+        timeout_seconds (0: no limit), leaving the queue.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Status(self, request, context):
+        """The pool as JSON: tenants served, their use, the queue (a tenant's token: its own only).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Shutdown(self, request, context):
+        """Stops the pool (admin token): every tenant's sidecars, then the agent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_PoolServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Admit': grpc.unary_stream_rpc_method_handler(
+                    servicer.Admit,
+                    request_deserializer=colocar__pb2.AdmitRequest.FromString,
+                    response_serializer=colocar__pb2.AdmitUpdate.SerializeToString,
+            ),
+            'Status': grpc.unary_unary_rpc_method_handler(
+                    servicer.Status,
+                    request_deserializer=colocar__pb2.Empty.FromString,
+                    response_serializer=colocar__pb2.PoolStatus.SerializeToString,
+            ),
+            'Shutdown': grpc.unary_unary_rpc_method_handler(
+                    servicer.Shutdown,
+                    request_deserializer=colocar__pb2.Empty.FromString,
+                    response_serializer=colocar__pb2.Empty.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'colocar.v1.Pool', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('colocar.v1.Pool', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Pool:
+    """A shared pool's agent (`colocar pool`): admits tenants, starts each admitted tenant's
+    sidecars (one per host) and reports the pool. A tenant's calls carry its own token; the
+    pool's admin token (its pool file) may also ask for every tenant's status and stop the pool.
+    """
+
+    @staticmethod
+    def Admit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/colocar.v1.Pool/Admit',
+            colocar__pb2.AdmitRequest.SerializeToString,
+            colocar__pb2.AdmitUpdate.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Status(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/colocar.v1.Pool/Status',
+            colocar__pb2.Empty.SerializeToString,
+            colocar__pb2.PoolStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Shutdown(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/colocar.v1.Pool/Shutdown',
+            colocar__pb2.Empty.SerializeToString,
+            colocar__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

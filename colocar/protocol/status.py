@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import enum
 
+QUOTA_REACHED = "quota reached"  # in a RESOURCE_EXHAUSTED refusal: a tenant's quota, not a full arena
+
 
 class Status(enum.IntEnum):
     OK = 0

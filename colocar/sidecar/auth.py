@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import logging
 import os
 import stat
+import threading
 
 import grpc
 
@@ -39,6 +41,46 @@ def read_token_file(path: str) -> str:
     return token
 
 
+class Token:
+    """The sidecar's token, re-read when its file changes: a rotated token (a pool's tenants
+    file edited) takes effect within `poll` seconds, without a restart (the local link's
+    connections proved the old one: each is refused then, and its controller reconnects)."""
+
+    def __init__(self, value: str | None, path: str | None = None, poll: float = 1.0):
+        self.value = value
+        self._path, self._poll = path, poll
+        self._seen = _mtime(path)
+        self._stop = threading.Event()
+        if path:
+            threading.Thread(target=self._watch, name="colocar-token-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self._poll):
+            seen = _mtime(self._path)
+            if seen == self._seen:
+                continue
+            self._seen = seen
+            try:
+                value = read_token_file(self._path)  # type: ignore[arg-type]
+            except (OSError, UnsafeConfigError) as e:  # the old token stays until a good one
+                logging.getLogger("colocar.sidecar").warning("token file not reloaded: %s", e)
+                continue
+            if value != self.value:
+                self.value = value
+                logging.getLogger("colocar.sidecar").info("token file %s changed: in use now", self._path)
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+def _mtime(path: str | None) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path) if path else None
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_ino) if st else None
+
+
 def token_matches(expected: str | None, metadata: tuple | None) -> bool:
     """Constant-time comparison of the caller's token with ours."""
     if expected is None:
@@ -63,12 +105,12 @@ class TokenInterceptor(grpc.ServerInterceptor):
     only once its handler runs; the refusing handler takes the request stream and never reads
     it, so a stranger's message (up to the receive limit) is neither buffered nor parsed."""
 
-    def __init__(self, token: str | None):
+    def __init__(self, token: Token):
         self._token = token
 
     def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
         method, metadata = handler_call_details.method or "", handler_call_details.invocation_metadata
-        if method.startswith(HEALTH_PREFIX) or token_matches(self._token, metadata):
+        if method.startswith(HEALTH_PREFIX) or token_matches(self._token.value, metadata):
             return continuation(handler_call_details)
         return _REFUSE
 

@@ -16,7 +16,7 @@ import grpc
 from colocar.protocol import colocar_pb2_grpc as pb_grpc
 from colocar.protocol.status import Refused
 
-from .auth import token_matches
+from .auth import Token, token_matches
 from .service import SidecarService
 
 _GRPC_CODES = {code.value[0]: code for code in grpc.StatusCode}
@@ -46,13 +46,13 @@ class GrpcServicer(pb_grpc.SidecarServicer):
 
     UNARY, STREAMED = _UNARY, _STREAMED + _STREAMED_WITH_CONTEXT
 
-    def __init__(self, service: SidecarService, token: str | None):
+    def __init__(self, service: SidecarService, token: Token):
         self.service = service
         self._token = token
 
     def check(self, context: grpc.ServicerContext) -> None:
         """Aborts the call unless it carries the sidecar's token."""
-        if not token_matches(self._token, context.invocation_metadata()):
+        if not token_matches(self._token.value, context.invocation_metadata()):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong colocar token")
 
 

@@ -24,6 +24,7 @@ import time
 from colocar.protocol import link
 from colocar.protocol.status import Refused, Status
 
+from .auth import Token
 from .service import SidecarService
 
 MAX_CONNECTIONS = 1024  # proven connections (a controller opens one per calling thread)
@@ -33,9 +34,9 @@ MAX_REQUEST_FRAME = link.MAX_REQUEST + 256  # the message, its method's name and
 
 
 class LinkServer:
-    def __init__(self, service: SidecarService, path: str, token: str | None):
+    def __init__(self, service: SidecarService, path: str, token: Token):
         self._service = service
-        self._token = token or ""
+        self._token = token
         self.path = path
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
@@ -69,12 +70,12 @@ class LinkServer:
                 self._unproven[conn] = None
             threading.Thread(target=self._serve, args=(conn,), name="colocar-link", daemon=True).start()
 
-    def _hello(self, conn: socket.socket, reader: link.FrameReader) -> bool:
+    def _hello(self, conn: socket.socket, reader: link.FrameReader, expected: str) -> bool:
         """Reads the hello within `HELLO_SECONDS`; True once the connection proved the token
         and counts as proven (False: it was answered, or dropped, and must be closed)."""
         conn.settimeout(HELLO_SECONDS)
         method, token = link.parse_request(reader.frame(link.MAX_HELLO))
-        if method != link.HELLO or not hmac.compare_digest(token, self._token.encode()):
+        if method != link.HELLO or not hmac.compare_digest(token, expected.encode()):
             link.send_reply(conn, Status.UNAUTHENTICATED, b"missing or wrong colocar token")
             return False
         with self._lock:
@@ -90,11 +91,15 @@ class LinkServer:
     def _serve(self, conn: socket.socket) -> None:
         try:
             reader = link.FrameReader(conn)
-            if not self._hello(conn, reader):
+            proven = self._token.value
+            if not self._hello(conn, reader, proven or ""):
                 return
             serving = self._serving
             while True:
                 method, body = link.parse_request(reader.frame(MAX_REQUEST_FRAME))
+                if self._token.value is not proven:  # rotated: this connection proved the old one
+                    link.send_reply(conn, Status.UNAUTHENTICATED, b"the colocar token changed; reconnect")
+                    return
                 serving.add(conn)
                 try:
                     status, reply = self._handle(method, body)

@@ -38,11 +38,12 @@ from colocar.shm import context as shm_context  # noqa: E402
 from colocar.shm.arena import ShmUnavailableError  # noqa: E402
 from colocar.sizes import parse_size  # noqa: E402
 
-from . import auth, cancels, lifeline, logs  # noqa: E402
+from . import auth, cancels, lifeline, logs, quotas  # noqa: E402
 from .blocks import SidecarArena  # noqa: E402
 from .grpc_servicer import GrpcServicer  # noqa: E402
 from .link_server import LinkServer  # noqa: E402
 from .preload import PRELOAD_HELP, Preload  # noqa: E402
+from .quotas import Quotas  # noqa: E402
 from .service import ServiceConfig, SidecarService  # noqa: E402
 from .workers import WorkerPool  # noqa: E402
 
@@ -112,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         help="reserve NAME=SIZE of the arena, e.g. ckpt=8G (repeatable)",
     )
-    p.add_argument("--token-file", help="file (mode 0600) holding the shared token")
+    p.add_argument("--token-file", help="file (mode 0600) holding the shared token (re-read when it changes)")
     p.add_argument("--tls-cert", help="server certificate (PEM)")
     p.add_argument("--tls-key", help="server private key (PEM)")
     p.add_argument("--tls-client-ca", help="CA for client certificates (mutual TLS)")
@@ -148,10 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="127.0.0.1",
         help="address the metrics port binds (0.0.0.0: every interface, for a scraper on another machine)",
     )
+    quotas.add_arguments(p)
     return p
 
 
-def _start_link(service: SidecarService, arena_path: str, token: str | None) -> LinkServer | None:
+def _start_link(service: SidecarService, arena_path: str, token: auth.Token) -> LinkServer | None:
     """The local link next to the arena file, if the path fits a Unix socket."""
     path = arena_path.removesuffix(".arena") + ".sock"
     try:
@@ -213,6 +215,7 @@ def _start_service(args: argparse.Namespace, arena: SidecarArena) -> tuple[Sidec
         session_grace_seconds=args.session_grace,
         max_concurrent_calls=args.threads,
         alloc_timeout_seconds=args.alloc_timeout,
+        quotas=Quotas.from_args(args),
     )
     timeout = config.alloc_timeout_seconds
     shm_context.install(
@@ -230,7 +233,7 @@ def _start_service(args: argparse.Namespace, arena: SidecarArena) -> tuple[Sidec
 def _start_grpc(
     args: argparse.Namespace,
     service: SidecarService,
-    token: str | None,
+    token: auth.Token,
     credentials: grpc.ServerCredentials | None,
     arena: SidecarArena,
 ) -> tuple[grpc.Server, health.HealthServicer, str]:
@@ -337,9 +340,9 @@ def _drain(
     log.info("drained in %.1f s", time.monotonic() - started)
 
 
-def _security(args: argparse.Namespace) -> tuple[str | None, grpc.ServerCredentials | None]:
-    """The token and TLS credentials from their files; a file that cannot be read ends the
-    sidecar with a message naming the flag and the file (no traceback)."""
+def _security(args: argparse.Namespace) -> tuple[auth.Token, grpc.ServerCredentials | None]:
+    """The token (re-read when its file changes) and TLS credentials from their files; a file
+    that cannot be read ends the sidecar with a message naming the flag and the file."""
     try:
         token = auth.read_token_file(args.token_file) if args.token_file else None
     except OSError as e:
@@ -349,7 +352,7 @@ def _security(args: argparse.Namespace) -> tuple[str | None, grpc.ServerCredenti
     except OSError as e:
         raise SystemExit(f"colocar sidecar: error: TLS file {e.filename}: {e.strerror}") from None
     auth.check_address_safety(args.address, token, mutual_tls=bool(args.tls_client_ca))
-    return token, credentials
+    return auth.Token(token, args.token_file), credentials
 
 
 def serve(argv: list[str] | None = None) -> int:

@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from colocar.protocol import colocar_pb2 as pb
@@ -31,6 +31,7 @@ from .cancels import CallRegistry, cancellable
 from .func_backend import CodeCache, CodeLoadError, CodeNotFound, remote_error
 from .held_blocks import HeldBlocks
 from .objects import ObjectTable, UnknownObjectError
+from .quotas import Quotas
 from .session_service import SessionHandlers
 from .sessions import Session, SessionTable
 from .stats import Stats
@@ -47,6 +48,7 @@ class ServiceConfig:
     max_concurrent_calls: int = 32
     alloc_timeout_seconds: float = 30.0
     session_grace_seconds: float = 3600.0  # how long a named session outlives its controller
+    quotas: Quotas = field(default_factory=Quotas)  # the tenant's, in a shared pool
 
 
 class SidecarService(SessionHandlers):
@@ -58,6 +60,8 @@ class SidecarService(SessionHandlers):
         self.arena = arena
         self.workers = workers
         self.config = config
+        self.quotas = config.quotas
+        self.connect_lock = threading.Lock()
         self.stats = Stats()
         self.objects = ObjectTable()
         self.code = CodeCache()
@@ -85,14 +89,18 @@ class SidecarService(SessionHandlers):
         started = self.stats.begin()
         reply = None
         try:
-            self._call_slots.get()
-            try:
-                reply = self._run(session, request)
-            finally:
-                self._call_slots.put(None)
+            with self.quotas.call():
+                reply = self._run_in_slot(session, request)
             return reply
         finally:
             self.stats.end(started, failed=reply is None or reply.HasField("error"))
+
+    def _run_in_slot(self, session: Session, request: pb.CallRequest) -> pb.CallReply:
+        self._call_slots.get()
+        try:
+            return self._run(session, request)
+        finally:
+            self._call_slots.put(None)
 
     def Cancel(self, request: pb.CancelRequest) -> pb.Empty:
         """Stops the named calls of the session (see `cancels`)."""
@@ -164,7 +172,12 @@ class SidecarService(SessionHandlers):
             raise Refused(Status.INVALID_ARGUMENT, "Stream starts with a call")
         request = first.call
         session = self.session(request.session_id)
-        credits = Credits(first.credits, request_iterator)
+        with self.quotas.call():
+            yield from self._stream(session, request, Credits(first.credits, request_iterator), context)
+
+    def _stream(
+        self, session: Session, request: pb.CallRequest, credits: Credits, context: Any
+    ) -> Iterator[pb.CallReply]:
         context.add_callback(credits.end)
         try:
             target = self._target(session, request)
@@ -223,9 +236,10 @@ class SidecarService(SessionHandlers):
         try:
             pool, timeout = request.pool or "default", request.timeout_seconds
             blocks = allocator.allocate_all(list(request.sizes), owner=session.id, pool=pool, timeout=timeout)
-        except (ArenaFullError, KeyError) as e:
-            status = Status.RESOURCE_EXHAUSTED if isinstance(e, ArenaFullError) else Status.INVALID_ARGUMENT
-            raise Refused(status, str(e.args[0] if e.args else e)) from None
+        except ArenaFullError as e:
+            raise self.quotas.arena_full(self.arena.arena.size, str(e)) from None
+        except KeyError as e:  # an unknown pool
+            raise Refused(Status.INVALID_ARGUMENT, str(e.args[0] if e.args else e)) from None
         return pb.AllocateReply(
             blocks=[pb.BlockDesc(id=b.id, offset=b.offset, nbytes=b.nbytes) for b in blocks]
         )
@@ -256,7 +270,7 @@ class SidecarService(SessionHandlers):
                 timeout=self.config.alloc_timeout_seconds,
             )
         except ArenaFullError as e:
-            raise Refused(Status.RESOURCE_EXHAUSTED, str(e)) from None
+            raise self.quotas.arena_full(self.arena.arena.size, str(e)) from None
         except KeyError as e:  # unknown pool, as in Allocate
             raise Refused(Status.INVALID_ARGUMENT, str(e.args[0] if e.args else e)) from None
         written = 0
@@ -326,6 +340,8 @@ class SidecarService(SessionHandlers):
             uptime_seconds=time.monotonic() - self.stats.started,
             worker_processes=len(self.workers) if self.workers else 0,
             abandoned_calls=self.cancels.abandoned(),
+            tenant=self.quotas.tenant,
+            quota_refusals=dict(self.quotas.refusals),
         )
 
     def stop(self) -> None:

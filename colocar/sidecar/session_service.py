@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from .blocks import SidecarArena
     from .held_blocks import HeldBlocks
     from .objects import ObjectTable
+    from .quotas import Quotas
     from .sessions import SessionTable
 
 UNKNOWN_SESSION = "unknown session"
@@ -48,6 +50,8 @@ class SessionHandlers:
     sessions: SessionTable
     draining: bool
     link_path: str
+    quotas: Quotas
+    connect_lock: threading.Lock  # a sessions quota's check and the open, together
 
     def session(self, session_id: str) -> Session:
         """The caller's live session; refuses while draining, for an unknown session, and for
@@ -80,13 +84,15 @@ class SessionHandlers:
             os.chdir(request.cwd)
         self.held.reconnected(request.session_id)
         try:
-            session, previous = self.sessions.open(
-                request.session_id,
-                request.controller,
-                request.lease_seconds,
-                request.session_name,
-                request.grace_seconds,
-            )
+            with self.connect_lock:
+                self._check_sessions_quota(request)
+                session, previous = self.sessions.open(
+                    request.session_id,
+                    request.controller,
+                    request.lease_seconds,
+                    request.session_name,
+                    request.grace_seconds,
+                )
         except SessionGone as e:
             raise Refused(Status.ABORTED, str(e)) from None
         self.arena.allocator.reopen_owner(session.id)  # a session closed, then opened again
@@ -108,6 +114,16 @@ class SessionHandlers:
             grace_seconds=session.grace_seconds,
             took_over=previous.controller if previous is not None else "",
         )
+
+    def _check_sessions_quota(self, request: pb.ConnectRequest) -> None:
+        """A new session counts against the tenant's quota; a reconnect or a takeover does not."""
+        if not self.quotas.sessions:
+            return
+        held = self.sessions.list()
+        name = request.session_name
+        if any(s.id == request.session_id or (name and s.name == name) for s in held):
+            return
+        self.quotas.check_new_session([s.name or s.id[:8] for s in held])
 
     def _check_versions(self, request: pb.ConnectRequest) -> None:
         controller = {
