@@ -29,7 +29,8 @@ class LivePool:
             write_token_file(self.token_file(name), new_token())
         self.tenants_file = os.path.join(folder, "tenants.yaml")
         self.write_tenants()
-        self.flags = {"hosts": 2, "capacity": "64M", "max_tenants": 8, "idle_seconds": 60.0, **flags}
+        defaults = {"hosts": 2, "capacity": "64M", "max_tenants": 8, "idle_seconds": 60, "metrics_port": None}
+        self.flags = {**defaults, **flags}
         self.pool_file = os.path.join(folder, "pool", "pool.json")
         self.record: dict = {}
 

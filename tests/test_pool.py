@@ -33,7 +33,7 @@ TENANTS = {
 
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory, shm_dir):
-    live = LivePool(str(tmp_path_factory.mktemp("pool")), shm_dir, TENANTS).up()
+    live = LivePool(str(tmp_path_factory.mktemp("pool")), shm_dir, TENANTS, metrics_port=0).up()
     try:
         yield live
     finally:
@@ -196,6 +196,43 @@ def test_quotas_refuse_clearly_naming_the_quota_and_the_use(pool):
         assert where.on(alice.hosts[0])()[0] > 0  # the slots came back
         refusals = alice.hosts[0].stats()["quota_refusals"]
         assert refusals["concurrent calls"] >= 1
+
+
+def _scrape(pool: LivePool) -> dict[tuple[str, ...], float]:
+    """The agent's metrics: (name, its tenant label, its quota label, where it has them) -> value."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{pool.record['metrics']}/metrics", timeout=DEADLINE) as reply:
+        text = reply.read().decode()
+    return {
+        (sample.name, *(sample.labels[k] for k in ("tenant", "quota") if k in sample.labels)): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_the_agent_exports_each_tenants_calls_use_refusals_and_queue_wait(pool):
+    with _join(pool, "bob", session="metered") as bob:
+        for _ in range(3):
+            where.on(bob.hosts[0])()
+        with pytest.raises(QuotaExceededError):
+            _join(pool, "bob")
+
+        def seen() -> dict:  # the agent looks at its tenants' sidecars every second
+            found = _scrape(pool)
+            return found if found.get(("colocar_pool_tenant_quota_refusals_total", "bob", "sessions")) else {}
+
+        found = wait_for(seen, "bob's refusal in the metrics")
+        assert found[("colocar_pool_tenant_sessions", "bob")] == 2  # one on each host
+        assert found[("colocar_pool_tenant_served", "bob")] == 1
+        assert found[("colocar_pool_tenant_calls_total", "bob")] >= 3
+        assert found[("colocar_pool_tenant_quota_refusals_total", "bob", "sessions")] >= 1
+        assert found[("colocar_pool_tenant_quota", "alice", "arena")] == 16 * MiB
+        assert found[("colocar_pool_tenant_arena_used_bytes", "bob")] >= 0
+        assert found[("colocar_pool_queue_wait_seconds_count", "bob")] >= 1
+        assert found[("colocar_pool_queue_waiting",)] == 0
 
 
 def test_pool_down_leaves_no_process_and_no_arena(tmp_path, shm_dir):

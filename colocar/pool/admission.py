@@ -55,9 +55,9 @@ class Admission:
         timeout: float,
         update: Callable[[int, float, int], None],
         gone: Callable[[], bool] = lambda: False,
-    ) -> bool:
-        """Returns once `tenant` is served: True if it was admitted now (its sidecars are to
-        start), False if it was served already. While it waits, `update(position, estimate,
+    ) -> float | None:
+        """Returns once `tenant` is served: the seconds it queued if it was admitted now (its
+        sidecars are to start), None if it was served already. While it waits, `update(position, estimate,
         waiting)` runs whenever its position or the queue's length changes. PoolFullError without `wait`,
         after `timeout` seconds (0: none), or within 2 s of `gone()` (its caller left); the
         ticket then leaves the queue."""
@@ -68,7 +68,7 @@ class Admission:
             )
         with self._changed:
             if tenant.name in self.served:
-                return False
+                return None
             ticket = _Ticket((-tenant.priority, next(self._arrivals)), tenant.name, tenant.arena)
             self._queue.append(ticket)
             self._queue.sort()
@@ -79,10 +79,10 @@ class Admission:
                 self._queue.remove(ticket)
                 self._changed.notify_all()
             if tenant.name in self.served:  # another job of the tenant got it in meanwhile
-                return False
+                return None
             self.served[tenant.name] = (tenant.arena, time.monotonic())
             self.waits.append((tenant.name, time.monotonic() - ticket.since))
-            return True
+            return self.waits[-1][1]
 
     def _wait_turn(
         self,

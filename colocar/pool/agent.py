@@ -27,6 +27,7 @@ from colocar.protocol import colocar_pb2 as pb
 from colocar.protocol.tokens import TOKEN_METADATA_KEY
 
 from .admission import Admission, PoolFullError
+from .metrics import PoolMetrics
 from .tenant_sidecars import HostOptions, TenantSidecars
 from .tenants import Tenant, TenantsFile
 
@@ -48,6 +49,7 @@ class PoolAgent:
         self._idle_since: dict[str, float] = {}
         self._use: dict[str, list[dict[str, Any]]] = {}
         self._lock = threading.RLock()  # starting and stopping tenants' sidecars
+        self.metrics: PoolMetrics | None = None  # `agent_main` starts it with --metrics-port
         self.stopped = threading.Event()
         self._stopping = threading.Lock()
         self.tenants = TenantsFile(tenants_path, on_change=self._tenants_changed)
@@ -73,11 +75,13 @@ class PoolAgent:
             updates.put(pb.AdmitUpdate(position=position, estimated_wait_seconds=estimate, waiting=waiting))
 
         while True:
-            new = self.admission.admit(tenant, wait, timeout, update, gone)
+            queued = self.admission.admit(tenant, wait, timeout, update, gone)
+            if queued is not None and self.metrics is not None:
+                self.metrics.queue_wait.labels(tenant.name).observe(queued)
             with self._lock:
                 if tenant.name in self.running:
                     return self.running[tenant.name].addresses
-                if new:
+                if queued is not None:
                     return self._start(tenant)
             # served, but its sidecars were stopped meanwhile (idle): queue again
 
@@ -125,6 +129,10 @@ class PoolAgent:
             self._idle_since[name] = now
         elif now - self._idle_since.get(name, now) >= self.idle_seconds:
             self._stop(name, f"no session for {self.idle_seconds:.0f} s")
+
+    def use_of(self, name: str) -> list[dict[str, Any]]:
+        """What the tenant's sidecars said at the last look, host by host ([] when not served)."""
+        return self._use.get(name, [])
 
     def _tenants_changed(self, old: dict[str, Tenant], new: dict[str, Tenant]) -> None:
         for name in list(self.running):

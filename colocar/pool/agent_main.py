@@ -25,6 +25,7 @@ from colocar.sidecar.auth import read_token_file
 from colocar.sizes import parse_size
 
 from .agent import ADMIN, PoolAgent, admit_stream, refuse, status_json
+from .metrics import PoolMetrics
 from .tenant_sidecars import HostOptions
 
 
@@ -42,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", default="127.0.0.1:0")
     p.add_argument("--ready-fd", type=int)
     p.add_argument("--label", default="pool", help="names the agent in its log lines")
+    p.add_argument("--metrics-port", type=int, help="serve per-tenant Prometheus metrics here (0: any port)")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="the address the metrics port binds")
     return p
 
 
@@ -104,7 +107,10 @@ def serve(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: threading.Thread(target=agent.stop).start())
     address = f"{options.bind}:{port}"
-    _announce(args.ready_fd, {"address": address, "pid": os.getpid()})
+    if args.metrics_port is not None:
+        agent.metrics = PoolMetrics(agent, args.metrics_host, args.metrics_port)
+    metrics = {"metrics": agent.metrics.address} if agent.metrics else {}
+    _announce(args.ready_fd, {"address": address, "pid": os.getpid(), **metrics})
     logging.getLogger("colocar.pool").info("pool agent serving on %s (%d hosts)", address, args.hosts)
     agent.stopped.wait()
     agent.stop()  # also when the signal's thread still runs: it stops what is left

@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--lease-seconds", type=float, default=30.0, help="the sidecars' session lease")
     up.add_argument("--address", default="127.0.0.1:0", help="the agent's host:port (port 0: any)")
     up.add_argument("--shm-dir", default="/dev/shm", help="where the tenants' arenas live")
+    up.add_argument(
+        "--metrics-port", type=int, help="the agent's per-tenant Prometheus metrics (0: any port)"
+    )
     for name, what in (("status", "the pool's tenants, their use and the queue"), ("down", "stop the pool")):
         s = sub.add_parser(name, help=what, formatter_class=HelpFormatter)
         s.add_argument("--pool", default=os.path.join(DEFAULT_DIR, "pool.json"), help="the pool file")
@@ -71,6 +74,7 @@ def up(args: argparse.Namespace) -> dict:
         "--hosts", str(args.hosts), "--capacity", args.capacity, "--max-tenants", str(args.max_tenants),
         "--idle-seconds", str(args.idle_seconds), "--lease-seconds", str(args.lease_seconds),
         "--shm-dir", args.shm_dir, "--address", args.address,
+        *(["--metrics-port", str(args.metrics_port)] if args.metrics_port is not None else []),
     ]  # fmt: skip
     agent = Sidecar(0, folder, label="agent")  # the same start: its own session, a ready pipe, a log
     agent.spawn(argv, dict(os.environ))
