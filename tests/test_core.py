@@ -15,6 +15,8 @@ from jax.sharding import PartitionSpec as P
 import colocar
 from colocar.shm import block_of
 
+MiB = 1 << 20
+
 
 @colocar.colocated
 def identity(x):
@@ -178,6 +180,25 @@ def test_generator_streams_items(cluster):
 
     items = list(count.on(cluster.hosts[0])(5))
     assert [int(a[0]) for a in items] == list(range(5))
+
+
+def test_a_stream_waits_for_room_its_consumer_frees(make_cluster):
+    """Items of 3 MiB into an 8 MiB arena while the consumer still holds two: the third waits
+    for one to be dropped (before, it failed at once with ArenaFullError)."""
+    c = make_cluster(hosts=1, arena_size=8 * MiB, processes=0)
+
+    @colocar.colocated
+    def big(n):
+        for i in range(n):
+            yield np.full(3 * MiB, i, np.uint8)
+
+    items = big.on(c.hosts[0])(4)
+    held = [next(items), next(items)]
+    threading.Timer(0.5, held.pop, (0,)).start()  # the consumer drops the first a little later
+    third = next(items)
+    assert int(third[0]) == 2 and int(held[0][0]) == 1
+    del third, held
+    assert [int(a[0]) for a in items] == [3]
 
 
 def test_generator_early_close_stops_remote(cluster):

@@ -197,9 +197,11 @@ class SidecarService(SessionHandlers):
                 try:
                     with logs.routed_to(session.log):
                         item = next(iterator)
-                    encoded = self.arena.encode(item, session.id, f"item of {request.name}")
+                    # a full arena waits for the blocks the controller is releasing, as a call's result does
+                    timeout = self.config.alloc_timeout_seconds
+                    encoded = self.arena.encode(item, session.id, f"item of {request.name}", timeout)
                     del item
-                    result = self.arena.hand_over(encoded, session.id)
+                    result = self.arena.hand_over(encoded, session.id, timeout)
                 except StopIteration:
                     break
                 except Exception as e:  # noqa: BLE001 - also a full arena, or the session closed
