@@ -217,7 +217,15 @@ def _check_rpc(r: dict) -> None:
     assert r["future_p50_us"] >= r["socket_p50_us"] and r["p50_us"] >= r["socket_p50_us"], r
 
 
+def _check_pool(r: dict) -> None:
+    assert r["rounds"] == 1 and len(r["per_round"]["alone"]) == len(r["per_round"]["flooded"]) == 1
+    _assert_ratio(r, "throughput_ratio", "flooded_batches_per_s", "alone_batches_per_s", (3, 1, 1))
+    _assert_ratio(r, "p99_ratio", "flooded_p99_us", "alone_p99_us", (3, 1, 1))
+    assert r["goals_met"] == (r["throughput_ratio"] >= 0.8 and r["p99_ratio"] <= 2.0)
+
+
 CHECKS = {
+    "pool": _check_pool,
     "rpc": _check_rpc,
     "transfer": _check_transfer,
     "recovery": _check_recovery,

@@ -86,6 +86,15 @@ REQUIRED = {
         "future_socket_ratio",
     ),
     "transfer": ("gbps", "memcpy_gbps", "ratio", "view_ms", "device_put_ms"),
+    "pool": (
+        "alone_p50_us",
+        "alone_p99_us",
+        "alone_batches_per_s",
+        "flooded_p99_us",
+        "flooded_batches_per_s",
+        "throughput_ratio",
+        "p99_ratio",
+    ),
     "loader": (
         "transfer_ratio",
         "compute_ratio",

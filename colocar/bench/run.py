@@ -21,8 +21,9 @@ BENCHMARKS = {
     "ckpt": "save and restore 1 GiB of sharded float32 arrays: colocar CheckpointManager vs Orbax async",
     "recovery": "kill 1 of 4 hosts, time to a step on the survivors: peer snapshots vs storage vs Orbax",
     "firstbatch": "script start to the first batch, fresh and resumed; peak RSS: colocar vs grain + Orbax",
+    "pool": "a shared pool: tenant B's call p99 and stream throughput while tenant A floods, vs B alone",
 }
-DEFAULT_REPEATS = {"rpc": 7, "transfer": 7, "loader": 5, "ckpt": 5, "recovery": 3, "firstbatch": 5}
+DEFAULT_REPEATS = {"rpc": 7, "transfer": 7, "loader": 5, "ckpt": 5, "recovery": 3, "firstbatch": 5, "pool": 5}
 
 
 def _parser() -> argparse.ArgumentParser:
