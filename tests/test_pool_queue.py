@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 from helpers import program, wait_for
@@ -149,21 +150,26 @@ def _served(pool: LivePool) -> list[str]:
     return [name for name, t in pool.status()["tenants"].items() if t["served"]]
 
 
+def _killed_job(pool: LivePool, tenant: str, *session: str) -> None:
+    """tests/programs/pool_job.py as `tenant`, holding blocks and an object, then SIGKILLed."""
+    job = subprocess.Popen(
+        [sys.executable, program("pool_job"), pool.pool_file, pool.token_file(tenant), *session],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = job.stdout.readline()
+        assert line.startswith("READY") and int(line.split()[1]) >= 4 << 20, line
+    finally:
+        job.kill()
+        job.wait()
+
+
 def test_a_killed_job_frees_what_it_held_without_a_pool_restart(tmp_path, shm_dir):
     pool = LivePool(str(tmp_path), shm_dir, {"fay": {"quotas": {"arena": "16M", "sessions": 1}}}).up()
     try:
-        job = subprocess.Popen(
-            [sys.executable, program("pool_job"), pool.pool_file, pool.token_file("fay")],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        try:
-            line = job.stdout.readline()
-            assert line.startswith("READY") and int(line.split()[1]) >= 4 << 20, line
-        finally:
-            job.kill()
-            job.wait()
+        _killed_job(pool, "fay")
 
         def freed() -> bool:
             hosts = pool.status()["tenants"]["fay"]["hosts"]
@@ -174,3 +180,36 @@ def test_a_killed_job_frees_what_it_held_without_a_pool_restart(tmp_path, shm_di
             assert colocar.colocated(lambda: 4).on(fay.hosts)() == [4, 4]
     finally:
         pool.down()
+
+
+def test_a_named_session_outlives_its_job_and_a_later_job_reattaches(tmp_path, shm_dir):
+    """A notebook's kernel dies: its named session detaches and waits out its grace, which
+    keeps the tenant's sidecars (it is a session, however idle), and the next job under the
+    name takes it over with its named object."""
+    pool = LivePool(str(tmp_path), shm_dir, {"gus": {"quotas": {"arena": "16M"}}}, idle_seconds=1).up()
+    try:
+        _killed_job(pool, "gus", "nb")
+        wait_for(lambda: _detached(pool, "gus"), "the session to detach (its lease, 3 s)")
+        later = time.monotonic() + 3  # three of the pool's idle checks (every second, 1 s idle)
+        wait_for(lambda: time.monotonic() > later, "the pool's idle checks")
+        assert _served(pool) == ["gus"]
+        with _join(pool, "gus", session="nb") as again:
+            assert again.took_over
+            assert again.object("box").value() == 3  # as the killed job left it
+    finally:
+        pool.down()
+
+
+def _detached(pool: LivePool, tenant: str) -> bool:
+    import grpc
+
+    from colocar.protocol import colocar_pb2 as pb
+    from colocar.protocol import colocar_pb2_grpc as pb_grpc
+    from colocar.protocol.tokens import TOKEN_METADATA_KEY
+
+    address = pool.status()["tenants"][tenant]["addresses"][0]
+    with grpc.insecure_channel(address) as channel:
+        reply = pb_grpc.SidecarStub(channel).ListSessions(
+            pb.Empty(), metadata=((TOKEN_METADATA_KEY, pool.token(tenant)),), timeout=DEADLINE
+        )
+    return any(s.name == "nb" and not s.attached for s in reply.sessions)
