@@ -160,6 +160,17 @@ def test_the_pool_shows_a_tenant_its_own_entry_only_and_stops_only_for_the_admin
     assert pool.status()["hosts"] == 2  # still up
 
 
+def test_one_tenants_burst_cannot_take_anothers_arena(pool):
+    with _join(pool, "alice") as alice, _join(pool, "bob") as bob:
+        alice_blocks = alice.hosts[0].connection.blocks
+        taken = alice_blocks.allocate([15 * MiB])  # all alice's arena, and more is refused
+        with pytest.raises(QuotaExceededError, match="tenant 'alice': arena quota reached"):
+            alice_blocks.allocate([2 * MiB], timeout=0.5)
+        mine = bob.hosts[0].connection.blocks.allocate([15 * MiB], timeout=0.5)  # bob's share is whole
+        bob.hosts[0].connection.blocks.release(mine)
+        alice_blocks.release(taken)
+
+
 def test_quotas_refuse_clearly_naming_the_quota_and_the_use(pool):
     with _join(pool, "bob", session="first") as bob:
         with pytest.raises(
