@@ -83,7 +83,7 @@ class PoolAgent:
                     return self.running[tenant.name].addresses
                 if queued is not None:
                     return self._start(tenant)
-            # served, but its sidecars were stopped meanwhile (idle): queue again
+            time.sleep(0.05)  # served, but its idle sidecars are stopping: queue again once they are
 
     def _start(self, tenant: Tenant) -> list[str]:
         try:

@@ -140,9 +140,10 @@ class TenantsFile:
 
     def _watch(self) -> None:
         while not self._stop.wait(self._poll):
-            if self._stamp() != self._seen:
+            stamp = self._stamp()
+            if stamp != self._seen:  # stamped before the read: a change during it is seen next time
+                self._seen = stamp
                 self.reload()
-                self._seen = self._stamp()
 
     def reload(self) -> None:
         """Reads the file again; keeps the tenants it had when it does not parse."""
