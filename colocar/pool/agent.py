@@ -79,7 +79,10 @@ class PoolAgent:
             if queued is not None and self.metrics is not None:
                 self.metrics.queue_wait.labels(tenant.name).observe(queued)
             with self._lock:
-                if tenant.name in self.running:
+                if self.stopped.is_set():
+                    raise PoolFullError("the pool is going down")
+                if tenant.name in self.running:  # a job about to connect: not idle
+                    self._idle_since[tenant.name] = time.monotonic()
                     return self.running[tenant.name].addresses
                 if queued is not None:
                     return self._start(tenant)
@@ -98,9 +101,16 @@ class PoolAgent:
 
     def _stop(self, name: str, why: str) -> None:
         with self._lock:
-            sidecars = self.running.pop(name, None)
-            self._idle_since.pop(name, None)
-            self._use.pop(name, None)
+            sidecars = self._take(name)
+        self._finish(name, sidecars, why)
+
+    def _take(self, name: str) -> TenantSidecars | None:
+        """The tenant leaves `running` (under the lock): no admit hands out its addresses now."""
+        self._idle_since.pop(name, None)
+        self._use.pop(name, None)
+        return self.running.pop(name, None)
+
+    def _finish(self, name: str, sidecars: TenantSidecars | None, why: str) -> None:
         if sidecars is not None:
             log.info("tenant %s: stopping its sidecars (%s)", name, why)
             sidecars.stop()
@@ -122,13 +132,18 @@ class PoolAgent:
         if why := sidecars.exited():
             self._stop(name, f"a sidecar is gone: {why}")
             return
-        use = sidecars.stats()
-        self._use[name] = use
-        now = time.monotonic()
-        if any(h.get("sessions", 1) for h in use):  # a host that did not answer counts as busy
-            self._idle_since[name] = now
-        elif now - self._idle_since.get(name, now) >= self.idle_seconds:
-            self._stop(name, f"no session for {self.idle_seconds:.0f} s")
+        use, now = sidecars.stats(), time.monotonic()
+        with self._lock:  # decided together with the admits that hand out its addresses
+            if self.running.get(name) is not sidecars:
+                return
+            self._use[name] = use
+            if any(h.get("sessions", 1) for h in use):  # a host that did not answer counts as busy
+                self._idle_since[name] = now
+                return
+            if now - self._idle_since.get(name, now) < self.idle_seconds:
+                return
+            self._take(name)
+        self._finish(name, sidecars, f"no session for {self.idle_seconds:.0f} s")
 
     def use_of(self, name: str) -> list[dict[str, Any]]:
         """What the tenant's sidecars said at the last look, host by host ([] when not served)."""

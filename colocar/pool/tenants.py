@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 
 from colocar.errors import ColocarError
-from colocar.sidecar.auth import UnsafeConfigError, read_token_file
+from colocar.sidecar.auth import UnsafeConfigError, file_stamp, read_token_file
 from colocar.sizes import parse_size
 
 log = logging.getLogger("colocar.pool")
@@ -99,14 +99,6 @@ def _tenant(name: str, entry: Any, folder: str) -> Tenant:
     return Tenant(name, token, path, priority, **numbers)
 
 
-def _stat(path: str) -> tuple[int, int, int] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_mtime_ns, st.st_ino, st.st_size)
-
-
 class TenantsFile:
     """The tenants of `path`, re-read when it changes; `on_change(old, new)` runs after a
     change (in the watching thread)."""
@@ -125,7 +117,7 @@ class TenantsFile:
 
     def _stamp(self) -> list[tuple[int, int, int] | None]:
         """What tells a change: the file's and its tenants' token files' times, inodes, sizes."""
-        return [_stat(p) for p in (self.path, *(t.token_file for t in self.tenants.values()))]
+        return [file_stamp(p) for p in (self.path, *(t.token_file for t in self.tenants.values()))]
 
     def _read(self) -> dict[str, Tenant]:
         try:

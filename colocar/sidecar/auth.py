@@ -14,6 +14,7 @@ import logging
 import os
 import stat
 import threading
+import time
 
 import grpc
 
@@ -43,20 +44,20 @@ def read_token_file(path: str) -> str:
 
 class Token:
     """The sidecar's token, re-read when its file changes: a rotated token (a pool's tenants
-    file edited) takes effect within `poll` seconds, without a restart (the local link's
-    connections proved the old one: each is refused then, and its controller reconnects)."""
+    file edited) takes effect within `poll` seconds, without a restart (a local-link
+    connection that proved the old one is refused from then on)."""
 
     def __init__(self, value: str | None, path: str | None = None, poll: float = 1.0):
         self.value = value
         self._path, self._poll = path, poll
-        self._seen = _mtime(path)
-        self._stop = threading.Event()
+        self._seen = file_stamp(path)
         if path:
             threading.Thread(target=self._watch, name="colocar-token-watch", daemon=True).start()
 
     def _watch(self) -> None:
-        while not self._stop.wait(self._poll):
-            seen = _mtime(self._path)
+        while True:  # a daemon thread: it ends with the sidecar
+            time.sleep(self._poll)
+            seen = file_stamp(self._path)
             if seen == self._seen:
                 continue
             self._seen = seen
@@ -69,16 +70,14 @@ class Token:
                 self.value = value
                 logging.getLogger("colocar.sidecar").info("token file %s changed: in use now", self._path)
 
-    def close(self) -> None:
-        self._stop.set()
 
-
-def _mtime(path: str | None) -> tuple[int, int] | None:
+def file_stamp(path: str | None) -> tuple[int, int, int] | None:
+    """What tells that a file changed (its mtime, inode and size); None when it is absent."""
     try:
         st = os.stat(path) if path else None
     except OSError:
         return None
-    return (st.st_mtime_ns, st.st_ino) if st else None
+    return (st.st_mtime_ns, st.st_ino, st.st_size) if st else None
 
 
 def token_matches(expected: str | None, metadata: tuple | None) -> bool:
