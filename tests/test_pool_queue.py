@@ -213,3 +213,20 @@ def _detached(pool: LivePool, tenant: str) -> bool:
             pb.Empty(), metadata=((TOKEN_METADATA_KEY, pool.token(tenant)),), timeout=DEADLINE
         )
     return any(s.name == "nb" and not s.attached for s in reply.sessions)
+
+
+def test_a_tenant_whose_sidecar_dies_is_stopped_and_its_next_job_gets_fresh_ones(tmp_path, shm_dir):
+    import psutil
+
+    pool = LivePool(str(tmp_path), shm_dir, {"hal": {"quotas": {"arena": "16M"}}}, capacity="16M").up()
+    try:
+        with _join(pool, "hal") as hal:
+            first = pool.status()["tenants"]["hal"]["addresses"]
+            pid = colocar.colocated(os.getpid).on(hal.hosts[1])()
+        psutil.Process(pid).kill()  # host 1's sidecar of hal is lost (an OOM kill)
+        wait_for(lambda: _served(pool) == [], "the pool to stop hal's other sidecar and free its room")
+        with _join(pool, "hal") as again:  # its room was given back: it fits again
+            assert colocar.colocated(lambda: 6).on(again.hosts)() == [6, 6]
+            assert pool.status()["tenants"]["hal"]["addresses"] != first
+    finally:
+        pool.down()

@@ -13,7 +13,6 @@ needs a restart to reclaim it.
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 import queue
 import threading
@@ -23,10 +22,11 @@ from typing import Any
 
 import grpc
 
+from colocar.errors import PoolFullError
 from colocar.protocol import colocar_pb2 as pb
 from colocar.protocol.tokens import TOKEN_METADATA_KEY
 
-from .admission import Admission, PoolFullError
+from .admission import Admission
 from .metrics import PoolMetrics
 from .tenant_sidecars import HostOptions, TenantSidecars
 from .tenants import Tenant, TenantsFile
@@ -198,14 +198,6 @@ class PoolAgent:
                 self._stop(name, "the pool is going down")
 
 
-def status_json(agent: PoolAgent, caller: Tenant | str) -> pb.PoolStatus:
-    return pb.PoolStatus(json=json.dumps(agent.status(caller)))
-
-
-def refuse(context: grpc.ServicerContext, code: grpc.StatusCode, details: str) -> None:
-    context.abort(code, details)
-
-
 def admit_stream(agent: PoolAgent, tenant: Tenant, request: Any, context: Any) -> Iterator[pb.AdmitUpdate]:
     """The Admit RPC: the tenant's queue updates as they come, then its sidecars' addresses."""
     updates: queue.Queue = queue.Queue()
@@ -225,9 +217,9 @@ def admit_stream(agent: PoolAgent, tenant: Tenant, request: Any, context: Any) -
         update.tenant = tenant.name
         yield update
     if isinstance(outcome.get("error"), PoolFullError):
-        refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(outcome["error"]))
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(outcome["error"]))
     if "error" in outcome:
-        refuse(
+        context.abort(
             context,
             grpc.StatusCode.INTERNAL,
             f"starting tenant {tenant.name!r}'s sidecars: {outcome['error']}",

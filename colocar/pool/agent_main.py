@@ -24,7 +24,7 @@ from colocar.protocol import colocar_pb2_grpc as pb_grpc
 from colocar.sidecar.auth import read_token_file
 from colocar.sizes import parse_size
 
-from .agent import ADMIN, PoolAgent, admit_stream, refuse, status_json
+from .agent import ADMIN, PoolAgent, admit_stream
 from .metrics import PoolMetrics
 from .tenant_sidecars import HostOptions
 
@@ -57,13 +57,13 @@ class PoolServicer(pb_grpc.PoolServicer):
     def _caller(self, context: grpc.ServicerContext, admin_only: bool = False) -> Any:
         caller = self.agent.caller(context.invocation_metadata())
         if caller is None or (admin_only and caller != ADMIN):
-            refuse(context, grpc.StatusCode.UNAUTHENTICATED, "missing or wrong colocar pool token")
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong colocar pool token")
         return caller
 
     def Admit(self, request: pb.AdmitRequest, context: grpc.ServicerContext) -> Any:
         caller = self._caller(context)
         if caller == ADMIN:
-            refuse(
+            context.abort(
                 context,
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "the admin token is no tenant's: connect with a tenant's",
@@ -71,7 +71,7 @@ class PoolServicer(pb_grpc.PoolServicer):
         yield from admit_stream(self.agent, caller, request, context)
 
     def Status(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.PoolStatus:
-        return status_json(self.agent, self._caller(context))
+        return pb.PoolStatus(json=json.dumps(self.agent.status(self._caller(context))))
 
     def Shutdown(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.Empty:
         self._caller(context, admin_only=True)

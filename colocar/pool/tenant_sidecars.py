@@ -114,13 +114,12 @@ class TenantSidecars:
                 )
         except grpc.RpcError:
             return {}
-        pools = {p.name: {"used": p.used, "reserved": p.reserved} for p in reply.pools}
         return {
             "sessions": reply.sessions,
             "calls": reply.calls,
             "in_flight": reply.in_flight,
             "objects": reply.objects,
-            "arena_used": sum(p["used"] for p in pools.values()),
+            "arena_used": sum(p.used for p in reply.pools),
             "quota_refusals": dict(reply.quota_refusals),
         }
 
