@@ -113,6 +113,7 @@ class TenantsFile:
         self._seen = self._stamp()
         self._stop = threading.Event()
         self._poll = poll
+        self._lock = threading.Lock()
         threading.Thread(target=self._watch, name="colocar-tenants-watch", daemon=True).start()
 
     def _stamp(self) -> list[tuple[int, int, int] | None]:
@@ -132,12 +133,19 @@ class TenantsFile:
 
     def _watch(self) -> None:
         while not self._stop.wait(self._poll):
-            stamp = self._stamp()
-            if stamp != self._seen:  # stamped before the read: a change during it is seen next time
-                self._seen = stamp
-                self.reload()
+            self._refresh()
 
-    def reload(self) -> None:
+    def _refresh(self) -> bool:
+        """Re-reads the file if it or a token file changed; True when it did."""
+        with self._lock:
+            stamp = self._stamp()
+            if stamp == self._seen:
+                return False
+            self._seen = stamp  # stamped before the read: a change during it is seen next time
+            self._reload()
+            return True
+
+    def _reload(self) -> None:
         """Reads the file again; keeps the tenants it had when it does not parse."""
         try:
             new = self._read()
@@ -152,7 +160,15 @@ class TenantsFile:
                 self._on_change(old, new)
 
     def who(self, token: str) -> Tenant | None:
-        """The tenant holding `token` (compared in constant time with every tenant's)."""
+        """The tenant holding `token` (compared in constant time with every tenant's); a
+        changed file is re-read before an unknown token is refused, so a token just written
+        is known at once."""
+        found = self._holder(token)
+        if found is None and self._refresh():
+            found = self._holder(token)
+        return found
+
+    def _holder(self, token: str) -> Tenant | None:
         found = None
         for tenant in self.tenants.values():
             if hmac.compare_digest(tenant.token.encode(), token.encode()):

@@ -44,31 +44,53 @@ def read_token_file(path: str) -> str:
 
 class Token:
     """The sidecar's token, re-read when its file changes: a rotated token (a pool's tenants
-    file edited) takes effect within `poll` seconds, without a restart (a local-link
-    connection that proved the old one is refused from then on)."""
+    file edited) takes effect within `poll` seconds, without a restart, and at once for a
+    caller that already presents the new one (the file is re-read before a refusal).
+    `generation` counts the changes: a local-link connection that proved an older one is
+    refused from then on."""
 
     def __init__(self, value: str | None, path: str | None = None, poll: float = 1.0):
         self.value = value
+        self.generation = 0
         self._path, self._poll = path, poll
         self._seen = file_stamp(path)
+        self._lock = threading.Lock()
         if path:
             threading.Thread(target=self._watch, name="colocar-token-watch", daemon=True).start()
+
+    def proven_by(self, given: bytes | None) -> int | None:
+        """The generation of the token that `given` proves, or None when it proves none (a
+        changed file is re-read once first, so a just-rotated token is not refused)."""
+        for _ in range(2):
+            value, generation = self.value, self.generation
+            if value is None or (given is not None and hmac.compare_digest(given, value.encode())):
+                return generation
+            if not self._reload():
+                return None
+        return None
 
     def _watch(self) -> None:
         while True:  # a daemon thread: it ends with the sidecar
             time.sleep(self._poll)
+            self._reload()
+
+    def _reload(self) -> bool:
+        """Re-reads the file if it changed; True when the token changed."""
+        with self._lock:
             seen = file_stamp(self._path)
             if seen == self._seen:
-                continue
+                return False
             self._seen = seen
             try:
                 value = read_token_file(self._path)  # type: ignore[arg-type]
             except (OSError, UnsafeConfigError) as e:  # the old token stays until a good one
                 logging.getLogger("colocar.sidecar").warning("token file not reloaded: %s", e)
-                continue
-            if value != self.value:
-                self.value = value
-                logging.getLogger("colocar.sidecar").info("token file %s changed: in use now", self._path)
+                return False
+            if value == self.value:
+                return False
+            self.value, self.generation = value, self.generation + 1
+        logging.getLogger("colocar.sidecar").info("token file %s changed: in use now", self._path)
+        return True
 
 
 def file_stamp(path: str | None) -> tuple[int, int, int] | None:
@@ -80,15 +102,12 @@ def file_stamp(path: str | None) -> tuple[int, int, int] | None:
     return (st.st_mtime_ns, st.st_ino, st.st_size) if st else None
 
 
-def token_matches(expected: str | None, metadata: tuple | None) -> bool:
-    """Constant-time comparison of the caller's token with ours."""
-    if expected is None:
-        return True
+def metadata_token(metadata: tuple | None) -> bytes | None:
+    """The token a gRPC call carries in its metadata, or None."""
     for key, value in metadata or ():
         if key == TOKEN_METADATA_KEY:
-            given = value.encode() if isinstance(value, str) else value
-            return hmac.compare_digest(given, expected.encode())
-    return False
+            return value.encode() if isinstance(value, str) else value
+    return None
 
 
 def _refuse(_requests: object, context: grpc.ServicerContext) -> None:
@@ -109,7 +128,7 @@ class TokenInterceptor(grpc.ServerInterceptor):
 
     def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
         method, metadata = handler_call_details.method or "", handler_call_details.invocation_metadata
-        if method.startswith(HEALTH_PREFIX) or token_matches(self._token.value, metadata):
+        if method.startswith(HEALTH_PREFIX) or self._token.proven_by(metadata_token(metadata)) is not None:
             return continuation(handler_call_details)
         return _REFUSE
 

@@ -16,7 +16,7 @@ import grpc
 from colocar.protocol import colocar_pb2_grpc as pb_grpc
 from colocar.protocol.status import Refused
 
-from .auth import Token, token_matches
+from .auth import Token, metadata_token
 from .service import SidecarService
 
 _GRPC_CODES = {code.value[0]: code for code in grpc.StatusCode}
@@ -52,7 +52,7 @@ class GrpcServicer(pb_grpc.SidecarServicer):
 
     def check(self, context: grpc.ServicerContext) -> None:
         """Aborts the call unless it carries the sidecar's token."""
-        if not token_matches(self._token.value, context.invocation_metadata()):
+        if self._token.proven_by(metadata_token(context.invocation_metadata())) is None:
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong colocar token")
 
 

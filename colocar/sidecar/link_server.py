@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import hmac
 import os
 import socket
 import threading
@@ -70,34 +69,35 @@ class LinkServer:
                 self._unproven[conn] = None
             threading.Thread(target=self._serve, args=(conn,), name="colocar-link", daemon=True).start()
 
-    def _hello(self, conn: socket.socket, reader: link.FrameReader, expected: str) -> bool:
-        """Reads the hello within `HELLO_SECONDS`; True once the connection proved the token
-        and counts as proven (False: it was answered, or dropped, and must be closed)."""
+    def _hello(self, conn: socket.socket, reader: link.FrameReader) -> int | None:
+        """Reads the hello within `HELLO_SECONDS`; the token generation the connection proved
+        once it counts as proven (None: it was answered, or dropped, and must be closed)."""
         conn.settimeout(HELLO_SECONDS)
         method, token = link.parse_request(reader.frame(link.MAX_HELLO))
-        if method != link.HELLO or not hmac.compare_digest(token, expected.encode()):
+        proven = self._token.proven_by(token) if method == link.HELLO else None
+        if proven is None:
             link.send_reply(conn, Status.UNAUTHENTICATED, b"missing or wrong colocar token")
-            return False
+            return None
         with self._lock:
             dropped = conn not in self._unproven  # as the oldest unproven one, meanwhile
             self._unproven.pop(conn, None)
             if dropped or len(self._connections) >= MAX_CONNECTIONS:
-                return False
+                return None
             self._connections.add(conn)
         conn.settimeout(None)
         link.send_reply(conn, Status.OK, b"")
-        return True
+        return proven
 
     def _serve(self, conn: socket.socket) -> None:
         try:
             reader = link.FrameReader(conn)
-            proven = self._token.value
-            if not self._hello(conn, reader, proven or ""):
+            proven = self._hello(conn, reader)
+            if proven is None:
                 return
             serving = self._serving
             while True:
                 method, body = link.parse_request(reader.frame(MAX_REQUEST_FRAME))
-                if self._token.value is not proven:  # rotated: this connection proved the old one
+                if self._token.generation != proven:  # rotated: this connection proved the old one
                     link.send_reply(conn, Status.UNAUTHENTICATED, b"the colocar token changed; reconnect")
                     return
                 serving.add(conn)
