@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import yaml
 
+from colocar.controller_bridge.local.sidecars import Sidecar, wait_ready
 from colocar.pool import cli
 from colocar.protocol.tokens import new_token, write_token_file
 
@@ -29,7 +31,10 @@ class LivePool:
             write_token_file(self.token_file(name), new_token())
         self.tenants_file = os.path.join(folder, "tenants.yaml")
         self.write_tenants()
-        defaults = {"hosts": 2, "capacity": "64M", "max_tenants": 8, "idle_seconds": 60, "metrics_port": None}
+        defaults = {
+            "hosts": 2, "capacity": "64M", "max_tenants": 8, "idle_seconds": 60, "metrics_port": None,
+            "nodes": None, "node_token_file": None,
+        }  # fmt: skip
         self.flags = {**defaults, **flags}
         self.pool_file = os.path.join(folder, "pool", "pool.json")
         self.record: dict = {}
@@ -79,3 +84,49 @@ class LivePool:
     def admin_token(self) -> str:
         with open(self.record["admin_token_file"]) as f:
             return f.read().strip()
+
+
+class LiveNodes:
+    """`colocar pool node` processes on this machine, each standing for a machine of its own:
+    its own folder, arena folder and (given `machines`) machine name."""
+
+    def __init__(
+        self, folder: str, shm_dir: str, count: int, machines: list[str] | None = None, **flags: object
+    ):
+        self.folder, self.shm_dir = folder, shm_dir
+        os.makedirs(folder, exist_ok=True)
+        self.token_file = os.path.join(folder, "node.token")
+        write_token_file(self.token_file, new_token())
+        self.machines = machines or []
+        self.flags = [f"--{k.replace('_', '-')}={v}" for k, v in flags.items()]
+        self.nodes = [Sidecar(i, folder, label=f"node{i}") for i in range(count)]
+
+    def up(self) -> LiveNodes:
+        try:
+            for i, node in enumerate(self.nodes):
+                env = dict(os.environ)
+                if self.machines:
+                    env["COLOCAR_NODE_NAME"] = self.machines[i]
+                workdir = os.path.join(self.folder, f"node{i}")
+                argv = [
+                    sys.executable, "-m", "colocar.pool.node_main", "--token-file", self.token_file,
+                    "--shm-dir", self.shm_dir, "--workdir", workdir, *self.flags,
+                ]  # fmt: skip
+                node.spawn(argv, env)
+            wait_ready(self.nodes, 120.0)
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    @property
+    def addresses(self) -> str:
+        return ",".join(str((n.info or {})["address"]) for n in self.nodes)
+
+    def pid(self, i: int) -> int:
+        return self.nodes[i].process.pid
+
+    def down(self) -> None:
+        for node in self.nodes:
+            if getattr(node, "process", None) is not None:
+                node.stop(30.0)

@@ -350,7 +350,8 @@ def connect(
     session ends with its controller (its lease, `lease_seconds`).
 
     `pool` (a pool file of `colocar pool up`, or its agent's host:port) joins a shared pool as
-    the token's tenant, on sidecars of its own. A full pool queues it (position and wait
+    the token's tenant, on sidecars of its own (in multi-controller JAX, each process on the
+    one on its machine). A full pool queues it (position and wait
     printed, and in `cluster.stats()["pool"]`); PoolFullError without `wait` or after
     `queue_timeout` s."""
     secret = token_from_env(token, token_file)
@@ -359,7 +360,7 @@ def connect(
         from colocar.pool.client import admit
 
         admitted = admit(pool, secret or "", wait=wait, queue_timeout=queue_timeout)
-        addresses = admitted.addresses
+        addresses = admitted.own(jax.process_index(), jax.process_count())
     addresses = sidecar_addresses(addresses)
     groups = [list(g) for g in devices] if devices else split_devices(jax.local_devices(), len(addresses))
     options = dict(

@@ -2,8 +2,9 @@
 
 Runs as its own long-lived process (`colocar pool up` starts it; `agent_main.py`). Every
 `Pool` RPC carries a token: a tenant's (from the tenants file) or the pool's admin token.
-`Admit` queues the tenant (`admission.py`), then starts its sidecars (`tenant_sidecars.py`) if
-they are not running, and answers their addresses. A tenant whose sidecars held no session for
+`Admit` queues the tenant (`admission.py`), then starts its sidecars if they are not running
+(on this machine, `tenant_sidecars.py`, or on the pool's nodes, `nodes.py`), and answers
+their addresses. A tenant whose sidecars held no session for
 `idle_seconds` is stopped, and its room goes to the queue; so is one whose sidecar died (its
 state is gone: its next job starts fresh ones), and one removed from the tenants file. What a
 job held is freed by its sidecars when it ends or dies (its session's lease): the pool never
@@ -28,8 +29,12 @@ from colocar.protocol.tokens import TOKEN_METADATA_KEY
 
 from .admission import Admission
 from .metrics import PoolMetrics
-from .tenant_sidecars import HostOptions, TenantSidecars
+from .nodes import NodeTenantSidecars, PoolNodes
+from .tenant_sidecars import LocalHosts, TenantSidecars
 from .tenants import Tenant, TenantsFile
+
+Hosts = LocalHosts | PoolNodes  # where tenants' sidecars run: this machine, or the pool's nodes
+Sidecars = TenantSidecars | NodeTenantSidecars
 
 log = logging.getLogger("colocar.pool")
 ADMIN = "admin"
@@ -39,13 +44,13 @@ class PoolAgent:
     """The state behind the `Pool` service (its handlers: `agent_grpc.py`)."""
 
     def __init__(
-        self, tenants_path: str, admin_token: str, options: HostOptions, *, capacity: int, max_tenants: int,
+        self, tenants_path: str, admin_token: str, hosts: Hosts, *, capacity: int, max_tenants: int,
         idle_seconds: float,
     ):  # fmt: skip
-        self.options, self.idle_seconds = options, idle_seconds
+        self.hosts, self.idle_seconds = hosts, idle_seconds
         self._admin = admin_token
         self.admission = Admission(capacity, max_tenants)
-        self.running: dict[str, TenantSidecars] = {}
+        self.running: dict[str, Sidecars] = {}
         self._idle_since: dict[str, float] = {}
         self._use: dict[str, list[dict[str, Any]]] = {}
         self._lock = threading.RLock()  # starting and stopping tenants' sidecars
@@ -66,8 +71,8 @@ class PoolAgent:
         return self.tenants.who(token)
 
     # --- admitting ---------------------------------------------------------------------------
-    def admit(self, tenant: Tenant, wait: bool, timeout: float, updates: queue.Queue, gone: Any) -> list[str]:
-        """The addresses of `tenant`'s sidecars once it is served (queued meanwhile, each
+    def admit(self, tenant: Tenant, wait: bool, timeout: float, updates: queue.Queue, gone: Any) -> Sidecars:
+        """`tenant`'s sidecars once it is served (queued meanwhile, each
         position change put on `updates`); PoolFullError when it would not wait, timed out, or
         its caller left (`gone()`)."""
 
@@ -83,34 +88,34 @@ class PoolAgent:
                     raise PoolFullError("the pool is going down")
                 if tenant.name in self.running:  # a job about to connect: not idle
                     self._idle_since[tenant.name] = time.monotonic()
-                    return self.running[tenant.name].addresses
+                    return self.running[tenant.name]
                 if queued is not None:
                     return self._start(tenant)
             time.sleep(0.05)  # served, but its idle sidecars are stopping: queue again once they are
 
-    def _start(self, tenant: Tenant) -> list[str]:
+    def _start(self, tenant: Tenant) -> Sidecars:
         try:
-            sidecars = TenantSidecars(tenant, self.options).start()
+            sidecars = self.hosts.start(tenant)
         except BaseException:
             self.admission.release(tenant.name)
             raise
         self.running[tenant.name] = sidecars
         self._idle_since[tenant.name] = time.monotonic()
         log.info("tenant %s served: sidecars at %s", tenant.name, ", ".join(sidecars.addresses))
-        return sidecars.addresses
+        return sidecars
 
     def _stop(self, name: str, why: str) -> None:
         with self._lock:
             sidecars = self._take(name)
         self._finish(name, sidecars, why)
 
-    def _take(self, name: str) -> TenantSidecars | None:
+    def _take(self, name: str) -> Sidecars | None:
         """The tenant leaves `running` (under the lock): no admit hands out its addresses now."""
         self._idle_since.pop(name, None)
         self._use.pop(name, None)
         return self.running.pop(name, None)
 
-    def _finish(self, name: str, sidecars: TenantSidecars | None, why: str) -> None:
+    def _finish(self, name: str, sidecars: Sidecars | None, why: str) -> None:
         if sidecars is not None:
             log.info("tenant %s: stopping its sidecars (%s)", name, why)
             sidecars.stop()
@@ -171,7 +176,7 @@ class PoolAgent:
             "capacity": self.admission.capacity,
             "max_tenants": self.admission.max_tenants,
             "served": len(self.admission.served),
-            "hosts": self.options.hosts,
+            "hosts": self.hosts.count,
         }
         if mine is None:
             out["tenants_file_error"] = self.tenants.error
@@ -196,6 +201,7 @@ class PoolAgent:
             self.tenants.close()
             for name in list(self.running):
                 self._stop(name, "the pool is going down")
+            self.hosts.close()
 
 
 def admit_stream(agent: PoolAgent, tenant: Tenant, request: Any, context: Any) -> Iterator[pb.AdmitUpdate]:
@@ -205,7 +211,7 @@ def admit_stream(agent: PoolAgent, tenant: Tenant, request: Any, context: Any) -
 
     def run() -> None:
         try:
-            outcome["addresses"] = agent.admit(
+            outcome["sidecars"] = agent.admit(
                 tenant, request.wait, request.timeout_seconds, updates, lambda: not context.is_active()
             )
         except Exception as e:  # noqa: BLE001 - the caller hears of it below
@@ -220,8 +226,8 @@ def admit_stream(agent: PoolAgent, tenant: Tenant, request: Any, context: Any) -
         context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(outcome["error"]))
     if "error" in outcome:
         context.abort(
-            context,
             grpc.StatusCode.INTERNAL,
             f"starting tenant {tenant.name!r}'s sidecars: {outcome['error']}",
         )
-    yield pb.AdmitUpdate(tenant=tenant.name, addresses=outcome["addresses"])
+    sidecars = outcome["sidecars"]
+    yield pb.AdmitUpdate(tenant=tenant.name, addresses=sidecars.addresses, machines=sidecars.machines)

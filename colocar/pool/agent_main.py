@@ -26,7 +26,8 @@ from colocar.sizes import parse_size
 
 from .agent import ADMIN, PoolAgent, admit_stream
 from .metrics import PoolMetrics
-from .tenant_sidecars import HostOptions
+from .nodes import PoolNodes
+from .tenant_sidecars import HostOptions, LocalHosts
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,7 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tenants", required=True, help="the tenants file (YAML)")
     p.add_argument("--admin-token-file", required=True)
     p.add_argument("--workdir", required=True, help="the pool's folder (tenants' token files, logs)")
-    p.add_argument("--hosts", type=int, default=1)
+    p.add_argument("--hosts", type=int, default=1, help="sidecars per tenant on this machine")
+    p.add_argument("--nodes", help="the pool's nodes, HOST:PORT,... (a pool spanning machines; not --hosts)")
+    p.add_argument("--node-token-file", help="the token the nodes want (with --nodes)")
     p.add_argument("--capacity", default="1G", help="arena bytes per host for all tenants together")
     p.add_argument("--max-tenants", type=int, default=8)
     p.add_argument("--idle-seconds", type=float, default=60.0)
@@ -64,7 +67,6 @@ class PoolServicer(pb_grpc.PoolServicer):
         caller = self._caller(context)
         if caller == ADMIN:
             context.abort(
-                context,
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "the admin token is no tenant's: connect with a tenant's",
             )
@@ -86,13 +88,11 @@ def serve(argv: list[str] | None = None) -> int:
         format=f"%(asctime)s {args.label} %(levelname)s %(message)s",
         stream=sys.__stderr__,
     )
-    options = HostOptions(
-        args.hosts, args.workdir, args.shm_dir, args.lease_seconds, args.address.rsplit(":", 1)[0]
-    )
+    bind = args.address.rsplit(":", 1)[0]
     agent = PoolAgent(
         args.tenants,
         read_token_file(args.admin_token_file),
-        options,
+        _hosts(args, bind),
         capacity=parse_size(args.capacity),
         max_tenants=args.max_tenants,
         idle_seconds=args.idle_seconds,
@@ -106,19 +106,30 @@ def serve(argv: list[str] | None = None) -> int:
     server.start()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: threading.Thread(target=agent.stop).start())
-    address = f"{options.bind}:{port}"
+    address = f"{bind}:{port}"
     if args.metrics_port is not None:
         agent.metrics = PoolMetrics(agent, args.metrics_host, args.metrics_port)
     metrics = {"metrics": agent.metrics.address} if agent.metrics else {}
-    _announce(args.ready_fd, {"address": address, "pid": os.getpid(), **metrics})
-    logging.getLogger("colocar.pool").info("pool agent serving on %s (%d hosts)", address, args.hosts)
+    announce(args.ready_fd, {"address": address, "pid": os.getpid(), **metrics})
+    logging.getLogger("colocar.pool").info("pool agent serving on %s (%d hosts)", address, agent.hosts.count)
     agent.stopped.wait()
     agent.stop()  # also when the signal's thread still runs: it stops what is left
     server.stop(grace=2).wait()
     return 0
 
 
-def _announce(fd: int | None, info: dict[str, Any]) -> None:
+def _hosts(args: argparse.Namespace, bind: str) -> LocalHosts | PoolNodes:
+    """Where the tenants' sidecars run: the nodes named by --nodes, else this machine."""
+    if not args.nodes:
+        return LocalHosts(HostOptions(args.hosts, args.workdir, args.shm_dir, args.lease_seconds, bind))
+    if not args.node_token_file:
+        raise SystemExit("colocar pool: --nodes needs --node-token-file (the token the nodes want)")
+    return PoolNodes(
+        [a.strip() for a in args.nodes.split(",") if a.strip()], args.node_token_file, args.lease_seconds
+    )
+
+
+def announce(fd: int | None, info: dict[str, Any]) -> None:
     if fd is None:
         return
     with os.fdopen(fd, "w") as f:

@@ -1,9 +1,10 @@
-"""`colocar pool up|status|admit|down`: a shared, long-running pool of sidecars on this machine.
+"""`colocar pool up|status|admit|down|node`: a shared, long-running pool of sidecars.
 
 `up` starts the pool's agent in a session of its own (it outlives the command and the jobs),
 with a fresh admin token, and writes the pool file (`DIR/pool.json`: the agent's address and
 pid, the admin token's file) that `connect(pool=...)` and the other commands read. `down`
-stops every tenant's sidecars, then the agent, and removes what they left.
+stops every tenant's sidecars, then the agent, and removes what they left. A pool spanning
+machines runs `colocar pool node` on each and `up --nodes` names them (`nodes.py`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="colocar pool", description=__doc__, formatter_class=HelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="start a pool", formatter_class=HelpFormatter)
-    up.add_argument("--hosts", type=int, default=1, help="sidecars per tenant (one per host)")
+    up.add_argument("--hosts", type=int, default=1, help="sidecars per tenant (one per host) on this machine")
+    up.add_argument(
+        "--nodes", help="a pool spanning machines: its nodes (colocar pool node), HOST:PORT,... host by host"
+    )
+    up.add_argument("--node-token-file", help="with --nodes: the token the nodes were started with")
     up.add_argument("--tenants", required=True, help="the tenants file (YAML; re-read when it changes)")
     up.add_argument("--dir", default=DEFAULT_DIR, help="the pool's folder (pool.json, logs)")
     up.add_argument("--capacity", default="1G", help="arena bytes per host for all tenants served at once")
@@ -51,6 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--token-file", help="a tenant's token (default: the pool's admin token)")
         if name == "status":
             s.add_argument("--json", action="store_true", help="print JSON")
+    sub.add_parser(
+        "node",
+        help="serve one machine of a pool spanning several (colocar pool node --help)",
+        add_help=False,
+    )
     a = sub.add_parser(
         "admit", help="wait for a tenant's turn; print its sidecars", formatter_class=HelpFormatter
     )
@@ -61,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def up(args: argparse.Namespace) -> dict:
+    if args.nodes and not args.node_token_file:
+        raise ColocarError("--nodes needs --node-token-file: the token the pool's nodes were started with")
     folder = os.path.abspath(args.dir)
     os.makedirs(folder, mode=0o700, exist_ok=True)
     pool_file = os.path.join(folder, "pool.json")
@@ -74,6 +86,7 @@ def up(args: argparse.Namespace) -> dict:
         "--hosts", str(args.hosts), "--capacity", args.capacity, "--max-tenants", str(args.max_tenants),
         "--idle-seconds", str(args.idle_seconds), "--lease-seconds", str(args.lease_seconds),
         "--shm-dir", args.shm_dir, "--address", args.address,
+        *_nodes_flags(args),
         *(["--metrics-port", str(args.metrics_port)] if args.metrics_port is not None else []),
     ]  # fmt: skip
     agent = Sidecar(0, folder, label="agent")  # the same start: its own session, a ready pipe, a log
@@ -84,7 +97,7 @@ def up(args: argparse.Namespace) -> dict:
         **info,
         "create_time": psutil.Process(info["pid"]).create_time(),
         "admin_token_file": admin,
-        "hosts": args.hosts,
+        "hosts": len(args.nodes.split(",")) if args.nodes else args.hosts,
         "shm_dir": args.shm_dir,
         "log": agent.log_file,
     }
@@ -92,6 +105,12 @@ def up(args: argparse.Namespace) -> dict:
         json.dump(record, f, indent=1)
     print(f"pool up: agent at {info['address']} (pid {info['pid']}); pool file {pool_file}")
     return record
+
+
+def _nodes_flags(args: argparse.Namespace) -> list[str]:
+    if not args.nodes:
+        return []
+    return ["--nodes", args.nodes, "--node-token-file", os.path.abspath(args.node_token_file)]
 
 
 def _agent(pool_file: str) -> psutil.Process | None:
@@ -152,6 +171,11 @@ def status(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["node"]:
+        from .node_main import main as node_main
+
+        return node_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "up":
         up(args)

@@ -9,6 +9,8 @@ full the caller waits in its queue, the position and the estimated wait printed 
 from __future__ import annotations
 
 import json
+import os
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -31,6 +33,25 @@ class Admitted:
     addresses: list[str]
     waited_seconds: float
     updates: list[dict[str, float]] = field(default_factory=list)
+    machines: list[str] = field(default_factory=list)  # the machine of each sidecar
+
+    def own(self, process_index: int, process_count: int) -> list[str]:
+        """The sidecars a controller connects to: all of them, or in multi-controller JAX
+        (one process per host) the one on this process's machine, found by its name (by the
+        process's index when several share it, as on one machine)."""
+        if process_count <= 1:
+            return self.addresses
+        me = machine_name()
+        mine = [a for a, m in zip(self.addresses, self.machines, strict=False) if m == me]
+        if len(mine) == 1:
+            return mine
+        if len(self.addresses) != process_count:
+            raise ColocarError(
+                f"tenant {self.tenant!r}: {process_count} JAX processes but the pool has "
+                f"{len(self.addresses)} hosts and none is alone on {me!r}: "
+                "start the pool with one host per process"
+            )
+        return [self.addresses[process_index]]
 
     def as_dict(self) -> dict[str, Any]:
         last = self.updates[-1] if self.updates else {}
@@ -53,6 +74,12 @@ def agent_address(pool: str) -> str:
         except (OSError, ValueError, KeyError) as e:
             raise ColocarError(f"pool file {pool}: {e} (is the pool up? colocar pool up)") from None
     return pool
+
+
+def machine_name() -> str:
+    """The machine a sidecar or a job runs on: `COLOCAR_NODE_NAME` (on Kubernetes the node's
+    name, from the downward API), else the host name."""
+    return os.environ.get("COLOCAR_NODE_NAME") or socket.gethostname()
 
 
 def say_on_stderr(update: dict[str, float]) -> None:
@@ -84,7 +111,10 @@ def admit(
         try:
             for reply in call:
                 if reply.addresses:
-                    return Admitted(reply.tenant, list(reply.addresses), time.monotonic() - started, updates)
+                    waited = time.monotonic() - started
+                    return Admitted(
+                        reply.tenant, list(reply.addresses), waited, updates, list(reply.machines)
+                    )
                 update = {
                     "position": reply.position,
                     "estimate": reply.estimated_wait_seconds,

@@ -24,6 +24,7 @@ from colocar.protocol import colocar_pb2 as pb
 from colocar.protocol import colocar_pb2_grpc as pb_grpc
 from colocar.protocol.tokens import TOKEN_METADATA_KEY, write_token_file
 
+from .client import machine_name
 from .tenants import Tenant
 
 STARTUP_SECONDS = 300.0
@@ -39,6 +40,7 @@ class HostOptions:
     shm_dir: str
     lease_seconds: float = 30.0
     bind: str = "127.0.0.1"
+    advertise: str = ""  # the host jobs reach the sidecars at, when not `bind` (e.g. 0.0.0.0)
 
 
 class TenantSidecars:
@@ -85,7 +87,14 @@ class TenantSidecars:
 
     @property
     def addresses(self) -> list[str]:
-        return [str((s.info or {}).get("address", "")) for s in self.sidecars]
+        bound = [str((s.info or {}).get("address", "")) for s in self.sidecars]
+        if not self.options.advertise:
+            return bound
+        return [f"{self.options.advertise}:{a.rsplit(':', 1)[-1]}" for a in bound]
+
+    @property
+    def machines(self) -> list[str]:
+        return [machine_name()] * len(self.sidecars)
 
     def rotate(self, tenant: Tenant) -> None:
         """The tenant's entry changed: a new token is written (the sidecars re-read it within
@@ -101,27 +110,7 @@ class TenantSidecars:
         return next((f"{s.label}: {why}" for s in self.sidecars if (why := s.status())), None)
 
     def stats(self) -> list[dict[str, Any]]:
-        """Each host's Stats (sessions, arena use, calls, quota refusals); {} for one that
-        does not answer."""
-        with ThreadPoolExecutor(len(self.sidecars)) as pool:
-            return list(pool.map(self._host_stats, self.addresses))
-
-    def _host_stats(self, address: str) -> dict[str, Any]:
-        try:
-            with grpc.insecure_channel(address) as channel:
-                reply = pb_grpc.SidecarStub(channel).Stats(
-                    pb.Empty(), metadata=((TOKEN_METADATA_KEY, self.tenant.token),), timeout=5
-                )
-        except grpc.RpcError:
-            return {}
-        return {
-            "sessions": reply.sessions,
-            "calls": reply.calls,
-            "in_flight": reply.in_flight,
-            "objects": reply.objects,
-            "arena_used": sum(p.used for p in reply.pools),
-            "quota_refusals": dict(reply.quota_refusals),
-        }
+        return sidecar_stats(self.addresses, self.tenant.token)
 
     def stop(self) -> None:
         """Stops every host's sidecar (they drain, then remove their arenas)."""
@@ -131,3 +120,42 @@ class TenantSidecars:
         for s in self.sidecars:
             if getattr(s, "process", None) is not None:
                 s.stop(STOP_GRACE)
+
+
+class LocalHosts:
+    """A pool on this machine: each tenant's sidecars are child processes of the agent, one
+    per host (`PoolNodes` is the same for a pool spanning machines)."""
+
+    def __init__(self, options: HostOptions):
+        self.options, self.count = options, options.hosts
+
+    def start(self, tenant: Tenant) -> TenantSidecars:
+        return TenantSidecars(tenant, self.options).start()
+
+    def close(self) -> None:
+        pass
+
+
+def sidecar_stats(addresses: list[str], token: str) -> list[dict[str, Any]]:
+    """Each sidecar's Stats (sessions, arena use, calls, quota refusals); {} for one that does
+    not answer."""
+    with ThreadPoolExecutor(max(len(addresses), 1)) as pool:
+        return list(pool.map(lambda address: _host_stats(address, token), addresses))
+
+
+def _host_stats(address: str, token: str) -> dict[str, Any]:
+    try:
+        with grpc.insecure_channel(address) as channel:
+            reply = pb_grpc.SidecarStub(channel).Stats(
+                pb.Empty(), metadata=((TOKEN_METADATA_KEY, token),), timeout=5
+            )
+    except grpc.RpcError:
+        return {}
+    return {
+        "sessions": reply.sessions,
+        "calls": reply.calls,
+        "in_flight": reply.in_flight,
+        "objects": reply.objects,
+        "arena_used": sum(p.used for p in reply.pools),
+        "quota_refusals": dict(reply.quota_refusals),
+    }

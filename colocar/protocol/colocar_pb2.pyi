@@ -355,21 +355,72 @@ class AdmitRequest(_message.Message):
     def __init__(self, timeout_seconds: _Optional[float] = ..., wait: _Optional[bool] = ...) -> None: ...
 
 class AdmitUpdate(_message.Message):
-    __slots__ = ("position", "estimated_wait_seconds", "addresses", "tenant", "waiting")
+    __slots__ = ("position", "estimated_wait_seconds", "addresses", "tenant", "waiting", "machines")
     POSITION_FIELD_NUMBER: _ClassVar[int]
     ESTIMATED_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
+    MACHINES_FIELD_NUMBER: _ClassVar[int]
     position: int
     estimated_wait_seconds: float
     addresses: _containers.RepeatedScalarFieldContainer[str]
     tenant: str
     waiting: int
-    def __init__(self, position: _Optional[int] = ..., estimated_wait_seconds: _Optional[float] = ..., addresses: _Optional[_Iterable[str]] = ..., tenant: _Optional[str] = ..., waiting: _Optional[int] = ...) -> None: ...
+    machines: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, position: _Optional[int] = ..., estimated_wait_seconds: _Optional[float] = ..., addresses: _Optional[_Iterable[str]] = ..., tenant: _Optional[str] = ..., waiting: _Optional[int] = ..., machines: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PoolStatus(_message.Message):
     __slots__ = ("json",)
     JSON_FIELD_NUMBER: _ClassVar[int]
     json: str
     def __init__(self, json: _Optional[str] = ...) -> None: ...
+
+class NodeTenant(_message.Message):
+    __slots__ = ("name", "token", "arena", "calls", "processes", "sessions", "lease_seconds")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    ARENA_FIELD_NUMBER: _ClassVar[int]
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    token: str
+    arena: int
+    calls: int
+    processes: int
+    sessions: int
+    lease_seconds: float
+    def __init__(self, name: _Optional[str] = ..., token: _Optional[str] = ..., arena: _Optional[int] = ..., calls: _Optional[int] = ..., processes: _Optional[int] = ..., sessions: _Optional[int] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+
+class NodeTenantReply(_message.Message):
+    __slots__ = ("address", "machine")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MACHINE_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    machine: str
+    def __init__(self, address: _Optional[str] = ..., machine: _Optional[str] = ...) -> None: ...
+
+class NodeTenantName(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class NodeTenants(_message.Message):
+    __slots__ = ("running", "exited", "machine")
+    class ExitedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    EXITED_FIELD_NUMBER: _ClassVar[int]
+    MACHINE_FIELD_NUMBER: _ClassVar[int]
+    running: _containers.RepeatedScalarFieldContainer[str]
+    exited: _containers.ScalarMap[str, str]
+    machine: str
+    def __init__(self, running: _Optional[_Iterable[str]] = ..., exited: _Optional[_Mapping[str, str]] = ..., machine: _Optional[str] = ...) -> None: ...

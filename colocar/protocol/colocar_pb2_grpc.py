@@ -974,3 +974,175 @@ class Pool:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class PoolNodeStub:
+    """A pool node (`colocar pool node`, one per machine of a pool that spans several): starts and
+    stops the tenants' sidecars on its machine when the pool's agent asks. Every call carries
+    the pool's node token. A tenant the agent has not looked at for the node's agent lease is
+    stopped: an agent that died, or a new one that does not know it, leaves nothing running.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.StartTenant = channel.unary_unary(
+                '/colocar.v1.PoolNode/StartTenant',
+                request_serializer=colocar__pb2.NodeTenant.SerializeToString,
+                response_deserializer=colocar__pb2.NodeTenantReply.FromString,
+                _registered_method=True)
+        self.StopTenant = channel.unary_unary(
+                '/colocar.v1.PoolNode/StopTenant',
+                request_serializer=colocar__pb2.NodeTenantName.SerializeToString,
+                response_deserializer=colocar__pb2.Empty.FromString,
+                _registered_method=True)
+        self.Tenants = channel.unary_unary(
+                '/colocar.v1.PoolNode/Tenants',
+                request_serializer=colocar__pb2.NodeTenantName.SerializeToString,
+                response_deserializer=colocar__pb2.NodeTenants.FromString,
+                _registered_method=True)
+
+
+class PoolNodeServicer:
+    """A pool node (`colocar pool node`, one per machine of a pool that spans several): starts and
+    stops the tenants' sidecars on its machine when the pool's agent asks. Every call carries
+    the pool's node token. A tenant the agent has not looked at for the node's agent lease is
+    stopped: an agent that died, or a new one that does not know it, leaves nothing running.
+    """
+
+    def StartTenant(self, request, context):
+        """Starts the tenant's sidecar on this machine (or, when it runs, takes its new token).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StopTenant(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Tenants(self, request, context):
+        """The tenants served here and why any sidecar ended; also the named tenant's keep-alive.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_PoolNodeServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'StartTenant': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartTenant,
+                    request_deserializer=colocar__pb2.NodeTenant.FromString,
+                    response_serializer=colocar__pb2.NodeTenantReply.SerializeToString,
+            ),
+            'StopTenant': grpc.unary_unary_rpc_method_handler(
+                    servicer.StopTenant,
+                    request_deserializer=colocar__pb2.NodeTenantName.FromString,
+                    response_serializer=colocar__pb2.Empty.SerializeToString,
+            ),
+            'Tenants': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tenants,
+                    request_deserializer=colocar__pb2.NodeTenantName.FromString,
+                    response_serializer=colocar__pb2.NodeTenants.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'colocar.v1.PoolNode', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('colocar.v1.PoolNode', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class PoolNode:
+    """A pool node (`colocar pool node`, one per machine of a pool that spans several): starts and
+    stops the tenants' sidecars on its machine when the pool's agent asks. Every call carries
+    the pool's node token. A tenant the agent has not looked at for the node's agent lease is
+    stopped: an agent that died, or a new one that does not know it, leaves nothing running.
+    """
+
+    @staticmethod
+    def StartTenant(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/colocar.v1.PoolNode/StartTenant',
+            colocar__pb2.NodeTenant.SerializeToString,
+            colocar__pb2.NodeTenantReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StopTenant(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/colocar.v1.PoolNode/StopTenant',
+            colocar__pb2.NodeTenantName.SerializeToString,
+            colocar__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tenants(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/colocar.v1.PoolNode/Tenants',
+            colocar__pb2.NodeTenantName.SerializeToString,
+            colocar__pb2.NodeTenants.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
