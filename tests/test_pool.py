@@ -19,7 +19,7 @@ from pool_helpers import LivePool, MiB
 from security_helpers import connect_request, token_metadata
 
 import colocar
-from colocar.errors import AuthError, QuotaExceededError
+from colocar.errors import AuthError, ColocarError, QuotaExceededError
 from colocar.protocol import colocar_pb2 as pb
 from colocar.protocol import colocar_pb2_grpc as pb_grpc
 from colocar.protocol import link
@@ -157,6 +157,8 @@ def test_the_pool_shows_a_tenant_its_own_entry_only_and_stops_only_for_the_admin
         client.shutdown(pool.pool_file, pool.token("bob"))
     with pytest.raises(AuthError):
         client.pool_status(pool.pool_file, "not-a-token")
+    with pytest.raises(ColocarError, match="the admin token is no tenant's"):
+        client.admit(pool.pool_file, pool.admin_token())
     assert pool.status()["hosts"] == 2  # still up
 
 

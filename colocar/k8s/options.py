@@ -1,6 +1,6 @@
 """What `colocar k8s render` takes, checked before anything is rendered.
 
-Every user input (job name, images, bucket URL, sizes, pools) is validated here, so that a bad
+Every user input (job name, images, bucket URL, sizes, arena pools) is validated here, so that a bad
 value fails with a message saying what to write instead and nothing reaches stdout. Sizes take
 colocar's one syntax (`32G` = `32Gi`, binary); manifests get Kubernetes quantities (`32Gi`).
 """
@@ -119,6 +119,12 @@ def _bucket_ok(bucket: str) -> bool:
     )
 
 
+def check_namespace(namespace: str) -> str:
+    if not re.match(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$", namespace):
+        raise RenderError(f"--namespace {namespace!r} is not a namespace name")
+    return namespace
+
+
 def check_gsa(email: str) -> str:
     if email != DEFAULT_GSA and not _GSA_RE.match(email):
         raise RenderError(f"--gcp-service-account {email!r}: expected NAME@PROJECT.iam.gserviceaccount.com")
@@ -129,9 +135,9 @@ def parse_pool(text: str) -> tuple[str, int]:
     name, eq, size = text.partition("=")
     if not eq or not _POOL_RE.match(name) or name == "default":
         raise RenderError(
-            f"--pool {text!r}: expected NAME=SIZE with a NAME other than 'default' (e.g. ckpt=8Gi)"
+            f"--arena-pool {text!r}: expected NAME=SIZE with a NAME other than 'default' (e.g. ckpt=8Gi)"
         )
-    return name, parse_size(size, f"--pool {name}")
+    return name, parse_size(size, f"--arena-pool {name}")
 
 
 def arena_bytes(shm_bytes: int) -> int:
@@ -194,8 +200,7 @@ def _check_settings(
         raise RenderError(f"--variant {variant!r}: choose {' or '.join(VARIANTS)}")
     if not 1024 <= port <= 65535:
         raise RenderError(f"--port {port}: choose an unprivileged port, 1024-65535")
-    if not re.match(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$", namespace):
-        raise RenderError(f"--namespace {namespace!r} is not a namespace name")
+    check_namespace(namespace)
     if tls_secret is not None and not re.match(r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$", tls_secret):
         raise RenderError(f"--tls-secret {tls_secret!r} is not a Secret name")
     return TOPOLOGIES[topology]
@@ -248,12 +253,12 @@ def _check_shm(
         raise RenderError(f"--shm-size {shm_size}: give the arena volume at least 1Gi")
     parsed_pools = tuple(parse_pool(p) for p in pools or ())
     if len({n for n, _ in parsed_pools}) != len(parsed_pools):
-        raise RenderError("--pool: each pool name may appear once")
+        raise RenderError("--arena-pool: each pool name may appear once")
     arena = arena_bytes(shm_bytes)
     reserved = sum(size for _, size in parsed_pools)
     if reserved + 64 * MiB > arena:
         raise RenderError(
-            f"--pool reservations ({quantity(reserved)}) leave less than 64Mi of the {quantity(arena)} "
+            f"--arena-pool reservations ({quantity(reserved)}) leave less than 64Mi of the {quantity(arena)} "
             f"arena (derived from --shm-size {quantity(shm_bytes)}) for the default pool: "
             "lower them or raise --shm-size"
         )

@@ -36,7 +36,8 @@ def service_account(opts: RenderOptions) -> str:
     return f"{opts.name}-colocar"
 
 
-def _restricted() -> dict[str, Any]:
+def restricted() -> dict[str, Any]:
+    """The hardened container context: UID 10001, no capabilities, a read-only root."""
     return {
         "runAsNonRoot": True,
         "runAsUser": UID,
@@ -88,7 +89,7 @@ def _probes(opts: RenderOptions) -> dict[str, Any]:
     }
 
 
-def _mount(name: str, path: str, read_only: bool = False) -> dict[str, Any]:
+def volume_mount(name: str, path: str, read_only: bool = False) -> dict[str, Any]:
     mount: dict[str, Any] = {"name": name, "mountPath": path}
     if read_only:
         mount["readOnly"] = True
@@ -104,13 +105,14 @@ def _ports(opts: RenderOptions) -> list[dict[str, Any]]:
 
 def scrape_annotations(opts: RenderOptions) -> dict[str, str]:
     """The annotations a Prometheus with the usual pod scrape config reads (none: no endpoint)."""
-    if not opts.metrics_port:
+    return metrics_annotations(opts.metrics_port)
+
+
+def metrics_annotations(port: int) -> dict[str, str]:
+    """`prometheus.io/*` annotations for a metrics endpoint on `port` (0: none)."""
+    if not port:
         return {}
-    return {
-        "prometheus.io/scrape": "true",
-        "prometheus.io/port": str(opts.metrics_port),
-        "prometheus.io/path": METRICS_PATH,
-    }
+    return {"prometheus.io/scrape": "true", "prometheus.io/port": str(port), "prometheus.io/path": METRICS_PATH}
 
 
 def sidecar_container(opts: RenderOptions) -> dict[str, Any]:
@@ -118,12 +120,12 @@ def sidecar_container(opts: RenderOptions) -> dict[str, Any]:
     container that faults them in, and the sidecar pre-faults the arena) plus working memory."""
     memory = quantity(opts.shm_bytes + opts.sidecar_memory_bytes)
     mounts = [
-        _mount("colocar-shm", SHM_PATH),
-        _mount("colocar-token", TOKEN_PATH, read_only=True),
-        _mount("colocar-tmp", "/tmp"),
+        volume_mount("colocar-shm", SHM_PATH),
+        volume_mount("colocar-token", TOKEN_PATH, read_only=True),
+        volume_mount("colocar-tmp", "/tmp"),
     ]
     if opts.tls_secret:
-        mounts.append(_mount("colocar-tls", TLS_PATH, read_only=True))
+        mounts.append(volume_mount("colocar-tls", TLS_PATH, read_only=True))
     return {
         "name": SIDECAR,
         "image": opts.image,
@@ -137,7 +139,7 @@ def sidecar_container(opts: RenderOptions) -> dict[str, Any]:
             "requests": {"cpu": str(opts.sidecar_cpu), "memory": memory},
             "limits": {"memory": memory},
         },
-        "securityContext": _restricted(),
+        "securityContext": restricted(),
         "volumeMounts": mounts,
     }
 
@@ -150,10 +152,10 @@ def token_copy_container(opts: RenderOptions) -> dict[str, Any]:
         "image": opts.image,
         "command": ["install", "-m", "0600", f"{SECRET_PATH}/token", f"{TOKEN_PATH}/token"],
         "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}, "limits": {"memory": "64Mi"}},
-        "securityContext": _restricted(),
+        "securityContext": restricted(),
         "volumeMounts": [
-            _mount("colocar-secret", SECRET_PATH, read_only=True),
-            _mount("colocar-token", TOKEN_PATH),
+            volume_mount("colocar-secret", SECRET_PATH, read_only=True),
+            volume_mount("colocar-token", TOKEN_PATH),
         ],
     }
 
@@ -168,9 +170,9 @@ def _client_env(opts: RenderOptions, sidecars: str) -> list[dict[str, Any]]:
 
 
 def _client_mounts(opts: RenderOptions) -> list[dict[str, Any]]:
-    mounts = [_mount("colocar-secret", SECRET_PATH, read_only=True)]
+    mounts = [volume_mount("colocar-secret", SECRET_PATH, read_only=True)]
     if opts.tls_secret:
-        mounts.append(_mount("colocar-tls", TLS_PATH, read_only=True))
+        mounts.append(volume_mount("colocar-tls", TLS_PATH, read_only=True))
     return mounts
 
 
@@ -192,7 +194,7 @@ def trainer_container(opts: RenderOptions) -> dict[str, Any]:
         "command": list(opts.trainer_command),
         "env": env,
         "resources": {"requests": {topo.resource: chips}, "limits": {topo.resource: chips}},
-        "volumeMounts": [_mount("colocar-shm", SHM_PATH), *_client_mounts(opts)],
+        "volumeMounts": [volume_mount("colocar-shm", SHM_PATH), *_client_mounts(opts)],
     }
 
 

@@ -67,13 +67,18 @@ def headless_service(opts: RenderOptions) -> dict[str, Any]:
     }
 
 
+def other_ports(port: int) -> list[dict[str, Any]]:
+    """Every TCP port but `port`, and every UDP port: a rule that leaves them open."""
+    others: list[dict[str, Any]] = [{"protocol": "TCP", "port": 1, "endPort": port - 1}]
+    if port < 65535:
+        others.append({"protocol": "TCP", "port": port + 1, "endPort": 65535})
+    others.append({"protocol": "UDP", "port": 1, "endPort": 65535})
+    return others
+
+
 def network_policy(opts: RenderOptions) -> dict[str, Any]:
     """Only the job's own pods reach the sidecar port; other ports stay as they were."""
     job_pods = {"podSelector": {"matchLabels": {JOBSET_NAME_LABEL: opts.name}}}
-    others = [{"protocol": "TCP", "port": 1, "endPort": opts.port - 1}]
-    if opts.port < 65535:
-        others.append({"protocol": "TCP", "port": opts.port + 1, "endPort": 65535})
-    others.append({"protocol": "UDP", "port": 1, "endPort": 65535})
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -83,7 +88,7 @@ def network_policy(opts: RenderOptions) -> dict[str, Any]:
             "policyTypes": ["Ingress"],
             "ingress": [
                 {"from": [job_pods], "ports": [{"protocol": "TCP", "port": opts.port}]},
-                {"ports": others},
+                {"ports": other_ports(opts.port)},
             ],
         },
     }
@@ -142,12 +147,17 @@ def pod_monitoring(opts: RenderOptions) -> dict[str, Any]:
     """GKE's managed Prometheus scrapes the sidecar of every host pod (it ignores the
     `prometheus.io/*` annotations, which a self-run Prometheus reads)."""
     hosts = {JOBSET_NAME_LABEL: opts.name, "app.kubernetes.io/component": "host"}
+    return monitoring(_meta(opts, f"{opts.name}-colocar-sidecar"), hosts)
+
+
+def monitoring(metadata: dict[str, Any], pods: dict[str, str]) -> dict[str, Any]:
+    """A PodMonitoring that scrapes the `metrics` port of the pods labelled `pods`."""
     endpoint = {"port": METRICS_PORT_NAME, "path": METRICS_PATH, "interval": SCRAPE_INTERVAL}
     return {
         "apiVersion": POD_MONITORING_API,
         "kind": "PodMonitoring",
-        "metadata": _meta(opts, f"{opts.name}-colocar-sidecar"),
-        "spec": {"selector": {"matchLabels": hosts}, "endpoints": [endpoint]},
+        "metadata": metadata,
+        "spec": {"selector": {"matchLabels": pods}, "endpoints": [endpoint]},
     }
 
 
@@ -177,8 +187,13 @@ def to_yaml(objects: list[dict[str, Any]], header: str = "") -> str:
 
 def secret_command(opts: RenderOptions) -> str:
     """The one command that creates the token Secret (run once; the value never enters a file)."""
+    return create_secret_command(token_secret(opts), opts.namespace)
+
+
+def create_secret_command(name: str, namespace: str) -> str:
+    """`kubectl create secret` of a Secret `name` holding a fresh token under the key `token`."""
     return (
-        f"kubectl create secret generic {token_secret(opts)} -n {opts.namespace} "
+        f"kubectl create secret generic {name} -n {namespace} "
         "--from-literal=token=\"$(python3 -c 'import secrets; print(secrets.token_hex(32))')\""
     )
 
