@@ -226,19 +226,23 @@ def _scrape(pool: LivePool) -> dict[tuple[str, ...], float]:
     }
 
 
-def test_the_agent_exports_each_tenants_calls_use_refusals_and_queue_wait(pool):
+def test_the_agent_exports_each_tenants_calls_bytes_use_refusals_and_queue_wait(pool):
     refused = ("colocar_pool_tenant_quota_refusals_total", "bob", "sessions")
+    moved = ("colocar_pool_tenant_arena_allocated_bytes_total", "bob")
     with _join(pool, "bob", session="metered") as bob:
-        before = _scrape(pool).get(refused, 0)
+        before = _scrape(pool)
         for _ in range(3):
             where.on(bob.hosts[0])()
+        blocks = bob.hosts[1].connection.blocks
+        blocks.release(blocks.allocate([3 * MiB]))  # 3 MiB through bob's arena on host 1
         with pytest.raises(QuotaExceededError):
             _join(pool, "bob")
 
         def seen() -> dict:  # the agent looks at its tenants' sidecars every second
             found = _scrape(pool)
             sessions = found.get(("colocar_pool_tenant_sessions", "bob"))
-            return found if found.get(refused, 0) > before and sessions == 2 else {}  # one per host
+            grew = found.get(moved, 0) >= before.get(moved, 0) + 3 * MiB
+            return found if found.get(refused, 0) > before.get(refused, 0) and sessions == 2 and grew else {}
 
         found = wait_for(seen, "bob's session and refusal in the metrics")
         assert found[("colocar_pool_tenant_served", "bob")] == 1

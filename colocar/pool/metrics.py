@@ -49,6 +49,11 @@ class PoolCollector(Collector):
             "Arena bytes the tenant holds, all hosts",
             labels=["tenant"],
         )
+        moved = CounterMetricFamily(
+            "colocar_pool_tenant_arena_allocated_bytes",
+            "Bytes of the arena blocks the tenant's data went through (since its sidecars started), all hosts",
+            labels=["tenant"],
+        )
         refusals = CounterMetricFamily(
             "colocar_pool_tenant_quota_refusals", "Requests refused by a quota", labels=["tenant", "quota"]
         )
@@ -60,11 +65,12 @@ class PoolCollector(Collector):
             calls.add_metric([name], sum(h.get("calls", 0) for h in use))
             sessions.add_metric([name], sum(h.get("sessions", 0) for h in use))
             arena.add_metric([name], sum(h.get("arena_used", 0) for h in use))
+            moved.add_metric([name], sum(h.get("arena_allocated", 0) for h in use))
             for key in ("sessions", "concurrent calls", "arena"):
                 refusals.add_metric([name, key], sum(h.get("quota_refusals", {}).get(key, 0) for h in use))
         waiting = GaugeMetricFamily("colocar_pool_queue_waiting", "Tenants waiting in the admission queue")
         waiting.add_metric([], len(self.agent.admission.queue()))
-        yield from (served, quota, calls, sessions, arena, refusals, waiting)
+        yield from (served, quota, calls, sessions, arena, moved, refusals, waiting)
 
 
 class PoolMetrics:

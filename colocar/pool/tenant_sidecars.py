@@ -157,5 +157,6 @@ def _host_stats(address: str, token: str) -> dict[str, Any]:
         "in_flight": reply.in_flight,
         "objects": reply.objects,
         "arena_used": sum(p.used for p in reply.pools),
+        "arena_allocated": sum(p.allocated for p in reply.pools),
         "quota_refusals": dict(reply.quota_refusals),
     }

@@ -294,20 +294,22 @@ class LogLines(_message.Message):
     def __init__(self, lines: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("name", "reserved", "used", "peak", "blocks", "largest_free")
+    __slots__ = ("name", "reserved", "used", "peak", "blocks", "largest_free", "allocated")
     NAME_FIELD_NUMBER: _ClassVar[int]
     RESERVED_FIELD_NUMBER: _ClassVar[int]
     USED_FIELD_NUMBER: _ClassVar[int]
     PEAK_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LARGEST_FREE_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATED_FIELD_NUMBER: _ClassVar[int]
     name: str
     reserved: int
     used: int
     peak: int
     blocks: int
     largest_free: int
-    def __init__(self, name: _Optional[str] = ..., reserved: _Optional[int] = ..., used: _Optional[int] = ..., peak: _Optional[int] = ..., blocks: _Optional[int] = ..., largest_free: _Optional[int] = ...) -> None: ...
+    allocated: int
+    def __init__(self, name: _Optional[str] = ..., reserved: _Optional[int] = ..., used: _Optional[int] = ..., peak: _Optional[int] = ..., blocks: _Optional[int] = ..., largest_free: _Optional[int] = ..., allocated: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
     __slots__ = ("calls", "errors", "latency_p50_us", "latency_p99_us", "sessions", "objects", "in_flight", "pools", "uptime_seconds", "worker_processes", "abandoned_calls", "tenant", "quota_refusals")

@@ -74,6 +74,7 @@ class _Pool:
         self.used = 0
         self.peak = 0
         self.blocks = 0
+        self.allocated = 0  # bytes of every block ever carved: what moved through the pool
         self.cond = threading.Condition(lock)
 
     def largest_free(self) -> int:
@@ -93,6 +94,7 @@ class _Pool:
                 pieces.append((start + nbytes, end - start - nbytes))
             self.free[i : i + 1] = pieces
             self.used += nbytes
+            self.allocated += nbytes
             self.peak = max(self.peak, self.used)
             self.blocks += 1
             return start
@@ -324,7 +326,8 @@ class Allocator:
             listener()
 
     def stats(self) -> dict[str, dict[str, int]]:
-        """Per pool: reserved, used, peak, blocks, largest_free (bytes, alignment included)."""
+        """Per pool: reserved, used, peak, blocks, largest_free, allocated (bytes of every
+        block carved so far; alignment included)."""
         with self._lock:
             return {
                 name: {
@@ -333,6 +336,7 @@ class Allocator:
                     "peak": p.peak,
                     "blocks": p.blocks,
                     "largest_free": p.largest_free(),
+                    "allocated": p.allocated,
                 }
                 for name, p in self._pools.items()
             }
