@@ -28,7 +28,7 @@ from colocar.errors import (
 from colocar.protocol import colocar_pb2_grpc as pb_grpc
 from colocar.protocol.link import MAX_FRAME, MAX_REQUEST
 from colocar.protocol.link import METHODS as LINK_METHODS
-from colocar.protocol.status import QUOTA_REACHED, Status, TransportError
+from colocar.protocol.status import ARENA_QUOTA_REACHED, QUOTA_REACHED, Status, TransportError
 from colocar.protocol.tokens import TOKEN_METADATA_KEY
 from colocar.shm import ArenaFullError
 
@@ -129,7 +129,7 @@ def translate(e: TransportError, what: str, peer: Peer) -> Exception:
     if status == Status.RESOURCE_EXHAUSTED and "message larger than max" in details:  # gRPC's limit
         return ColocarError(f"{what} on {name}: {details}; {TOO_LARGE_HINT}")
     if status == Status.RESOURCE_EXHAUSTED and QUOTA_REACHED in details:
-        error = ArenaQuotaError if " arena " in details else QuotaExceededError
+        error = ArenaQuotaError if ARENA_QUOTA_REACHED in details else QuotaExceededError
         return error(f"{what} on {name}: {details}")
     if status == Status.RESOURCE_EXHAUSTED:
         return ArenaFullError(f"{what} on {name}: {details}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 
 QUOTA_REACHED = "quota reached"  # in a RESOURCE_EXHAUSTED refusal: a tenant's quota, not a full arena
+ARENA_QUOTA_REACHED = f"arena {QUOTA_REACHED}"  # the tenant's arena quota (also a full arena, to it)
 
 
 class Status(enum.IntEnum):

@@ -16,7 +16,7 @@ import contextlib
 import threading
 from dataclasses import dataclass, field
 
-from colocar.protocol.status import QUOTA_REACHED, Refused, Status
+from colocar.protocol.status import ARENA_QUOTA_REACHED, QUOTA_REACHED, Refused, Status
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -79,7 +79,7 @@ class Quotas:
         self.refusals["arena"] += 1
         return Refused(
             Status.RESOURCE_EXHAUSTED,
-            f"tenant {self.tenant!r}: arena {QUOTA_REACHED} ({size} bytes; {message})",
+            f"tenant {self.tenant!r}: {ARENA_QUOTA_REACHED} ({size} bytes; {message})",
         )
 
 
