@@ -8,13 +8,13 @@ STAMP := $(VENV)/.colocar-installed
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint docs bench clean
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "colocar needs Python 3.11+; set PYTHON=python3.11")'
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[demo,test]'
+	$(PY) -m pip install -q -e '.[demo,test,docs]'
 	@touch $(STAMP)
 
 demo: $(STAMP)
@@ -22,6 +22,9 @@ demo: $(STAMP)
 
 test: $(STAMP) lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict --site-dir site
 
 lint: $(STAMP)
 	$(PY) -m ruff check colocar tests examples
@@ -35,4 +38,4 @@ bench: $(STAMP)
 	$(VENV)/bin/colocar bench recovery --quick
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache site

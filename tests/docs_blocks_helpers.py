@@ -1,12 +1,14 @@
-"""What tests/test_docs_blocks.py needs: the fenced shell and Python blocks of the READMEs, their
-`<!-- docs-test: ... -->` markers, and the code the test wraps around fragments (preludes).
+"""What tests/test_docs_blocks.py needs: the fenced shell and Python blocks of the READMEs and
+the docs pages, their `<!-- docs-test: ... -->` markers, and the code the test wraps around
+fragments (preludes).
 
 A marker is an HTML comment among the comment lines right above a block's fence:
 
     <!-- docs-test: skip (why it cannot run in a test) -->
     <!-- docs-test: run [group=NAME] [prelude=NAME] [serve] [check=k8s] [emulator=URL] [OLD=>NEW ...] -->
 
-`group`: blocks of one document with the same group run in order in one directory, consecutive
+`group`: blocks with the same group (on one page or across pages, in `DOCS` order) run in order
+in one directory, consecutive
 Python blocks as one program. `prelude`: test code run before the group's Python (and its
 teardown after), defining what a fragment takes from its surroundings. `serve`: a shell block
 that starts a server; it is stopped with SIGTERM once its `--ready-file` exists and must then
@@ -24,7 +26,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-DOCS = ("README.md", "k8s/README.md")
+def _docs() -> tuple[str, ...]:
+    """The READMEs, then the site's pages in the order of its navigation (mkdocs.yml), so a
+    group spanning pages (pipelines, then checkpoints) runs in the order a reader meets it."""
+    import yaml
+
+    pages: list[str] = []
+
+    def walk(node: object) -> None:
+        if isinstance(node, str):
+            pages.append(f"docs/{node}")
+        elif isinstance(node, list):
+            for item in node:
+                walk(item)
+        elif isinstance(node, dict):
+            for value in node.values():
+                walk(value)
+
+    walk(yaml.safe_load((REPO / "mkdocs.yml").read_text())["nav"])
+    return ("README.md", "k8s/README.md", *pages)
+
+
+DOCS = _docs()
 LANGUAGES = {"bash": "sh", "sh": "sh", "shell": "sh", "python": "python"}
 FENCE = re.compile(r"^(\s*)```(\S*)\s*$")
 MARKER = re.compile(r"<!--\s*docs-test:\s*(.*?)\s*-->")
@@ -122,13 +145,14 @@ def all_blocks() -> list[Block]:
 
 
 def units() -> dict[str, list[Block]]:
-    """The blocks to run, by test id (document and group, or the section of a lone block): a
-    group's blocks together, in order, every other block alone."""
+    """The blocks to run, by test id (a group, which may span pages, or a lone block's document
+    and section): a group's blocks together, in order, every other block alone."""
     out: dict[str, list[Block]] = {}
     for block in all_blocks():
         if block.marker is None or not block.marker.run:
             continue
-        key = f"{block.doc}:{block.marker.group or re.sub(r'[^a-z0-9]+', '-', block.section.lower())}"
+        section = re.sub(r"[^a-z0-9]+", "-", block.section.lower())
+        key = f"group:{block.marker.group}" if block.marker.group else f"{block.doc}:{section}"
         if not block.marker.group and key in out:
             key = f"{key}:{block.line}"
         out.setdefault(key, []).append(block)

@@ -134,9 +134,10 @@ def test_the_record_stream_is_rebuilt_from_the_attempts():
     assert len(gap.trained_on()) != 8
 
 
-def test_readme_shows_the_training_module():
-    """The README's demo section holds `colocar/demo/train.py`'s `train` function, exactly."""
-    readme = (ROOT / "README.md").read_text()
+def test_getting_started_shows_the_training_module():
+    """Getting started (docs/getting-started.md) holds `colocar/demo/train.py`'s `train`
+    function, exactly."""
+    readme = (ROOT / "docs" / "getting-started.md").read_text()
     module = (ROOT / "colocar" / "demo" / "train.py").read_text()
     function = module[module.index("def train(") :]
     marker = "<!-- colocar/demo/train.py: train -->"

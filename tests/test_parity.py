@@ -2,7 +2,7 @@
 
 On the CPU backend JAX runs colocated functions inline (the reference); colocar runs them in
 sidecar processes on each host's block. Elementwise programs must agree exactly. The remaining
-differences are listed in the README ("Differences from jax.experimental.colocated_python").
+differences are listed in docs/coming-from.md ("Coming from jax.experimental.colocated_python").
 
 Values are read with `jnp` (`jnp.array_equal`, `jnp.sum`), never with `np.asarray`: JAX caches
 an array's numpy read, which would hide a result whose memory changed after it was returned.

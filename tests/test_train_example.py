@@ -1,4 +1,4 @@
-"""examples/train.py, the README's "Multi-controller JAX" program, in the three topologies: one
+"""examples/train.py, the program of docs/multi-controller.md, in the three topologies: one
 controller with two local sidecars, two jax.distributed processes each with its own sidecar
 (the environment the rendered k8s manifests give), and one controller reaching two sidecars
 over gRPC without shared memory. The same records and the same state: equal checksums.
@@ -98,11 +98,10 @@ def test_train_example_gives_the_same_state_in_every_topology(make_cluster, tmp_
     assert {p[2:] for p in (one, remote, *processes)} == {one[2:]}, (one, remote, processes)
 
 
-def test_readme_shows_the_whole_program():
-    """The README's "Multi-controller JAX" section holds examples/train.py after its docstring,
-    exactly (the block after the marker comment), so the two cannot drift apart."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Multi-controller JAX") :]
+def test_the_multi_controller_page_shows_the_whole_program():
+    """The "Multi-controller JAX" page (docs/multi-controller.md) holds examples/train.py after
+    its docstring, exactly (the block after the marker comment), so the two cannot drift apart."""
+    section = (ROOT / "docs" / "multi-controller.md").read_text()
     marker = "<!-- examples/train.py after its docstring"
     block = section[section.index(marker) :].split("```python\n", 1)[1].split("```\n", 1)[0]
     program = PROGRAM.read_text()

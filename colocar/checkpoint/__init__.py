@@ -3,7 +3,7 @@
 `CheckpointManager(directory, cluster)` saves pytrees of `jax.Array`s: `save` blocks only for
 the device-to-arena copies, the sidecars write zarr3 arrays and commit the step; `restore`
 reads what each host's devices need for the target sharding; `abstract(tree)` makes a restore
-target from a live (or abstract) state. Format: README "Checkpoints".
+target from a live (or abstract) state. Format: docs/checkpoints.md.
 Sidecar-side modules (`writer_backend`, `reader_backend`) import no JAX.
 """
 

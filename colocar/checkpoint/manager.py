@@ -62,7 +62,7 @@ class CheckpointManager:
     records SIGTERM so that the loop can `save` a last step (see `reached_preemption`).
     `layout`: "colocar" (its own format: `step_<N>/`) or "orbax" (what orbax-checkpoint's
     `CheckpointManager` writes: `<N>/default/`, which Orbax and its tools read); restores and
-    listings read both, and Orbax's own checkpoints (README "Coming from Orbax").
+    listings read both, and Orbax's own checkpoints (docs/coming-from.md, "Coming from Orbax").
     """
 
     def __init__(

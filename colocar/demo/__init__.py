@@ -3,6 +3,6 @@
 A small model trained data-parallel over the sidecar hosts' devices, its input pipeline on the
 sidecars, host-memory snapshots and async checkpoints to a (local fake) GCS bucket, one host
 killed midway and the run recovered from RAM on the survivors. Modules: `data` (the digits data
-set as ArrayRecord shards and the pipeline config), `train` (the training script the README
-shows), `gcs` (the fake GCS server), `display`, `plot`, `summary` and `cli`.
+set as ArrayRecord shards and the pipeline config), `train` (the training script
+docs/getting-started.md shows), `gcs` (the fake GCS server), `display`, `plot`, `summary` and `cli`.
 """

@@ -1,7 +1,7 @@
 """Distributed input pipelines on the sidecars, feeding global jax.Arrays through shared memory.
 
-`load(config, cluster, mesh)` returns an iterator of global batches; see README "Input
-pipelines". Sidecar-side modules (`host_backend`, `worker`, `sources`, `records`) import no JAX.
+`load(config, cluster, mesh)` returns an iterator of global batches; see
+docs/pipelines.md. Sidecar-side modules (`host_backend`, `worker`, `sources`, `records`) import no JAX.
 """
 
 from __future__ import annotations

@@ -200,7 +200,7 @@ def _element_spec(spec: dict[str, FieldSpec] | None, path: str) -> dict[str, Fie
 
 @config_class
 class PipelineConfig(Node):
-    """A validated pipeline config. Build it with `load_config`; see the README for the schema."""
+    """A validated pipeline config. Build it with `load_config`; see docs/pipelines.md for the schema."""
 
     EXPECTED = "a mapping of pipeline settings (source, global_batch_size, ...)"
 
