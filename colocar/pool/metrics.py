@@ -51,7 +51,7 @@ class PoolCollector(Collector):
         )
         moved = CounterMetricFamily(
             "colocar_pool_tenant_arena_allocated_bytes",
-            "Bytes of the arena blocks the tenant's data went through (since its sidecars started), all hosts",
+            "Bytes of the arena blocks the tenant's data went through, all hosts (since its sidecars began)",
             labels=["tenant"],
         )
         refusals = CounterMetricFamily(
