@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import getpass
+import glob
 import os
 import re
 import shlex
@@ -367,3 +368,29 @@ class LiveSlurm:
             if named.search(" ".join(info["cmdline"] or ())) or named.match(info["cwd"] or ""):
                 found.append(process)
         return found
+
+
+def job_processes(job: int) -> list[psutil.Process]:
+    """Every live process of Slurm job `job` (its environment says so), slurmstepd aside."""
+    found = []
+    for p in psutil.process_iter(["name", "status"]):
+        with contextlib.suppress(psutil.Error):
+            if p.info["name"] != "slurmstepd" and p.info["status"] != psutil.STATUS_ZOMBIE:
+                if p.environ().get("SLURM_JOB_ID") == str(job):
+                    found.append(p)
+    return found
+
+
+def assert_job_left_nothing(job: int, paths: tuple[Path, ...] = (), timeout: float = 60.0) -> None:
+    """No process of the job, no /dev/shm file or folder of it, none of `paths` (in `timeout`)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        processes = job_processes(job)
+        files = [*glob.glob(f"/dev/shm/colocar-slurm{job}-*"), *(str(p) for p in paths if p.exists())]
+        if not processes and not files:
+            return
+        with contextlib.suppress(psutil.Error):
+            assert time.monotonic() < deadline, (
+                f"left by job {job}: {[(p.pid, p.cmdline()[:4]) for p in processes]}, files {files}"
+            )
+        time.sleep(0.5)

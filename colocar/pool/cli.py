@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import sys
+from typing import Any
 
 import psutil
 
@@ -92,19 +93,35 @@ def up(args: argparse.Namespace) -> dict:
     agent = Sidecar(0, folder, label="agent")  # the same start: its own session, a ready pipe, a log
     agent.spawn(argv, dict(os.environ))
     wait_ready([agent], 60.0)
-    info = dict(agent.info or {})
-    record = {
+    hosts = len(args.nodes.split(",")) if args.nodes else args.hosts
+    record = pool_record(dict(agent.info or {}), admin, hosts, args.shm_dir, agent.log_file)
+    write_pool_file(pool_file, record)
+    print(f"pool up: agent at {record['address']} (pid {record['pid']}); pool file {pool_file}")
+    return record
+
+
+def pool_record(info: dict, admin_token_file: str, hosts: int, shm_dir: str, log: str, **extra: Any) -> dict:
+    """What a pool file holds: the agent's address and pid (from its ready line) and start
+    time (a pid reused later is not taken for it), the admin token's file, the hosts, where
+    the arenas are, the agent's log; `extra` for what a launcher adds (Slurm: the job id)."""
+    return {
         **info,
         "create_time": psutil.Process(info["pid"]).create_time(),
-        "admin_token_file": admin,
-        "hosts": len(args.nodes.split(",")) if args.nodes else args.hosts,
-        "shm_dir": args.shm_dir,
-        "log": agent.log_file,
+        "admin_token_file": admin_token_file,
+        "hosts": hosts,
+        "shm_dir": shm_dir,
+        "log": log,
+        **extra,
     }
-    with open(pool_file, "w") as f:
+
+
+def write_pool_file(path: str, record: dict) -> None:
+    """Writes the pool file whole (a reader never sees half of it)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fresh = f"{path}.{os.getpid()}.tmp"
+    with open(fresh, "w") as f:
         json.dump(record, f, indent=1)
-    print(f"pool up: agent at {info['address']} (pid {info['pid']}); pool file {pool_file}")
-    return record
+    os.replace(fresh, path)
 
 
 def _nodes_flags(args: argparse.Namespace) -> list[str]:

@@ -78,8 +78,9 @@ def agent_address(pool: str) -> str:
 
 def machine_name() -> str:
     """The machine a sidecar or a job runs on: `COLOCAR_NODE_NAME` (on Kubernetes the node's
-    name, from the downward API), else the host name."""
-    return os.environ.get("COLOCAR_NODE_NAME") or socket.gethostname()
+    name, from the downward API), else Slurm's node name in a task (`SLURMD_NODENAME`: several
+    slurmd may share a host), else the host name."""
+    return os.environ.get("COLOCAR_NODE_NAME") or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def say_on_stderr(update: dict[str, float]) -> None:

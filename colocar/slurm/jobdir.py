@@ -63,9 +63,10 @@ class JobDir:
         self.path = os.path.abspath(path)
         os.makedirs(self.path, mode=0o700, exist_ok=True)
 
-    def token_file(self) -> str:
-        """The job's token file, made by the first task to get here (create-once: a link)."""
-        path = os.path.join(self.path, "token")
+    def token_file(self, name: str = "token") -> str:
+        """The job's token file `name` (the sidecars' `token`; a pool's node and admin tokens),
+        made by the first task to get here (create-once: a link)."""
+        path = os.path.join(self.path, name)
         if not os.path.exists(path):
             tmp = _tmp_name(path)
             write_token_file(tmp, new_token())

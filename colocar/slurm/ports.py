@@ -1,4 +1,5 @@
-"""The ports of a job on a node: its sidecar's, and the JAX coordinator's.
+"""The ports of a job on a node: its sidecar's (or its pool node's), a pool agent's, the JAX
+coordinator's.
 
 Several jobs may share a node (and in a test, several "nodes" share one machine), so a port
 comes from the job id and the node: a job's slot of 8 ports in 20000-31999, below Linux's
@@ -25,6 +26,12 @@ def sidecar_ports(job_id: int, node_id: int, tries: int = 16) -> Iterator[int]:
     for k in range(tries):
         slot = (job_id + 7919 * k) % SLOTS  # another slot per retry (7919: prime, co-prime to SLOTS)
         yield SIDECAR_BASE + slot * PER_JOB + node_id % PER_JOB
+
+
+def agent_ports(job_id: int, tries: int = 16) -> Iterator[int]:
+    """Candidate ports of a shared pool's agent (`colocar slurm pool-task`, on the first node):
+    the last port of the job's slot, which a node of a job of fewer than 8 nodes never takes."""
+    return sidecar_ports(job_id, PER_JOB - 1, tries)
 
 
 def is_free(port: int) -> bool:

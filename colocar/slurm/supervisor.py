@@ -151,7 +151,7 @@ class Supervisor:
         if "JAX_COORDINATOR_ADDRESS" in env:
             port = ports.jax_coordinator_port(self.task.job_id, generation)
             env["JAX_COORDINATOR_ADDRESS"] = env["JAX_COORDINATOR_ADDRESS"].format(port=port)
-        self.child = subprocess.Popen(self.options.command, env=env, preexec_fn=_dies_with(os.getpid()))
+        self.child = subprocess.Popen(self.options.command, env=env, preexec_fn=dies_with(os.getpid()))
         return self.child
 
     def _end_child(self, grace: float) -> None:
@@ -234,7 +234,7 @@ class Supervisor:
         return 0
 
 
-def _dies_with(parent: int) -> Callable[[], None]:
+def dies_with(parent: int) -> Callable[[], None]:
     """Run in the trainer before it starts: it gets SIGKILL when `parent` (this task) ends, even
     killed outright (an OOM kill leaves no time to stop it), so no trainer outlives its task."""
 

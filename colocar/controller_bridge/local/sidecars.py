@@ -24,6 +24,7 @@ import selectors
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import psutil
@@ -91,9 +92,11 @@ class Sidecar:
         self.process = _Adopted(info)
         return self
 
-    def spawn(self, argv: list[str], env: dict[str, str]) -> Sidecar:
+    def spawn(self, argv: list[str], env: dict[str, str], tied: Callable[[], None] | None = None) -> Sidecar:
         """Starts the process (again, after `restart_host`: its log is appended to). It says it
-        is ready on a pipe (`--ready-fd`), which `wait_ready` waits on (no polling)."""
+        is ready on a pipe (`--ready-fd`), which `wait_ready` waits on (no polling). In a
+        session of its own, out of the controller's process group; with `tied` (run in the
+        child before it starts, e.g. a parent-death signal) in the caller's instead."""
         self.info = None
         self.terminated = False
         self._ready_buffer = b""
@@ -106,7 +109,8 @@ class Sidecar:
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     env=env,
-                    start_new_session=True,  # out of the controller's process group
+                    start_new_session=tied is None,  # out of the controller's process group
+                    preexec_fn=tied,
                     pass_fds=(write_end,),
                 )
         except BaseException:
