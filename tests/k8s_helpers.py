@@ -4,6 +4,8 @@ plus one with the options the examples do not use) and ways to pick objects out 
 
 from __future__ import annotations
 
+import base64
+import os
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +15,9 @@ import pytest
 import yaml
 
 from colocar.k8s import TOPOLOGIES, build_options, render
-from colocar.k8s.cli import EXAMPLE_ARGS, render_text
+from colocar.k8s.cli import EXAMPLE_ARGS, main, render_pool_text, render_text
 from colocar.k8s.options import VARIANTS
+from colocar.k8s.pool_options import PoolOptions
 
 REPO = Path(__file__).resolve().parent.parent
 K8S = REPO / "k8s"
@@ -26,8 +29,9 @@ BUCKET = "gs://my-bucket/runs/1"
 CASES = [(t, v) for t in TOPOLOGIES for v in VARIANTS]
 # Options the examples do not exercise: TLS, pools, own sizes and images, another port.
 EXTRA = [
-    "--tls-secret", "colocar-tls", "--pool", "ckpt=8Gi", "--pool", "ring=1536Mi", "--shm-size", "48Gi",
-    "--sidecar-cpu", "3", "--sidecar-memory", "6Gi", "--port", "50051", "--name", "llama-70b",
+    "--tls-secret", "colocar-tls", "--arena-pool", "ckpt=8Gi", "--arena-pool", "ring=1536Mi",
+    "--shm-size", "48Gi", "--sidecar-cpu", "3", "--sidecar-memory", "6Gi", "--port", "50051",
+    "--name", "llama-70b",
     "--trainer-image", "gcr.io/p/trainer@sha256:" + "a" * 64,
     "--trainer-command", "python -m my.train --steps 10",
 ]  # fmt: skip
@@ -106,3 +110,87 @@ def validate_manifests(objects: list[dict[str, Any]], jobset_schema: dict[str, A
             core.append({"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": template["spec"]})
     for obj in core:
         assert kubernetes_validate.validate(obj, K8S_VERSION, strict=True) == K8S_VERSION
+
+
+# --- the shared pool (colocar k8s render --pool) ------------------------------------------------
+
+# A tenants file as for `colocar pool up` (its token_file is replaced), one tenant with defaults.
+POOL_TENANTS = """\
+tenants:
+  alice:
+    token_file: alice.token   # replaced by the Secret's mount
+    priority: 10
+    quotas: {arena: 512M, calls: 4, processes: 0, sessions: 2}
+  team-b: {}
+"""
+BASE = ["--pool", "--image", IMAGE, "--tenants", "tenants.yaml"]
+POD_MONITORING_CRD = "monitoring.googleapis.com_podmonitorings.yaml"
+
+
+def pool_case(
+    topology: str, *extra: str, text: str = POOL_TENANTS
+) -> tuple[list[dict[str, Any]], PoolOptions]:
+    """The objects and options `render --pool` makes of `text` as the tenants file."""
+    out, opts = render_pool_text(["--topology", topology, *BASE, *extra], tenants_text=text)
+    return list(yaml.safe_load_all(out)), opts
+
+
+def render_main(argv: list[str], cwd: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """`colocar k8s render ARGV` run in `cwd`: (exit status, stdout, stderr)."""
+    here = os.getcwd()
+    os.chdir(cwd)
+    try:
+        main(["render", *argv])
+        code = 0
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    finally:
+        os.chdir(here)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def load_crd_schema(file: str, version: str) -> dict[str, Any]:
+    """A CRD's openAPIV3Schema of `version`, from its copy in tests/data/schemas."""
+    crd = yaml.safe_load((REPO / "tests" / "data" / "schemas" / file).read_text())
+    (found,) = [v for v in crd["spec"]["versions"] if v["name"] == version]
+    return found["schema"]["openAPIV3Schema"]
+
+
+def one(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    """The one object of `kind`."""
+    (found,) = of_kind(objects, kind)
+    return found
+
+
+def pod_spec(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    """The pod spec of the one StatefulSet or Deployment."""
+    return one(objects, kind)["spec"]["template"]["spec"]
+
+
+def mounted(spec: dict[str, Any], container: dict[str, Any], path: str) -> tuple[dict[str, Any], str]:
+    """The volume that holds file `path` in `container`, and the file's path inside it."""
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    for m in container["volumeMounts"]:
+        if path.startswith(m["mountPath"].rstrip("/") + "/"):
+            return volumes[m["name"]], path[len(m["mountPath"]) + 1 :]
+    raise AssertionError(f"{path} is on no volume of {container['name']}")
+
+
+def secret_of(volume: dict[str, Any], inner: str) -> tuple[str, str]:
+    """(Secret name, key) a file `inner` of a secret or projected volume shows."""
+    sources = volume["projected"]["sources"] if "projected" in volume else [{"secret": volume["secret"]}]
+    for source in sources:
+        secret = source["secret"]
+        for item in secret["items"]:
+            if item["path"] == inner:
+                return secret.get("name") or secret["secretName"], item["key"]
+    raise AssertionError(f"{inner} is in no Secret of {volume['name']}")
+
+
+def tokens_of(objects: list[dict[str, Any]]) -> dict[str, str]:
+    """Secret name -> the token it holds."""
+    return {
+        s["metadata"]["name"]: base64.b64decode(s["data"]["token"]).decode()
+        for s in of_kind(objects, "Secret")
+    }

@@ -1,9 +1,11 @@
 """Kubernetes deployment: manifests with the colocar sidecar as a native sidecar container.
 
 `colocar k8s render --topology T --image I --bucket gs://B/P` (see `cli.py`) prints a JobSet,
-its headless Service, a NetworkPolicy and a Workload Identity ServiceAccount. Runs on the
-user's machine, never in a job. Modules: `topologies` (slice shapes, plain data), `options`
-(input validation), `pod` (the host pod), `render` (the objects and their YAML).
+its headless Service, a NetworkPolicy and a Workload Identity ServiceAccount; with `--pool`,
+a shared sidecar pool that outlives jobs. Runs on the user's machine, never in a job. Modules:
+`topologies` (slice shapes, plain data), `options` (input validation), `pod` (the host pod),
+`render` (the objects and their YAML), `pool_options`, `pool_pods` and `pool` (the same for a
+pool: its inputs and tenants file, its node and agent pods, its objects).
 """
 
 from .options import RenderError, RenderOptions, build_options

@@ -112,7 +112,11 @@ def metrics_annotations(port: int) -> dict[str, str]:
     """`prometheus.io/*` annotations for a metrics endpoint on `port` (0: none)."""
     if not port:
         return {}
-    return {"prometheus.io/scrape": "true", "prometheus.io/port": str(port), "prometheus.io/path": METRICS_PATH}
+    return {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(port),
+        "prometheus.io/path": METRICS_PATH,
+    }
 
 
 def sidecar_container(opts: RenderOptions) -> dict[str, Any]:

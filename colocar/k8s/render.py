@@ -170,10 +170,18 @@ def render(opts: RenderOptions) -> list[dict[str, Any]]:
 
 
 class _Dumper(yaml.SafeDumper):
-    """Writes every value out in full: no `&anchor`/`*alias` for dicts used twice."""
+    """Writes every value out in full: no `&anchor`/`*alias` for dicts used twice; a text of
+    several lines (a file in a ConfigMap) as a `|` block, as it reads."""
 
     def ignore_aliases(self, data: Any) -> bool:
         return True
+
+
+def _text(dumper: yaml.SafeDumper, data: str) -> yaml.Node:
+    return dumper.represent_scalar("tag:yaml.org,2002:str", data, style="|" if "\n" in data else None)
+
+
+_Dumper.add_representer(str, _text)
 
 
 def to_yaml(objects: list[dict[str, Any]], header: str = "") -> str:
