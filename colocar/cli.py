@@ -17,7 +17,7 @@ USAGE = """usage: colocar [--version] {sidecar,demo,bench,ckpt,k8s,slurm,pool,ex
 
   sidecar   run a sidecar (colocar sidecar --help)
   demo      train on a local cluster, lose a host, recover from RAM (colocar demo --help)
-  bench     run a benchmark: colocar bench {rpc,transfer,loader,ckpt} [--json] [--quick]
+  bench     run a benchmark, or every one's quick mode: colocar bench {NAME,all} [--json] [--quick]
   ckpt      list, inspect and convert checkpoints: colocar ckpt {ls PATH,show PATH STEP,convert SRC DST}
   k8s       render Kubernetes manifests: colocar k8s render --topology T --image I --bucket B
   slurm     Slurm jobs: colocar slurm render --nodes N -- COMMAND (an sbatch script); slurm run (under srun)

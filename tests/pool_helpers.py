@@ -76,7 +76,7 @@ class LivePool:
             cli.down(argparse.Namespace(pool=self.pool_file, token_file=None))
 
     def status(self, as_tenant: str | None = None) -> dict:
-        from colocar.pool import client
+        from colocar.controller_bridge import pool_client as client
 
         token = self.token(as_tenant) if as_tenant else self.admin_token()
         return client.pool_status(self.pool_file, token)

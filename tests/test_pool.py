@@ -148,7 +148,7 @@ def _link_refuses(host, token: str) -> None:
 
 
 def test_the_pool_shows_a_tenant_its_own_entry_only_and_stops_only_for_the_admin(pool):
-    from colocar.pool import client
+    from colocar.controller_bridge import pool_client as client
 
     seen = pool.status("bob")
     assert set(seen["tenants"]) == {"bob"} and "queue_waits" not in seen

@@ -133,7 +133,7 @@ def _submit_pool(slurm, tmp_path: Path) -> tuple[int, Path, Path, dict[str, str]
 
 def test_a_pool_job_serves_tenants_steps_on_its_nodes(slurm, tmp_path) -> None:
     import colocar
-    from colocar.pool import client
+    from colocar.controller_bridge import pool_client as client
 
     job, tenants, pool_dir, env = _submit_pool(slurm, tmp_path)
     out = tmp_path / "out.txt"

@@ -1,7 +1,8 @@
 """`colocar bench NAME [--json] [--quick] [--repeats N]` (also `python -m colocar.bench.run NAME`).
 
 Runs one benchmark module's `run(quick, repeats) -> dict`, prints a table and, with --json,
-the result as one JSON object on the last line of stdout.
+the result as one JSON object on the last line of stdout. `colocar bench all` runs every
+benchmark's quick mode and prints where they stand (`colocar.bench.suite`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ DEFAULT_REPEATS = {"rpc": 7, "transfer": 7, "loader": 5, "ckpt": 5, "recovery": 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="colocar bench", description="colocar benchmarks")
     names = "; ".join(f"{k}: {v}" for k, v in BENCHMARKS.items())
-    p.add_argument("name", choices=sorted(BENCHMARKS), help=names)
+    every = "all: every benchmark's quick mode, one after another, and a table of their goals"
+    p.add_argument("name", choices=[*sorted(BENCHMARKS), "all"], help=f"{names}; {every} (all --help)")
     p.add_argument("--json", action="store_true", help="print the result as JSON on the last line")
     p.add_argument("--quick", action="store_true", help="fewer calls and a smaller array (< 1 min)")
     p.add_argument("--repeats", type=int, default=None, help="rounds/repeats (medians are over these)")
@@ -55,7 +57,12 @@ def _table(name: str, result: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["all"]:
+        from colocar.bench import suite
+
+        return suite.main(argv[1:])
+    args = _parser().parse_args(argv)
     # The controller side runs JAX on the CPU (the transfer benchmark uses device_put there).
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     module = importlib.import_module(f"colocar.bench.{args.name}")

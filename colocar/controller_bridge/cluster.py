@@ -357,7 +357,7 @@ def connect(
     secret = token_from_env(token, token_file)
     admitted = None
     if pool is not None:
-        from colocar.pool.client import admit
+        from .pool_client import admit
 
         admitted = admit(pool, secret or "", wait=wait, queue_timeout=queue_timeout)
         addresses = admitted.own(jax.process_index(), jax.process_count())

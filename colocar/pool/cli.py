@@ -18,13 +18,12 @@ from typing import Any
 import psutil
 
 from colocar.cli_help import HelpFormatter
+from colocar.controller_bridge import pool_client as client
 from colocar.controller_bridge.local.sidecars import Sidecar, wait_ready
 from colocar.errors import ColocarError
 from colocar.protocol.tokens import new_token, write_token_file
 from colocar.shm.arena import remove_stale_arenas
 from colocar.sidecar.auth import read_token_file
-
-from . import client
 
 DEFAULT_DIR = "colocar-pool"
 

@@ -15,7 +15,8 @@ import logging
 import threading
 import time
 
-from .client import machine_name
+from colocar.controller_bridge.pool_client import machine_name
+
 from .tenant_sidecars import HostOptions, TenantSidecars
 from .tenants import Tenant
 

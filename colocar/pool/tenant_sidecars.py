@@ -20,11 +20,11 @@ from typing import Any
 import grpc
 
 from colocar.controller_bridge.local.sidecars import Sidecar, wait_ready
+from colocar.controller_bridge.pool_client import machine_name
 from colocar.protocol import colocar_pb2 as pb
 from colocar.protocol import colocar_pb2_grpc as pb_grpc
 from colocar.protocol.tokens import TOKEN_METADATA_KEY, write_token_file
 
-from .client import machine_name
 from .tenants import Tenant
 
 STARTUP_SECONDS = 300.0
