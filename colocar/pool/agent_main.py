@@ -11,10 +11,8 @@ import argparse
 import json
 import logging
 import os
-import signal
 import sys
 import threading
-from concurrent import futures
 from typing import Any
 
 import grpc
@@ -25,6 +23,7 @@ from colocar.sidecar.auth import read_token_file
 from colocar.sizes import parse_size
 
 from .agent import ADMIN, PoolAgent, admit_stream
+from .daemon import announce, log_to_stderr, start_server, stop_on_signals
 from .metrics import PoolMetrics
 from .nodes import PoolNodes
 from .tenant_sidecars import HostOptions, LocalHosts
@@ -83,11 +82,7 @@ class PoolServicer(pb_grpc.PoolServicer):
 
 def serve(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO,
-        format=f"%(asctime)s {args.label} %(levelname)s %(message)s",
-        stream=sys.__stderr__,
-    )
+    log_to_stderr(args.label)
     bind = args.address.rsplit(":", 1)[0]
     agent = PoolAgent(
         args.tenants,
@@ -97,15 +92,13 @@ def serve(argv: list[str] | None = None) -> int:
         max_tenants=args.max_tenants,
         idle_seconds=args.idle_seconds,
     )
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="colocar-pool"))
-    pb_grpc.add_PoolServicer_to_server(PoolServicer(agent), server)
-    port = server.add_insecure_port(args.address)
-    if port == 0:
+    try:
+        add = lambda server: pb_grpc.add_PoolServicer_to_server(PoolServicer(agent), server)
+        server, port = start_server(add, args.address, 64, "colocar-pool")
+    except SystemExit:
         agent.stop()
-        raise SystemExit(f"colocar pool: cannot bind {args.address}")
-    server.start()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: threading.Thread(target=agent.stop).start())
+        raise
+    stop_on_signals(agent.stop)
     address = f"{bind}:{port}"
     if args.metrics_port is not None:
         agent.metrics = PoolMetrics(agent, args.metrics_host, args.metrics_port)
@@ -127,13 +120,6 @@ def _hosts(args: argparse.Namespace, bind: str) -> LocalHosts | PoolNodes:
     return PoolNodes(
         [a.strip() for a in args.nodes.split(",") if a.strip()], args.node_token_file, args.lease_seconds
     )
-
-
-def announce(fd: int | None, info: dict[str, Any]) -> None:
-    if fd is None:
-        return
-    with os.fdopen(fd, "w") as f:
-        f.write(json.dumps(info) + "\n")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -12,11 +12,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
 import tempfile
-import threading
-from concurrent import futures
 from typing import Any
 
 import grpc
@@ -26,7 +23,7 @@ from colocar.protocol import colocar_pb2 as pb
 from colocar.protocol import colocar_pb2_grpc as pb_grpc
 from colocar.sidecar.auth import Token, metadata_token, read_token_file
 
-from .agent_main import announce
+from .daemon import announce, log_to_stderr, start_server, stop_on_signals
 from .node import PoolNode
 from .tenant_sidecars import HostOptions
 from .tenants import Tenant
@@ -93,24 +90,15 @@ class NodeServicer(pb_grpc.PoolNodeServicer):
 
 def serve(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO,
-        format=f"%(asctime)s {args.label} %(levelname)s %(message)s",
-        stream=sys.__stderr__,
-    )
+    log_to_stderr(args.label)
     bind = args.address.rsplit(":", 1)[0]
     workdir = args.workdir or tempfile.mkdtemp(prefix="colocar-pool-node-")
     options = HostOptions(1, workdir, args.shm_dir, bind=bind, advertise=args.advertise or "")
     token = Token(read_token_file(args.token_file), args.token_file)
     node = PoolNode(options, args.agent_lease)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="colocar-pool-node"))
-    pb_grpc.add_PoolNodeServicer_to_server(NodeServicer(node, token), server)
-    port = server.add_insecure_port(args.address)
-    if port == 0:
-        raise SystemExit(f"colocar pool node: cannot bind {args.address}")
-    server.start()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: threading.Thread(target=node.stop).start())
+    add = lambda server: pb_grpc.add_PoolNodeServicer_to_server(NodeServicer(node, token), server)
+    server, port = start_server(add, args.address, 16, "colocar-pool-node")
+    stop_on_signals(node.stop)
     address = f"{args.advertise or bind}:{port}"
     announce(args.ready_fd, {"address": address, "pid": os.getpid()})
     logging.getLogger("colocar.pool").info("pool node serving on %s (machine %s)", address, node.machine)
