@@ -338,7 +338,7 @@ def test_a_lazy_object_seen_through_a_cluster_over_some_hosts_keeps_each_hosts_i
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from colocar.elastic.topology import ClusterView
+    from colocar.elastic.policy.survivors import ClusterView
 
     @colocar.colocated_class
     class Remembers:

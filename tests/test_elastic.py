@@ -33,7 +33,7 @@ from helpers import kill_if_stopped
 import colocar
 from colocar.checkpoint import CheckpointManager
 from colocar.elastic import ElasticError, Manager, faults
-from colocar.elastic.data import start_batch
+from colocar.elastic.policy.data import start_batch
 from colocar.loaders.config import load_config
 from colocar.loaders.sampler import IndexSampler
 

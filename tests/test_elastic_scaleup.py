@@ -159,7 +159,7 @@ def test_a_fresh_session_holds_blocks_again(make_cluster):
     are granted, not refused as an ended session's. The soak found the refill failing so."""
     import numpy as np
 
-    from colocar.elastic.rejoin import fresh_session
+    from colocar.elastic.policy.rejoin import fresh_session
 
     host = make_cluster(hosts=1, processes=0).hosts[0]
     assert fresh_session(host)

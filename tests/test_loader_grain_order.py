@@ -20,8 +20,8 @@ from loaders_helpers import config, features, labels, take
 
 import colocar
 from colocar import loaders
-from colocar.elastic.data import start_batch
-from colocar.elastic.topology import ElasticError
+from colocar.elastic.policy.data import start_batch
+from colocar.elastic.policy.survivors import ElasticError
 from colocar.loaders.config import ConfigError, load_config
 from colocar.loaders.orders import GrainOrder, _grain_internals
 from colocar.loaders.sampler import IndexSampler

@@ -1,4 +1,4 @@
-"""How multi-controller processes agree on snapshots (`colocar.elastic.snap_agree`), from the
+"""How multi-controller processes agree on snapshots (`colocar.elastic.snapshots.multi.agree`), from the
 summaries each keeper gives: the newest step complete everywhere and who refills whom."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pickle
 
 import pytest
 
-from colocar.elastic import snap_agree
+from colocar.elastic.snapshots.multi import agree as snap_agree
 from colocar.errors import SnapshotError
 
 RING = {0: [1], 1: [0]}

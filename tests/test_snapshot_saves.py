@@ -21,8 +21,8 @@ from test_snapshots import POOL, _kill, _state, _target, _used, _wait_lost
 
 import colocar
 from colocar.checkpoint import CheckpointManager
-from colocar.elastic import snap_save
 from colocar.elastic.snapshots import Snapshots
+from colocar.elastic.snapshots import save as snap_save
 from colocar.errors import CheckpointError, SnapshotError
 
 MiB = 1 << 20

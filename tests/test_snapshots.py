@@ -25,10 +25,10 @@ from test_security_tls import pki  # noqa: F401 - the certificates, as a fixture
 import colocar
 from colocar.checkpoint import tree
 from colocar.controller_bridge.obj import colocated_class
-from colocar.elastic.keeper import SnapshotKeeper
-from colocar.elastic.peers import PeerOptions
-from colocar.elastic.snap_take import SnapshotSkipped
 from colocar.elastic.snapshots import Snapshots
+from colocar.elastic.snapshots.keepers.keeper import SnapshotKeeper
+from colocar.elastic.snapshots.keepers.peers import PeerOptions
+from colocar.elastic.snapshots.take import SnapshotSkipped
 from colocar.errors import ColocarError, SnapshotError
 
 MiB = 1 << 20

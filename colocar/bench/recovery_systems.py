@@ -273,7 +273,7 @@ def storage(cluster: Any, directory: str, survivors: Survivors) -> float:
     """(b) a `CheckpointManager` over the survivors (as the elastic manager reopens it), the
     newest committed step restored onto their mesh, and a step."""
     from colocar.checkpoint import CheckpointManager
-    from colocar.elastic.topology import ClusterView, alive_hosts
+    from colocar.elastic.policy.survivors import ClusterView, alive_hosts
 
     t0 = time.monotonic()
     view = ClusterView(cluster, alive_hosts(cluster))

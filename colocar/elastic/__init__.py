@@ -5,6 +5,13 @@ after a loss (`@manager.run(min_hosts=...)`), restores the newest snapshot or ch
 the smaller mesh (`manager.restore`) with the data position in records, and snapshots or saves
 when due (`manager.step`). `faults` kills or stops a host's sidecar at a step, for tests and
 drills. Runs in the controller; see docs/elastic.md.
+
+The layout: `manager.py` (the `Manager`) and `faults.py` here; `policy/` what the manager
+decides from (the surviving hosts, where a state comes back from, the data position, rejoins,
+events); `topologies/` what differs between a single controller and one JAX process per host
+(strategy objects); `snapshots/` the host-memory snapshot store, with its multi-controller
+side in `snapshots/multi/` and the sidecar side (keepers, peer transfer) in
+`snapshots/keepers/`.
 """
 
 from __future__ import annotations
@@ -13,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from . import faults
-    from .data import devices_for_batch
     from .manager import Manager
+    from .policy.data import devices_for_batch
+    from .policy.survivors import ClusterView, ElasticError
     from .snapshots import Snapshots
-    from .topology import ClusterView, ElasticError
 
 __all__ = ["ClusterView", "ElasticError", "Manager", "Snapshots", "devices_for_batch", "faults"]
 
@@ -29,9 +36,9 @@ def __getattr__(name: str) -> Any:
     if name == "Snapshots":
         return importlib.import_module(".snapshots", __name__).Snapshots
     if name in ("ClusterView", "ElasticError"):
-        return getattr(importlib.import_module(".topology", __name__), name)
+        return getattr(importlib.import_module(".policy.survivors", __name__), name)
     if name == "devices_for_batch":
-        return importlib.import_module(".data", __name__).devices_for_batch
+        return importlib.import_module(".policy.data", __name__).devices_for_batch
     if name == "faults":
         return importlib.import_module(".faults", __name__)
     raise AttributeError(f"module 'colocar.elastic' has no attribute {name!r}")

@@ -33,12 +33,13 @@ from typing import Any
 from colocar.controller_bridge.cluster import Cluster
 from colocar.controller_bridge.func import colocated
 
-from . import keeper_multi, peers
-from .topology import ElasticError, host_named, loss_grace
+from .policy.survivors import ElasticError, host_named, loss_grace
+from .snapshots.keepers import multi as multi_keeper
+from .snapshots.keepers import peers
 
 ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "resume": signal.SIGCONT}
 _hold = colocated(peers.hold)
-_fail_reads = colocated(keeper_multi.fail_reads)
+_fail_reads = colocated(multi_keeper.fail_reads)
 
 
 @dataclass(frozen=True)
@@ -166,7 +167,7 @@ def inject(cluster: Cluster, fault: Fault) -> None:
 def resume(cluster: Cluster, host: int | str, timeout: float | None = None) -> None:
     """Lets a stopped sidecar run again (SIGCONT) and waits until its session answers (it
     reconnects at its next heartbeat if it was marked lost), at most `timeout` seconds
-    (default: `topology.loss_grace`); raises `ElasticError` if it does not."""
+    (default: `policy.survivors.loss_grace`); raises `ElasticError` if it does not."""
     signal_host(cluster, host, "resume")
     target = host_named(_root(cluster), host if isinstance(host, str) else f"host{host}")
     deadline = time.monotonic() + (loss_grace(cluster) if timeout is None else timeout)

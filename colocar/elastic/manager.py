@@ -8,14 +8,14 @@ newest state it can find (a host-memory snapshot complete on the survivors, else
 committed storage checkpoint, else `init()`), resharded onto the new mesh, together with the
 data position in records, so the loader continues the record stream exactly. Errors that do
 not come from a lost host are never caught. When lost hosts come back, `step` hands the state
-over at the step boundary and the run function is called again with all hosts (`rejoin.py`).
+over at the step boundary and the run function is called again with all hosts (`policy/rejoin.py`).
 
 Step numbers: `step(s, ...)` is called once step `s` of the loop is done, so what it saves is
 the state after `s + 1` steps and is stored as step `s + 1`; `restore` returns that number,
 the step the loop continues at (0 after `init`).
 
 Under multi-controller JAX (one process per host, each on its own sidecar) the same code runs
-in every process (`controllers.py`): the run function gets every process's devices, snapshots
+in every process (`topologies/`): the run function gets every process's devices, snapshots
 and saves are collectives, and `restore` is agreed by all. A loss is not recovered in-process
 (a jax.distributed job cannot shrink): it raises `ElasticError` and the trainer, restarted in
 place, resumes from the snapshot in the sidecars' RAM. Scaling up is single-controller only.
@@ -32,13 +32,13 @@ from typing import Any
 from colocar.controller_bridge.cluster import Cluster
 from colocar.errors import HostLostError
 
-from . import data
-from .controllers import controllers_of
-from .events import Events, log
 from .faults import Fault, Schedule
-from .rejoin import Handoff, Rescale, fresh_session, reshard, returned_hosts
-from .tiers import StorageTier, snapshots_available, unwrap, wrap
-from .topology import ClusterView, ElasticError, alive_hosts, lost_hosts
+from .policy import data
+from .policy.events import Events, log
+from .policy.rejoin import Handoff, Rescale, fresh_session, reshard, returned_hosts
+from .policy.survivors import ClusterView, ElasticError, alive_hosts, lost_hosts
+from .policy.tiers import StorageTier, snapshots_available, unwrap, wrap
+from .topologies import controllers_of
 
 
 class Manager:
@@ -51,7 +51,7 @@ class Manager:
     (`colocar.elastic.snapshots`), used when that module is present; `snapshots=False` turns
     it off. `faults`: faults to fire from `step` (see `colocar.elastic.faults`).
     `loss_timeout`: how long an error that looks like a loss waits for a host to be marked
-    lost (default: from the hosts' heartbeat, `topology.loss_grace`).
+    lost (default: from the hosts' heartbeat, `policy.survivors.loss_grace`).
 
     Multi-controller JAX (`jax.process_count() > 1`, `cluster`: this process's own sidecar):
     every process runs the same loop; a lost host or process raises `ElasticError` out of the

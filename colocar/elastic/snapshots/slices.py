@@ -4,7 +4,7 @@ A snapshot's shards of one leaf are either the same slice or disjoint (they come
 sharding). A target device's slice is covered by one holder of every shard it overlaps when
 there is one, else by each overlapping shard's part from one of its holders (`sources`);
 `check_covered` refuses a slice the parts do not fill. Used by the single-controller restore
-(`snap_restore.py`) over hosts, and by the multi-controller one (`snap_mc_restore.py`) over
+(`snapshots/restore.py`) over hosts, and by the multi-controller one (`snapshots/multi/restore.py`) over
 JAX processes.
 """
 
@@ -16,7 +16,7 @@ import numpy as np
 
 from colocar.errors import SnapshotError
 
-from .keeper import Bounds, Key
+from .keepers.keeper import Bounds, Key
 
 
 def overlap(a: Bounds, b: Bounds) -> Bounds | None:

@@ -1,17 +1,13 @@
-"""Who runs the training loop: one controller for every host, or one JAX process per host.
+"""Multi-controller JAX (`jax.distributed`, one process per host, each on its own sidecar).
 
-`Manager` picks one at construction (`controllers_of`) and asks it instead of testing which
-case it is in. `SingleController`: this process drives every host; a lost host is recovered
-in-process (the run function is called again on the survivors) and hosts that come back rejoin.
-`MultiController` (multi-controller JAX, `jax.distributed`, each process on its own sidecar):
-the run function gets every process's devices; a jax.distributed job cannot shrink, so a loss
-ends this trainer with an `ElasticError` (it is restarted in place and resumes from the
-sidecars' RAM); the processes agree on what `restore` reads through jax.distributed's
-key-value store (a snapshot that fails to restore in one process sends all of them to
-storage: `first_error`), and the snapshots carry their own bookkeeping
-(`MultiSnapshotTier`), since a restarted trainer has none of its predecessor's. A storage
-save of a step just snapshotted is written by the sidecars from that snapshot's blocks
-(`MultiSnapshotTier.save_taken`), a choice every process makes alike.
+`MultiController`: the run function gets every process's devices; a jax.distributed job cannot
+shrink, so a loss ends this trainer with an `ElasticError` (it is restarted in place and resumes
+from the sidecars' RAM); the processes agree on what `restore` reads through jax.distributed's
+key-value store (a snapshot that fails to restore in one process sends all of them to storage:
+`first_error`), and the snapshots carry their own bookkeeping (`MultiSnapshotTier`), since a
+restarted trainer has none of its predecessor's. A storage save of a step just snapshotted is
+written by the sidecars from that snapshot's blocks (`MultiSnapshotTier.save_taken`), a choice
+every process makes alike. Runs in the controller (each trainer process).
 """
 
 from __future__ import annotations
@@ -21,40 +17,12 @@ from typing import Any
 
 from colocar.controller_bridge.cluster import Cluster, Host
 
-from .events import Events, log
-from .tiers import SnapshotTier
-from .topology import ElasticError, looks_like_loss, lost_hosts, wait_for_loss
+from ..policy.events import Events, log
+from ..policy.survivors import ElasticError, looks_like_loss, lost_hosts
+from ..policy.tiers import SnapshotTier
 
 META_LEAF = "__colocar_elastic__"  # the snapshot's leaf holding the bookkeeping (JSON)
 DEFAULT_NAME = "colocar-elastic"  # multi-controller snapshots' name: restarted trainers find them
-
-
-class SingleController:
-    """One controller drives every host: losses are recovered in-process, hosts rejoin."""
-
-    multi, rejoins = False, True
-
-    def devices(self, cluster: Cluster) -> list[Any]:
-        return list(cluster.devices)
-
-    def live(self, root: Cluster, alive: list[Host]) -> int:
-        """How many hosts count against `min_hosts`."""
-        return len(alive)
-
-    def snapshot_tier(self, given: Any, replicas: int, cluster: Cluster, name: str | None) -> SnapshotTier:
-        return SnapshotTier(given, replicas)
-
-    def lost(
-        self, cluster: Cluster, error: BaseException, timeout: float | None, events: Events
-    ) -> list[Host]:
-        """The hosts `error` came from the loss of ([]: not a loss, it propagates)."""
-        return wait_for_loss(cluster, error, timeout)
-
-    def agreed(self, value: int | None, what: str) -> int | None:
-        return value
-
-    def first_error(self, error: str, what: str) -> str:
-        return error
 
 
 class MultiController:
@@ -65,7 +33,7 @@ class MultiController:
     def __init__(self, sync_timeout: float = 300.0):
         import jax
 
-        from .snap_agree import Exchange
+        from ..snapshots.multi.agree import Exchange
 
         self.process, self.processes = jax.process_index(), jax.process_count()
         self._exchange = Exchange("colocar/elastic", sync_timeout)
@@ -113,7 +81,7 @@ class MultiController:
 
 
 class MultiSnapshotTier(SnapshotTier):
-    """`MultiSnapshots` (`snap_multi.py`) of a stable name over this process's sidecar, whose
+    """`MultiSnapshots` (`snapshots/multi/store.py`) of a stable name over this process's sidecar, whose
     snapshots carry the manager's bookkeeping as a plain leaf: a restarted trainer reads it back
     with the state. Opened on first use (`latest` or `take`); every call is a collective."""
 
@@ -125,12 +93,12 @@ class MultiSnapshotTier(SnapshotTier):
     def _build(self, cluster: Cluster) -> Any:
         if callable(self._given) and self._given is not True:
             return self._given(cluster)
-        from .snapshots import Snapshots
+        from ..snapshots import Snapshots
 
         return Snapshots(cluster, replicas=self.replicas, name=self.name)
 
     def take(self, step: int, tree: Any, meta: dict[str, Any]) -> bool:
-        from .snap_save import remember
+        from ..snapshots.save import remember
 
         taken = super().take(step, {**tree, META_LEAF: json.dumps(meta)}, meta)
         self._taken = (step, remember(tree)) if taken else None  # every process took it, or none
@@ -144,7 +112,7 @@ class MultiSnapshotTier(SnapshotTier):
         each process checks, and they agree."""
         from colocar.errors import SnapshotError
 
-        from .snap_save import same
+        from ..snapshots.save import same
 
         taken, self._taken = self._taken, None
         if taken is None or taken[0] != step or self.snapshots is None:
@@ -186,11 +154,4 @@ class MultiSnapshotTier(SnapshotTier):
         return None  # the processes agree on the newest complete snapshot; none is skipped
 
 
-def controllers_of(sync_timeout: float = 300.0) -> SingleController | MultiController:
-    """`MultiController` when this process is one of several JAX processes."""
-    import jax
-
-    return MultiController(sync_timeout) if jax.process_count() > 1 else SingleController()
-
-
-__all__ = ["MultiController", "MultiSnapshotTier", "SingleController", "controllers_of"]
+__all__ = ["DEFAULT_NAME", "META_LEAF", "MultiController", "MultiSnapshotTier"]

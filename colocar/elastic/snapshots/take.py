@@ -28,7 +28,7 @@ from colocar.errors import HostLostError, SnapshotError
 from colocar.shm import ArenaFullError
 from colocar.shm.allocator import footprint
 
-from .peers import send_chunks
+from .keepers.peers import send_chunks
 
 WHOLE_SHARD = 1 << 62  # plan's chunk limit: one piece per shard
 LAYOUTS_KEPT = 8  # layouts a `Snapshots` remembers (`plan`)

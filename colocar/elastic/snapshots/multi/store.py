@@ -2,19 +2,19 @@
 
 Each process copies only its addressable shards (each distinct one once, replicated arrays
 included, so that every process can restore its devices from its own host) into its own
-sidecar's keeper (`keeper_multi.py`); that keeper replicates them to the next hosts' keepers in
+sidecar's keeper (`keepers/multi.py`); that keeper replicates them to the next hosts' keepers in
 ring order over the peer path and, once done, stores the record the process handed it (tree,
 leaves, its shards, plain leaves pickled) there and with its replicas, whether or not that
 process still lives (`commit_when_replicated`). A snapshot counts once every
 process's record and shards are in place: the processes learn it from each other at the next
-`take` (or `wait`, `latest`) through jax.distributed's key-value store (`snap_agree.py`).
+`take` (or `wait`, `latest`) through jax.distributed's key-value store (`agree.py` here).
 
 Restarted trainers (new processes, same sidecars) make a `Snapshots` of the same `name`: the
 keepers are detached and still hold the blocks; `latest()` agrees on the newest step complete
 everywhere and `restore` refills a replaced (empty) sidecar from its peers' replicas
-(`snap_refill.py`) before each process builds its devices' slices of the target, of the saved
-sharding or another one (`snap_mc_restore.py`). A job restarted with fewer processes reads the
-shards of the processes it lacks from the replicas the others hold (`snap_agree.absent`).
+(`refill.py` here) before each process builds its devices' slices of the target, of the saved
+sharding or another one (`restore.py` here). A job restarted with fewer processes reads the
+shards of the processes it lacks from the replicas the others hold (`agree.absent`).
 """
 
 from __future__ import annotations
@@ -36,9 +36,10 @@ from colocar.errors import SnapshotError
 from colocar.shm import ArenaFullError
 from colocar.shm.allocator import footprint
 
-from . import snap_agree, snap_mc_restore, snap_mc_save, snap_refill, snap_take
-from .keeper_multi import MultiKeeper
-from .peers import PeerOptions, Target
+from .. import take
+from ..keepers.multi import MultiKeeper
+from ..keepers.peers import PeerOptions, Target
+from . import agree, refill, restore, save
 
 _Keeper = colocated_class(MultiKeeper)
 log = logging.getLogger("colocar.elastic")
@@ -67,7 +68,7 @@ class MultiSnapshots:
         idle_seconds: float = 7200.0,
         copy_threads: int = 4,
         sync_timeout: float = 300.0,
-        placement: snap_take.Placement = snap_take.ring,
+        placement: take.Placement = take.ring,
     ):
         if len(cluster.hosts) != 1:
             raise SnapshotError(
@@ -80,9 +81,9 @@ class MultiSnapshots:
         self.cluster, self.host = cluster, cluster.hosts[0]
         self.replicas, self.keep, self.pool = replicas, keep, pool or "default"
         self.timeout = replication_timeout
-        setup = snap_agree.Exchange("colocar/snapshots", sync_timeout)
+        setup = agree.Exchange("colocar/snapshots", sync_timeout)
         self.name = name or setup.leader_value(uuid.uuid4().hex, "name")
-        self._exchange = snap_agree.Exchange(f"colocar/snapshots/{self.name}", sync_timeout)
+        self._exchange = agree.Exchange(f"colocar/snapshots/{self.name}", sync_timeout)
         mine = own_address(address, self.host.address)
         self._addresses = addresses = self._exchange.allgather(mine, "addresses")
         self.incarnation = self._exchange.leader_value(uuid.uuid4().hex, "incarnation")
@@ -122,7 +123,7 @@ class MultiSnapshots:
             prev_ok = self._finish_pending()
             attempt = f"{self.incarnation}/{self._takes}"
             self._takes += 1
-            pieces, record = snap_refill.plan(
+            pieces, record = refill.plan(
                 step, attempt, tree, self.process, self.targets[self.process], self.cluster
             )
             need = sum(footprint(p.nbytes) for p in pieces) * (1 + self.replicas)
@@ -132,11 +133,11 @@ class MultiSnapshots:
             reasons = [(q, json.loads(s)[1]) for q, s in enumerate(said) if json.loads(s)[1]]
             if reasons:
                 self._stats["skipped"] += 1
-                return snap_take.skip(f"process {reasons[0][0]}: {reasons[0][1]}")
+                return take.skip(f"process {reasons[0][0]}: {reasons[0][1]}")
             keep = [s for s in self._committed if s != step][-(self.keep - 1) :] if self.keep > 1 else []
             self.keeper.begin(step, attempt, keep, [tuple(t) for t in self._peers])
             try:
-                snap_take.send(self.host, self.keeper, step, attempt, pieces, self.pool, self._copiers)
+                take.send(self.host, self.keeper, step, attempt, pieces, self.pool, self._copiers)
             except ArenaFullError as e:
                 self.keeper.drop(step)
                 raise SnapshotError(f"snapshot of step {step}: this process's pool filled up: {e}") from e
@@ -218,13 +219,13 @@ class MultiSnapshots:
         """The steps complete everywhere, from every keeper's holdings; a keeper that cannot be
         read (here or in another process) leaves none, in every process alike."""
         try:
-            summary = snap_agree.summarize(self.keeper.holdings_by_source())
+            summary = agree.summarize(self.keeper.holdings_by_source())
         except Exception as e:  # noqa: BLE001 - every process hears of it in the exchange
-            summary = snap_agree.unreadable(self.process, e)
-        self._summaries = snap_agree.gather(self._exchange, summary)
-        if errors := snap_agree.errors(self._summaries):
+            summary = agree.unreadable(self.process, e)
+        self._summaries = agree.gather(self._exchange, summary)
+        if errors := agree.errors(self._summaries):
             log.warning("no snapshot counts: a keeper could not be read (%s)", errors[0])
-        return snap_agree.agreed(self._summaries)
+        return agree.agreed(self._summaries)
 
     def latest(self, hosts: Any = None) -> int | None:
         """Newest snapshot complete everywhere (every process's shards on its own sidecar or a
@@ -237,24 +238,24 @@ class MultiSnapshots:
         """Snapshot `step` onto `target` (any sharding of the saved shapes), each process its
         addressable devices' slices, after refilling sidecars that lost their shards from the
         peers' replicas: read from its own sidecar, parts held by the other processes' sidecars
-        fetched into it keeper to keeper (`snap_mc_restore.py`); a collective."""
+        fetched into it keeper to keeper (`restore.py` here); a collective."""
         with self._lock:
             found = dict(self._survey())
             if step not in found:
-                unread = "".join(f"; {e}" for e in snap_agree.errors(self._summaries))
+                unread = "".join(f"; {e}" for e in agree.errors(self._summaries))
                 raise SnapshotError(
                     f"snapshot step {step} is not complete on every host (complete: {sorted(found)}{unread})"
                 )
             attempt = found[step]
             self.refill(step, attempt)
-            out = snap_mc_restore.restore(self, step, attempt, target)
+            out = restore.restore(self, step, attempt, target)
             self._committed = sorted({*self._committed, step})[-self.keep :]
             return out
 
     def refill(self, step: int, attempt: str) -> None:
         """Brings back the shards and records of `step` that replaced (empty) sidecars lost,
-        from the peers' replicas (`snap_refill.py`); a collective, before a restore or save."""
-        self._stats["refilled_bytes"] += snap_refill.refill(self, step, attempt)
+        from the peers' replicas (`refill.py` here); a collective, before a restore or save."""
+        self._stats["refilled_bytes"] += refill.refill(self, step, attempt)
 
     def save_to(
         self, manager: Any, step: int, *, metadata: dict[str, Any] | None = None, omit: tuple[str, ...] = ()
@@ -262,12 +263,12 @@ class MultiSnapshots:
         """Snapshot `step` written to storage through `manager` (a multi-controller
         CheckpointManager on this process's sidecar) from the blocks in the sidecars: each
         distinct shard by the one process holding its replica 0, as `manager.save` writes it;
-        a collective. The result is a normal committed step (`snap_mc_save.py`) without the
+        a collective. The result is a normal committed step (`save.py` here) without the
         top-level keys in `omit`. Raises SnapshotError on every process alike, before storage
         is touched, when the snapshot is not complete everywhere."""
         with self._lock:
             self.wait()
-            return snap_mc_save.save_to(self, manager, step, metadata, omit)
+            return save.save_to(self, manager, step, metadata, omit)
 
     def agree(self, value: str, what: str) -> list[str]:
         """Every process's `value` in process order (a collective), for deciding something
@@ -301,10 +302,10 @@ class MultiSnapshots:
         self.close()
 
 
-def _placed(exchange: Any, placement: snap_take.Placement, processes: int, replicas: int) -> dict[int, Any]:
+def _placed(exchange: Any, placement: take.Placement, processes: int, replicas: int) -> dict[int, Any]:
     """Each process's replica peers from `placement`, checked to be the same on every process."""
     hosts = list(range(processes))
-    targets = snap_take.placement_of(placement, hosts, replicas) if replicas else {}
+    targets = take.placement_of(placement, hosts, replicas) if replicas else {}
     targets = {p: targets.get(p, []) for p in hosts}
     said = exchange.allgather(json.dumps(targets), "placement")
     if len(set(said)) != 1:
@@ -362,7 +363,7 @@ def make(
         peer_options=options,
         address=address,
         replication_timeout=replication_timeout,
-        placement=placement or snap_take.ring,
+        placement=placement or take.ring,
         idle_seconds=idle_seconds,
         copy_threads=copy_threads,
     )

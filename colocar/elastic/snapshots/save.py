@@ -103,7 +103,7 @@ def record_of(snaps: Any, step: int) -> dict[str, Any]:
     """The record of snapshot `step`: of a take by `snaps`, else committed in the keepers."""
     record = snaps._records.get(step)
     if record is None:
-        from .snap_restore import records, survey
+        from .restore import records, survey
 
         found = records(survey(snaps._keepers, snaps._live(None))).get(step)
         record = found[0] if found else None

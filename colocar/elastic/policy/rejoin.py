@@ -24,7 +24,7 @@ from colocar.errors import ColocarError
 from colocar.protocol import colocar_pb2 as pb
 
 from .events import log
-from .topology import ElasticError, alive_hosts
+from .survivors import ElasticError, alive_hosts
 
 
 class Rescale(BaseException):  # noqa: N818 - a signal to the run loop, not an error

@@ -16,7 +16,7 @@ from typing import Any
 
 from colocar.loaders.orders import STATE_KEY, saved_order
 
-from .topology import ElasticError
+from .survivors import ElasticError
 
 
 def is_data_iterator(value: Any) -> bool:

@@ -1,13 +1,13 @@
 """`Snapshots`: host-memory snapshots in the sidecars' arenas, with peer replicas (controller).
 
 `take` copies every distinct shard device -> its host's arena (as a checkpoint save does) and
-hands the blocks to the host's keeper (`keeper.py`, a detached object); it returns once the
+hands the blocks to the host's keeper (`keepers/keeper.py`, a detached object); it returns once the
 copies are done. Each keeper then copies its blocks to `replicas` peer hosts' keepers, sidecar
-to sidecar (`peers.py`), in the background; a snapshot counts once every shard and its
-replicas are in place and its record is committed in the keepers (`snap_commit.py`), so losing
+to sidecar (`keepers/peers.py`), in the background; a snapshot counts once every shard and its
+replicas are in place and its record is committed in the keepers (`commit.py`), so losing
 any `replicas` hosts loses no shard. `keep` snapshots hold blocks at most: a new one starts
 after dropping all but the newest `keep - 1` complete ones. `latest` and `restore` ask the
-surviving keepers (`snap_restore.py`).
+surviving keepers (`restore.py`).
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ from colocar.controller_bridge.obj import colocated_class
 from colocar.errors import SnapshotError
 from colocar.protocol.tokens import TOKEN_METADATA_KEY
 
-from . import snap_handoff, snap_multi, snap_restore, snap_save, snap_take
-from .keeper import SnapshotKeeper
-from .peers import PeerOptions
-from .snap_commit import POLL_SECONDS, Committer
+from . import handoff, restore, save, take
+from .commit import POLL_SECONDS, Committer
+from .keepers.keeper import SnapshotKeeper
+from .keepers.peers import PeerOptions
+from .multi import store as multi_store
 
 _Keeper = colocated_class(SnapshotKeeper)
 log = logging.getLogger("colocar.elastic")
@@ -60,13 +61,13 @@ class Snapshots:
     authenticate the sidecars to each other (default: the controller's token).
 
     Under multi-controller JAX (`jax.process_count() > 1`) this makes a `MultiSnapshots`
-    (`snap_multi.py`): each process snapshots its own shards into its own sidecar (`cluster`:
+    (`multi/store.py`): each process snapshots its own shards into its own sidecar (`cluster`:
     `colocar.connect` with that one address; `address`: it as the other hosts reach it).
     """
 
     def __new__(cls, cluster: Any, **options: Any) -> Any:
         if jax.process_count() > 1:
-            return snap_multi.make(cluster, _token, **options)
+            return multi_store.make(cluster, _token, **options)
         return super().__new__(cls)
 
     def __init__(
@@ -76,7 +77,7 @@ class Snapshots:
         replicas: int = 1,
         keep: int = 2,
         pool: str | None = None,
-        placement: snap_take.Placement | None = None,
+        placement: take.Placement | None = None,
         name: str | None = None,
         token: str | None = None,
         tls_ca: str | None = None,
@@ -94,7 +95,7 @@ class Snapshots:
         self.replicas = replicas
         self.keep = keep
         self.pool = pool or "default"
-        self.placement = placement or snap_take.ring
+        self.placement = placement or take.ring
         self.name = name or uuid.uuid4().hex
         heartbeat = cluster.hosts[0].connection.session.heartbeat_seconds
         self._peer_options = PeerOptions(
@@ -119,11 +120,11 @@ class Snapshots:
         self._closed = False
         self._generations: dict[int, int] = {}  # of each host's sidecar when its keeper was opened
         self._capacity: dict[int, dict[str, int]] = {}  # each host's pool size, nothing used
-        self._layouts: dict[Any, Any] = {}  # `snap_take.plan`'s cache
-        self._spares = snap_handoff.Spares()  # the next take's blocks
+        self._layouts: dict[Any, Any] = {}  # `take.plan`'s cache
+        self._spares = handoff.Spares()  # the next take's blocks
         self._open(hosts)
-        self._committed = snap_restore.recoverable(snap_restore.survey(self._keepers, hosts))
-        snap_save._OPEN.add(self)
+        self._committed = restore.recoverable(restore.survey(self._keepers, hosts))
+        save._OPEN.add(self)
 
     def _open(self, hosts: list[int]) -> None:
         """Checks the pool exists everywhere (noting its size) and opens every host's keeper."""
@@ -169,7 +170,7 @@ class Snapshots:
     # --- taking -------------------------------------------------------------------------------
     def take(self, step: int, tree: Any) -> bool:
         """Copies every distinct shard device -> its host's arena and returns; the keepers get
-        the blocks, replicate and commit them in the background (`snap_commit`). It first waits
+        the blocks, replicate and commit them in the background (`commit.py`). It first waits
         for the previous snapshot to commit (or fail), so that the newest committed one is at
         most one take old when a host is lost; when a pool has no room for one more snapshot,
         it also drops what is not kept before copying. False, with a `SnapshotSkipped` warning
@@ -181,26 +182,26 @@ class Snapshots:
             self._committer.wait(None)  # the previous one counts first: a loss costs one interval at most
             hosts, replicas = self._hosts_now()
             self._reopen_restarted(hosts)
-            planned = snap_take.plan(step, tree, self.cluster, hosts, replicas, self.placement, self._layouts)
+            planned = take.plan(step, tree, self.cluster, hosts, replicas, self.placement, self._layouts)
             try:
-                reason = snap_take.misfit(planned, self._capacity, self.pool)  # can never fit
-                placed = snap_handoff.place(self, planned) if reason is None and self._trusted() else None
+                reason = take.misfit(planned, self._capacity, self.pool)  # can never fit
+                placed = handoff.place(self, planned) if reason is None and self._trusted() else None
                 if placed is not None:
-                    hand_off = functools.partial(snap_handoff.hand_off, self, planned, placed)
+                    hand_off = functools.partial(handoff.hand_off, self, planned, placed)
                     then = self._spares.after(self, planned)
                     self._committer.track(step, hosts, planned.record, hand_off, then)
                 elif reason is None:
-                    reason = snap_handoff.take_waiting(self, planned)
+                    reason = handoff.take_waiting(self, planned)
             except BaseException:  # a host lost (or an interrupt): no part of this step stays
                 self._drop(step, hosts)
                 raise
             if reason is not None:
                 self._drop(step, hosts)
                 self._stats["skipped"] += 1
-                return snap_take.skip(reason)
+                return take.skip(reason)
             keep = self._kept(step)
             self._records = {s: r for s, r in self._records.items() if s in keep} | {step: planned.record}
-            self._taken = (step, snap_save.remember(tree))
+            self._taken = (step, save.remember(tree))
             self._stats["taken"] += 1
             self._stats["last_take"] = {
                 "step": step,
@@ -224,13 +225,13 @@ class Snapshots:
 
     def save_to(self, manager: Any, step: int, *, metadata: dict[str, Any] | None = None) -> bool:
         """Writes snapshot `step` to storage through `manager` (a `CheckpointManager` over these
-        hosts) from the blocks the hosts hold: no device-to-host copy (`snap_save`). Returns
+        hosts) from the blocks the hosts hold: no device-to-host copy (`save.py`). Returns
         once the writers have them; `manager.wait()` for the commit."""
         if self._closed:
             raise SnapshotError("this Snapshots is closed")
         with self._lock:  # no take drops the step's blocks before the writers hold them
             self._committer.wait_handed(step)
-            return snap_save.save_to(self, manager, step, metadata)
+            return save.save_to(self, manager, step, metadata)
 
     def _hosts_now(self) -> tuple[list[int], int]:
         """The hosts not lost, and the replicas a snapshot can have among them."""
@@ -294,17 +295,17 @@ class Snapshots:
         """Newest committed snapshot recoverable from `hosts` (default: the hosts not lost),
         once the one in flight ended (committed, salvaged after a loss, or abandoned)."""
         self._settle()
-        steps = snap_restore.recoverable(snap_restore.survey(self._keepers, self._live(hosts)))
+        steps = restore.recoverable(restore.survey(self._keepers, self._live(hosts)))
         return steps[-1] if steps else None
 
     def unusable(self, step: int, hosts: Any = None) -> str | None:
         """Why `step` cannot be restored from `hosts` (default: the hosts not lost), or None."""
         self._settle()
-        found = snap_restore.survey(self._keepers, self._live(hosts))
-        if snap_restore.usable(found, step) is not None:
+        found = restore.survey(self._keepers, self._live(hosts))
+        if restore.usable(found, step) is not None:
             return None
         try:
-            snap_restore.unrecoverable(step, found)
+            restore.unrecoverable(step, found)
         except SnapshotError as e:
             return str(e)
         return None
@@ -312,8 +313,8 @@ class Snapshots:
     def restore(self, step: int, target: Any, hosts: Any = None) -> Any:
         """The snapshot's tree onto `target` (ShapeDtypeStructs with shardings, e.g. on a smaller
         mesh), each shard read from a surviving host holding it. SnapshotError if not recoverable."""
-        found = snap_restore.survey(self._keepers, self._live(hosts))
-        return snap_restore.restore(step, target, self.cluster, found, self._keepers)
+        found = restore.survey(self._keepers, self._live(hosts))
+        return restore.restore(step, target, self.cluster, found, self._keepers)
 
     def stats(self) -> dict[str, Any]:
         last = self._committer.last

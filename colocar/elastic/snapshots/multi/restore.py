@@ -2,7 +2,7 @@
 
 The processes exchange which shards each saved (its record's list), so every one knows the
 whole layout of the snapshot. Each device slice of the target is then covered as the
-single-controller restore covers it (`snap_slices.sources`), with processes for hosts: by this
+single-controller restore covers it (`snapshots.slices.sources`), with processes for hosts: by this
 process's own shards when they cover it (the same sharding: read in place, `read_own`), else
 by parts of the other processes' shards, which this process's keeper reads from theirs keeper
 to keeper and stitches (`read_across`). A closing exchange keeps every keeper serving reads
@@ -23,9 +23,9 @@ import numpy as np
 from colocar.checkpoint.save import shard_bounds
 from colocar.errors import SnapshotError
 
-from . import snap_agree
-from .keeper import Key, key_of
-from .snap_slices import check_covered, sources, volume
+from ..keepers.keeper import Key, key_of
+from ..slices import check_covered, sources, volume
+from . import agree
 
 Request = tuple[int, str, Any, list[tuple[int, Any]]]  # leaf, dtype, bounds, [(process, part)]
 
@@ -35,7 +35,7 @@ def restore(snaps: Any, step: int, attempt: str, target: Any) -> Any:
     with shardings, any layout of the saved shapes); a collective."""
     record: dict[str, Any] | None = None
     mine, error = None, ""
-    absent = snap_agree.absent(snaps._summaries, step)
+    absent = agree.absent(snaps._summaries, step)
     try:  # whatever fails here, this process still takes part in both exchanges
         record, mine = _held(snaps.keeper.holdings_by_source()[step], attempt, absent)
     except Exception as e:  # noqa: BLE001 - every process hears of it below
@@ -67,12 +67,12 @@ def _held(holdings: dict[str, Any], attempt: str, absent: list[int]) -> tuple[di
     """This process's record of the step and the shards its keeper serves: its own, and its
     replicas of the `absent` sources (hosts the job restarted without); (None, None) when its
     own are not all here."""
-    record = snap_agree.complete(*holdings["own"])
+    record = agree.complete(*holdings["own"])
     if record is None or holdings["attempt"] != attempt:
         return None, None
     shards = list(record["shards"])
     for source in absent:
-        replica = snap_agree.complete(*holdings["replicas"].get(source, (None, [])))
+        replica = agree.complete(*holdings["replicas"].get(source, (None, [])))
         shards += replica["shards"] if replica is not None else []
     return record, shards
 
@@ -152,6 +152,6 @@ def _read(
 
 
 def _target(snaps: Any, process: int) -> Any:
-    from .peers import Target
+    from ..keepers.peers import Target
 
     return Target(process, snaps._addresses[process], snaps._keeper_name(process))

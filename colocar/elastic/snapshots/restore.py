@@ -22,9 +22,9 @@ from colocar.controller_bridge.arrays import aligned_empty
 from colocar.errors import CheckpointError, SnapshotError
 from colocar.shm import ArenaFullError
 
-from .events import log
-from .keeper import Bounds, Key, key_of
-from .snap_slices import check_covered, sources
+from ..policy.events import log
+from .keepers.keeper import Bounds, Key, key_of
+from .slices import check_covered, sources
 
 Survey = dict[int, dict[int, dict[str, Any]]]  # host -> step -> {"record", "attempt", "state", "keys"}
 

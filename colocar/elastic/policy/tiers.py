@@ -92,7 +92,7 @@ class StorageTier:
         snapshot just taken of these very arrays when there is one (no second copy from the
         devices: `snap.save_taken`, under multi-controller; `snap_save` in a single controller),
         else from the devices. `source` then says which."""
-        from .snap_save import save_if_taken
+        from ..snapshots.save import save_if_taken
 
         metadata = {META_KEY: meta}
         saved = snap.save_taken(self.manager, step, tree, metadata) if snap is not None else None
@@ -123,7 +123,7 @@ class StorageTier:
 
 def _single(target: Any, meta: dict[str, Any]) -> str | None:
     """The name the one saved value was saved under, when `target` is that value alone."""
-    from .topology import ElasticError
+    from .survivors import ElasticError
 
     keys = meta.get("keys") or []
     if isinstance(target, dict) and set(target) == set(keys):
@@ -238,7 +238,7 @@ class SnapshotTier:
 
     def save_taken(self, manager: Any, step: int, tree: Any, metadata: dict[str, Any]) -> bool | None:
         """Saves `step` through `manager` from the snapshot just taken of `tree`; None: not
-        this tier's to do (a single controller's saves find their snapshot in `snap_save`)."""
+        this tier's to do (a single controller's saves find their snapshot in `snapshots.save`)."""
         return None
 
     def wait(self) -> None:

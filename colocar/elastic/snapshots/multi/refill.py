@@ -2,10 +2,10 @@
 
 `plan` lists this process's addressable shards, each distinct one once (replicated arrays too:
 every process then restores its own devices from its own host), and the record a restore
-(and a storage save, `snap_mc_save.py`) needs. `refill` brings back what replaced sidecars
+(and a storage save, `save.py` here) needs. `refill` brings back what replaced sidecars
 lost, keeper to keeper: first each process's own shards from a peer's replica, then the
 replicas its peers should hold, each round ended by an exchange (the restore itself:
-`snap_mc_restore.py`).
+`restore.py` here).
 """
 
 from __future__ import annotations
@@ -23,14 +23,14 @@ from colocar.checkpoint.save import Piece, shard_bounds
 from colocar.controller_bridge.arrays import addressable_shards
 from colocar.errors import SnapshotError
 
-from . import snap_agree, snap_mc_save
+from . import agree, save
 
 
 def plan(
     step: int, attempt: str, state: Any, process: int, peers: list[int], cluster: Any
 ) -> tuple[list[Piece], bytes]:
     """This process's pieces of `state` and its record (pickled), with what a storage save of
-    it needs (`snap_mc_save.storage_fields`; `cluster`: this process's) and how many processes
+    it needs (`save.storage_fields`; `cluster`: this process's) and how many processes
     take the step (a job restarted with fewer then knows whose shards to read from replicas)."""
     named, skeleton, dirs = tree.flatten(state)
     pieces: list[Piece] = []
@@ -70,7 +70,7 @@ def plan(
         "shards": [(p.leaf, p.bounds) for p in pieces],
         "replicas": peers,
         "jax_version": jax.__version__,
-        **snap_mc_save.storage_fields(named, dirs, cluster),
+        **save.storage_fields(named, dirs, cluster),
     }
     return pieces, pickle.dumps(record)
 
@@ -78,7 +78,7 @@ def plan(
 def refill(snaps: Any, step: int, attempt: str) -> int:
     """Refills the keepers that lost their part of (step, attempt), as agreed from the last
     survey (`snaps._summaries`); returns the bytes this process's keeper sent."""
-    first, second = snap_agree.refills(snaps._summaries, step, attempt, snaps.targets)
+    first, second = agree.refills(snaps._summaries, step, attempt, snaps.targets)
     if not first and not second:
         return 0
     me = snaps.process
@@ -107,7 +107,7 @@ def refill(snaps: Any, step: int, attempt: str) -> int:
 
 def _target_of(snaps: Any, process: int) -> Any:
     """The keeper of `process` (not among this process's peers: reached by its address)."""
-    from .peers import Target
+    from ..keepers.peers import Target
 
     address = snaps._addresses[process]
     return Target(process, address, snaps._keeper_name(process))

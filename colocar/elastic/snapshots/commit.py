@@ -208,7 +208,7 @@ class Committer:
         arrived), the record is stored on those hosts, so a loss right after a take costs the
         steps since that take, not since the one before (the snapshot's redundancy is what
         survived: the next take replicates in full again)."""
-        from . import snap_restore
+        from . import restore
 
         keepers = {}
         for h in tracked.hosts:
@@ -216,12 +216,12 @@ class Committer:
                 keepers[h] = self._keeper(h)
             except Exception:  # noqa: BLE001 - a lost host: it holds nothing
                 pass
-        found = snap_restore.survey(keepers, tracked.hosts)
+        found = restore.survey(keepers, tracked.hosts)
         attempt = tracked.record["attempt"]
         holding = [h for h, held in found.items() if held.get(tracked.step, {}).get("attempt") == attempt]
         if len(holding) == len(tracked.hosts) or not holding:
             return False  # no host was lost (a failure of its own: a full pool, a timeout), or none is left
-        if snap_restore.missing(tracked.record, snap_restore.holders(found, tracked.step, attempt)):
+        if restore.missing(tracked.record, restore.holders(found, tracked.step, attempt)):
             return False
         if not self._store(tracked, holding):
             return False

@@ -17,10 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from .peers import Target
-from .snap_take import Placed, Planned, hand, misfit, on_each, packed_offsets
-from .snap_take import place as place_on
-from .snap_take import send as send_to
+from .keepers.peers import Target
+from .take import Placed, Planned, hand, misfit, on_each, packed_offsets
+from .take import place as place_on
+from .take import send as send_to
 
 
 def place(snaps: Any, planned: Planned) -> dict[int, Placed] | None:

@@ -24,7 +24,7 @@ from colocar.checkpoint import layout, save, tree
 from colocar.checkpoint.from_blocks import Held
 from colocar.errors import CheckpointError, SnapshotError
 
-from . import snap_agree
+from . import agree
 
 WHOLE_SHARD = 1 << 62  # plan's chunk limit: one piece per shard (the chunks are cut at save time)
 
@@ -125,7 +125,7 @@ def save_to(
             )
         snaps.refill(step, found[step])
         holdings = snaps.keeper.holdings_by_source()[step]
-        record = snap_agree.complete(*holdings["own"])
+        record = agree.complete(*holdings["own"])
         if record is None or "manifest" not in record:
             raise SnapshotError(
                 f"snapshot step {step}: this process's sidecar lacks its shards or their layout"
