@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 
 import grpc
 import psutil
@@ -37,6 +39,14 @@ def ancestors() -> list[int]:
     import psutil
 
     return [p.pid for p in psutil.Process().parents()]
+
+
+@pytest.fixture
+def node_shm(shm_dir):
+    """An arena folder of this test's own: the session's clusters keep theirs in `shm_dir`."""
+    folder = tempfile.mkdtemp(prefix="nodes-", dir=shm_dir)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def _on_nodes(tmp_path, shm_dir, count: int = 2, machines=None, pool_flags=None, **node_flags):
@@ -64,8 +74,8 @@ def _tenant_sidecars(nodes: LiveNodes, i: int) -> list[psutil.Process]:
     return found
 
 
-def test_a_pool_spans_nodes_host_i_on_node_i_and_down_leaves_nothing(tmp_path, shm_dir):
-    nodes, pool = _on_nodes(tmp_path, shm_dir)
+def test_a_pool_spans_nodes_host_i_on_node_i_and_down_leaves_nothing(tmp_path, node_shm):
+    nodes, pool = _on_nodes(tmp_path, node_shm)
     try:
         with colocar.connect(pool=pool.pool_file, token_file=pool.token_file("ann")) as ann:
             assert len(ann.hosts) == 2
@@ -78,14 +88,14 @@ def test_a_pool_spans_nodes_host_i_on_node_i_and_down_leaves_nothing(tmp_path, s
         pool.down()
         for i in range(2):  # the nodes outlive the pool's agent; the tenants' sidecars do not
             wait_for(lambda i=i: not _tenant_sidecars(nodes, i), f"node {i}'s tenant sidecars to stop")
-        assert [f for f in os.listdir(shm_dir) if f.endswith(".arena")] == []
+        assert [f for f in os.listdir(node_shm) if f.endswith(".arena")] == []
     finally:
         pool.down()
         nodes.down()
 
 
-def test_each_process_of_a_multi_controller_job_gets_the_sidecar_on_its_machine(tmp_path, shm_dir):
-    nodes, pool = _on_nodes(tmp_path, shm_dir, machines=["m0", "m1"])
+def test_each_process_of_a_multi_controller_job_gets_the_sidecar_on_its_machine(tmp_path, node_shm):
+    nodes, pool = _on_nodes(tmp_path, node_shm, machines=["m0", "m1"])
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
@@ -116,8 +126,8 @@ def test_each_process_of_a_multi_controller_job_gets_the_sidecar_on_its_machine(
         nodes.down()
 
 
-def test_a_node_that_dies_stops_its_tenant_on_every_node(tmp_path, shm_dir):
-    nodes, pool = _on_nodes(tmp_path, shm_dir)
+def test_a_node_that_dies_stops_its_tenant_on_every_node(tmp_path, node_shm):
+    nodes, pool = _on_nodes(tmp_path, node_shm)
     try:
         with colocar.connect(pool=pool.pool_file, token_file=pool.token_file("ann")):
             pass
@@ -134,8 +144,8 @@ def test_a_node_that_dies_stops_its_tenant_on_every_node(tmp_path, shm_dir):
         nodes.down()
 
 
-def test_an_agent_that_dies_leaves_nothing_running_on_the_nodes(tmp_path, shm_dir):
-    nodes, pool = _on_nodes(tmp_path, shm_dir, agent_lease=2.0)
+def test_an_agent_that_dies_leaves_nothing_running_on_the_nodes(tmp_path, node_shm):
+    nodes, pool = _on_nodes(tmp_path, node_shm, agent_lease=2.0)
     try:
         with colocar.connect(pool=pool.pool_file, token_file=pool.token_file("ann")):
             pass
@@ -143,15 +153,17 @@ def test_an_agent_that_dies_leaves_nothing_running_on_the_nodes(tmp_path, shm_di
         os.kill(pool.record["pid"], signal.SIGKILL)
         for i in range(2):
             wait_for(lambda i=i: not _tenant_sidecars(nodes, i), f"node {i} to stop the orphaned tenant")
-        wait_for(lambda: not [f for f in os.listdir(shm_dir) if f.endswith(".arena")], "the arenas to go")
+        wait_for(lambda: not [f for f in os.listdir(node_shm) if f.endswith(".arena")], "the arenas to go")
         os.unlink(pool.pool_file)
     finally:
-        pool.down()
-        nodes.down()
+        try:
+            pool.down()
+        finally:
+            nodes.down()
 
 
-def test_a_wrong_node_token_is_refused_and_starts_nothing(tmp_path, shm_dir):
-    nodes = LiveNodes(str(tmp_path / "nodes"), shm_dir, 1).up()
+def test_a_wrong_node_token_is_refused_and_starts_nothing(tmp_path, node_shm):
+    nodes = LiveNodes(str(tmp_path / "nodes"), node_shm, 1).up()
     try:
         with grpc.insecure_channel(nodes.addresses) as channel:
             stub = pb_grpc.PoolNodeStub(channel)
@@ -166,7 +178,7 @@ def test_a_wrong_node_token_is_refused_and_starts_nothing(tmp_path, shm_dir):
 
         write_token_file(wrong, new_token())
         pool = LivePool(
-            str(tmp_path / "pool"), shm_dir, TENANTS, nodes=nodes.addresses, node_token_file=wrong
+            str(tmp_path / "pool"), node_shm, TENANTS, nodes=nodes.addresses, node_token_file=wrong
         )
         pool.up()
         try:

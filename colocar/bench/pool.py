@@ -13,7 +13,6 @@ flood over alone) >= 0.8 and `p99_ratio` (B's p99 under the flood over alone) <=
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import subprocess
@@ -117,10 +116,11 @@ def _pool(folder: str) -> tuple[str, dict[str, str]]:
         f.write(
             "tenants:\n" + "".join(f"  {n}: {{token_file: {n}.token, quotas: {quotas}}}\n" for n in tokens)
         )
-    args = argparse.Namespace(
-        hosts=1, tenants=os.path.join(folder, "tenants.yaml"), dir=os.path.join(folder, "pool"),
-        capacity="128M", max_tenants=2, idle_seconds=600.0, lease_seconds=30.0, address="127.0.0.1:0",
-        shm_dir=os.environ.get("COLOCAR_SHM_DIR", "/dev/shm"), metrics_port=None,
+    args = cli.build_parser().parse_args(
+        ["up", "--hosts", "1", "--tenants", os.path.join(folder, "tenants.yaml"),
+         "--dir", os.path.join(folder, "pool"), "--capacity", "128M", "--max-tenants", "2",
+         "--idle-seconds", "600", "--lease-seconds", "30", "--address", "127.0.0.1:0",
+         "--shm-dir", os.environ.get("COLOCAR_SHM_DIR", "/dev/shm")]
     )  # fmt: skip
     cli.up(args)
     return os.path.join(folder, "pool", "pool.json"), tokens
@@ -157,7 +157,7 @@ def run(quick: bool, repeats: int) -> dict[str, Any]:
         try:
             found = _rounds(pool_file, tokens, rounds, seconds)
         finally:
-            cli.down(argparse.Namespace(pool=pool_file, token_file=None))
+            cli.down(cli.build_parser().parse_args(["down", "--pool", pool_file]))
 
     def median(kind: str, key: str) -> float:
         return statistics.median(r[key] for r in found[kind])
