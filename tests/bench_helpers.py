@@ -112,7 +112,7 @@ def _check_recovery(r: dict) -> None:
     _assert_per_round(r, ["snapshot_blocked_s", "small_snapshot_blocked_s"], 1, (4, 4))
     _assert_per_round(r, ["replication_slowdown", "save_slowdown"], 1, (3, 4))
     _assert_in_order(r, "ram_read_s", "ram_restore_s")  # the read, then the step
-    from colocar.bench.recovery import GOODPUT_STEP_S, GOODPUT_STEPS
+    from colocar.bench.recovery.benchmark import GOODPUT_STEP_S, GOODPUT_STEPS
 
     useful = GOODPUT_STEPS * GOODPUT_STEP_S  # the recovery alone costs the modelled run its time
     assert 0 < r["goodput"] <= useful / (useful + r["ram_s"]), r["goodput"]

@@ -21,7 +21,7 @@ import yaml
 from colocar.k8s import TOPOLOGIES, build_options, render
 from colocar.k8s.cli import EXAMPLE_ARGS, main, render_pool_text, render_text
 from colocar.k8s.options import VARIANTS
-from colocar.k8s.pool_options import PoolOptions
+from colocar.k8s.pool.options import PoolOptions
 
 REPO = Path(__file__).resolve().parent.parent
 K8S = REPO / "k8s"

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from bench_helpers import CHECKS, assert_documented
 
+PACKAGES = {"ckpt", "firstbatch", "recovery"}  # benchmarks that are subpackages of colocar/bench
 REQUIRED = {
     "ckpt": (
         "blocked_ratio",
@@ -184,7 +185,8 @@ def test_bench_runs_from_an_installed_wheel(tmp_path) -> None:
     (wheel,) = (tmp_path / "dist").glob("colocar-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     for module in ("run", *sorted(REQUIRED)):
-        assert f"colocar/bench/{module}.py" in names, sorted(n for n in names if "bench" in n)
+        path = f"colocar/bench/{module}/__init__.py" if module in PACKAGES else f"colocar/bench/{module}.py"
+        assert path in names, sorted(n for n in names if "bench" in n)
     installed = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(installed)  # a pure-Python wheel: what pip install --target lays out
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
@@ -212,8 +214,8 @@ def test_the_benchmarks_restore_checks_catch_a_wrong_restore() -> None:
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from colocar.bench.ckpt_measure import check
-    from colocar.bench.recovery_systems import Survivors
+    from colocar.bench.ckpt.measure import check
+    from colocar.bench.recovery.systems import Survivors
 
     mesh = Mesh(np.array(jax.devices()), ("data",))
     by_rows, whole = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())

@@ -39,7 +39,7 @@ from colocar.k8s import TOPOLOGIES
 from colocar.k8s.cli import EXAMPLE_TENANTS, pool_example_files
 from colocar.k8s.options import parse_size
 from colocar.k8s.pod import UID
-from colocar.k8s.pool import join_snippet, render_pool
+from colocar.k8s.pool.render import join_snippet, render_pool
 from colocar.pool import agent_main, tenants
 from colocar.sidecar.auth import UnsafeConfigError, read_token_file
 from colocar.sizes import parse_size as agent_size

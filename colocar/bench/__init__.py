@@ -1,4 +1,7 @@
-"""colocar benchmarks: each module has `run(quick, repeats) -> dict`; see `colocar.bench.run`.
+"""colocar benchmarks: each has `run(quick, repeats) -> dict`; see `colocar.bench.run`.
+
+A benchmark is a module (`rpc.py`), or a subpackage when it has parts (`ckpt/`, `recovery/`,
+`firstbatch/`: `benchmark.py` holds `run`, the package's docstring what it measures).
 
 They ship inside the package, so `colocar bench NAME` works wherever colocar is installed;
 the figures and how they were measured are in `benchmarks/RESULTS.md` of the repository.

@@ -4,8 +4,8 @@
 its headless Service, a NetworkPolicy and a Workload Identity ServiceAccount; with `--pool`,
 a shared sidecar pool that outlives jobs. Runs on the user's machine, never in a job. Modules:
 `topologies` (slice shapes, plain data), `options` (input validation), `pod` (the host pod),
-`render` (the objects and their YAML), `pool_options`, `pool_pods` and `pool` (the same for a
-pool: its inputs and tenants file, its node and agent pods, its objects).
+`render` (the objects and their YAML), and `pool/` (the same for a pool: its inputs and tenants
+file `pool/options.py`, its node and agent pods `pool/pods.py`, its objects `pool/render.py`).
 """
 
 from .options import RenderError, RenderOptions, build_options

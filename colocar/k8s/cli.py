@@ -25,8 +25,8 @@ from .options import (
     RenderOptions,
     build_options,
 )
-from .pool import pool_commands, pool_header, render_pool
-from .pool_options import PoolOptions, build_pool_options
+from .pool.options import PoolOptions, build_pool_options
+from .pool.render import pool_commands, pool_header, render_pool
 from .render import render, setup_commands, to_yaml
 from .topologies import TOPOLOGIES
 

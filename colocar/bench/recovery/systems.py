@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from colocar.bench.ckpt_measure import loop_until, steps_for
+from colocar.bench.ckpt.measure import loop_until, steps_for
 
 LAYERS = 16
 COLS = 2048
@@ -25,7 +25,7 @@ HOSTS = 4
 # --- the state -------------------------------------------------------------------------------
 def make_state(rows: int, devices: list[Any]) -> dict[str, Any]:
     """`LAYERS` layers of random `w` f32[rows, COLS] sharded by rows over the 8 devices and a
-    replicated `b` f32[COLS] (the names `ckpt_systems.tiny` expects)."""
+    replicated `b` f32[COLS] (the names `ckpt.systems.tiny` expects)."""
     import jax
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -122,7 +122,7 @@ class Survivors:
 def warm_up(cluster: Any, pool: str, directory: str, devices: list[Any], left: list[Any]) -> None:
     """Untimed: a tiny tree snapshotted and checkpointed, each restored onto the survivors'
     devices, so that no recovery pays the controller's first restore (imports, setup) alone,
-    as Orbax's checkpointer was warmed up (`ckpt_systems.orbax_checkpointer`)."""
+    as Orbax's checkpointer was warmed up (`ckpt.systems.orbax_checkpointer`)."""
     import jax
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P

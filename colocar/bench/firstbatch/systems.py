@@ -1,6 +1,6 @@
 """The processes `colocar bench firstbatch` times: one training script's start, per system and mode.
 
-`python -c "...; main()" SYSTEM MODE DIRECTORY` (see `firstbatch.child_command`) with SYSTEM
+`python -c "...; main()" SYSTEM MODE DIRECTORY` (see `benchmark.child_command`) with SYSTEM
 `colocar` or `grain` and MODE `save` (set up: take `SAVED_STEP` batches, checkpoint the state
 and the data iterator's state, record the labels of the batch after), `fresh` (first batch of a
 new iterator) or `resume` (restore the checkpoint, the iterator's state included, then take the

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from colocar.bench.ckpt_memory import Memory
+from colocar.bench.ckpt.memory import Memory
 
 STEP_ITERATIONS = 20_000  # one training "step" of pure Python (~2 ms here)
 

@@ -164,7 +164,7 @@ class Memory:
             [
                 sys.executable,
                 "-c",
-                "from colocar.bench.ckpt_memory import sampler_main; sampler_main()",
+                "from colocar.bench.ckpt.memory import sampler_main; sampler_main()",
                 str(os.getpid()),
                 str(SAMPLE_SECONDS),
             ],

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .options import quantity, sidecar_size
-from .pod import METRICS_PORT_NAME, UID, metrics_annotations, restricted, volume_mount
-from .pool_options import (
+from ..options import quantity, sidecar_size
+from ..pod import METRICS_PORT_NAME, UID, metrics_annotations, restricted, volume_mount
+from .options import (
     ADMIN_DIR,
     CONFIG_DIR,
     NODE_DIR,

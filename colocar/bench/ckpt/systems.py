@@ -14,8 +14,8 @@ from typing import Any, cast
 
 import numpy as np
 
-from colocar.bench.ckpt_measure import System, measure
-from colocar.bench.ckpt_memory import Memory
+from colocar.bench.ckpt.measure import System, measure
+from colocar.bench.ckpt.memory import Memory
 
 LAYERS = 16
 HOSTS = 2
@@ -235,7 +235,7 @@ def orbax_written_restores(
     import jax
 
     import colocar
-    from colocar.bench.ckpt_measure import check
+    from colocar.bench.ckpt.measure import check
     from colocar.checkpoint import CheckpointManager
 
     path = os.path.join(root, "orbax-written")

@@ -19,8 +19,8 @@ import yaml
 from colocar.pool.tenants import TenantsFileError, parse
 from colocar.protocol.tokens import write_token_file
 
-from .options import GiB, RenderError, check_image, check_name, check_namespace, parse_size, quantity
-from .topologies import TOPOLOGIES, Topology
+from ..options import GiB, RenderError, check_image, check_name, check_namespace, parse_size, quantity
+from ..topologies import TOPOLOGIES, Topology
 
 POOL_SHM_PATH = "/colocar-pool/shm"  # the arena folder, at the same path in node and job pods
 TENANTS_DIR = "/etc/colocar/tenants"  # the agent's mount of every tenant's Secret

@@ -1,17 +1,5 @@
-"""Time to the first batch, from a training script's start: colocar against grain + Orbax.
-
-Every measurement is a fresh Python process (`firstbatch_systems`), so imports, the sidecars'
-start (colocar) and the worker processes' start count, as they do for a job that starts or
-restarts. `fresh`: the script's start (just before the parent starts the process) to the first
-batch as global jax.Arrays in hand. `resume`: the same, with a restore of the checkpoint (8 MiB
-of state and the data iterator's state) before the first batch; the batch must be the one after
-the saved step (checked against the labels the saving run recorded). `peak_rss_mib`: the
-training process's own peak RSS (sidecars and grain workers not counted).
-
-Data: ArrayRecord files of uint8[64, 64, 3] images + an int32 label, batches of 32 sharded over
-8 CPU devices; colocar runs 2 sidecars x 1 worker, grain 2 worker processes (`mp_prefetch`).
-Measurements alternate between the systems; figures are medians over the repeats, ratios
-colocar / grain+Orbax (below 1: colocar is faster / smaller).
+"""The firstbatch benchmark's runs and summary: `run(quick, repeats)`; what it measures is in
+the package's docstring (`colocar/bench/firstbatch/__init__.py`).
 """
 
 from __future__ import annotations
@@ -29,12 +17,12 @@ from typing import Any
 import numpy as np
 
 from colocar.bench import child_env
-from colocar.bench import firstbatch_systems as systems
+from colocar.bench.firstbatch import systems
 
 SYSTEMS = ("colocar", "grain")
 MODES = ("fresh", "resume")
 FILES, PER_FILE = 2, 256
-CHILD = "import sys; sys.path.pop(0); from colocar.bench.firstbatch_systems import main; main()"
+CHILD = "import sys; sys.path.pop(0); from colocar.bench.firstbatch.systems import main; main()"
 
 
 def write_records(directory: str) -> None:

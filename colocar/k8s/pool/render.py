@@ -15,8 +15,9 @@ from typing import Any
 
 from colocar.protocol.tokens import new_token
 
-from .pool_options import POOL_SHM_PATH, PoolOptions
-from .pool_pods import (
+from ..render import create_secret_command, monitoring, other_ports, to_yaml
+from .options import POOL_SHM_PATH, PoolOptions
+from .pods import (
     HOSTNAME,
     admin_secret,
     agent_deployment,
@@ -29,7 +30,6 @@ from .pool_pods import (
     tenant_secret,
     tenants_config_map,
 )
-from .render import create_secret_command, monitoring, other_ports, to_yaml
 
 POOL_LABEL = "colocar.dev/pool"  # on a job's pods: the pool's NetworkPolicies admit them
 JOB_TOKEN_DIR = "/etc/colocar/pool-token"
