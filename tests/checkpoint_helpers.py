@@ -12,7 +12,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from colocar.checkpoint import layout
+from colocar.checkpoint.format import layout
 
 MiB = 1 << 20
 

@@ -23,7 +23,8 @@ from helpers import wait_for
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from colocar.checkpoint import CheckpointError, CheckpointManager, layout
+from colocar.checkpoint import CheckpointError, CheckpointManager
+from colocar.checkpoint.format import layout
 
 
 @pytest.fixture
@@ -278,7 +279,7 @@ def test_save_without_shared_memory_uploads_the_shards(grpc_cluster, tmp_path, c
 def test_copies_split_over_the_copy_threads_are_exact():
     from concurrent.futures import ThreadPoolExecutor
 
-    from colocar.checkpoint.save import copy_into
+    from colocar.checkpoint.saves.plan import copy_into
 
     rng = np.random.default_rng(5)
     sources = [

@@ -37,8 +37,8 @@ from helpers import program, wait_for
 
 import colocar
 from colocar.checkpoint import CheckpointError, CheckpointManager
-from colocar.checkpoint.catalog import steps_of
-from colocar.checkpoint.storage import open_storage
+from colocar.checkpoint.store.catalog import steps_of
+from colocar.checkpoint.store.storage import open_storage
 
 ROWS = 8192  # 2 MiB of int32 in 16 KiB chunks: the dead trainer's writers run for a while
 MID_SAVE_SHARE = 0.75  # of a run's kills that must land mid-save (all 239 of 56 runs did)
@@ -211,7 +211,8 @@ def _sidecar_drill(make_cluster, url: str, seed: int, trials: int, env: dict | N
 @colocar.colocated
 def _writer_jobs(url: str) -> list[tuple[str, int, bool, str]]:
     """(owner, step, ended, error) of every job of this sidecar's checkpoint writers of `url`."""
-    from colocar.checkpoint import fencing, writer_backend
+    from colocar.checkpoint.backends import fencing
+    from colocar.checkpoint.backends import writer as writer_backend
 
     with fencing._LOCK:
         writers = [w for w in fencing._WRITERS if w.url == url]

@@ -23,9 +23,10 @@ from helpers import FakeGcs, program, wait_for
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from colocar.checkpoint import CheckpointError, CheckpointManager, layout
-from colocar.checkpoint.catalog import steps_of
-from colocar.checkpoint.storage import open_storage
+from colocar.checkpoint import CheckpointError, CheckpointManager
+from colocar.checkpoint.format import layout
+from colocar.checkpoint.store.catalog import steps_of
+from colocar.checkpoint.store.storage import open_storage
 
 
 def _kill_during_save(make_cluster, directory: str, seed: int) -> None:

@@ -16,12 +16,13 @@ import warnings
 import numpy as np
 import pytest
 
-from colocar.checkpoint import CheckpointError, CheckpointManager, layout
-from colocar.checkpoint.fencing import fence_writers
-from colocar.checkpoint.lease import _pid_namespace
-from colocar.checkpoint.steps import StepDirs
-from colocar.checkpoint.storage import open_storage
-from colocar.checkpoint.writer_backend import CheckpointWriter, WriterOptions
+from colocar.checkpoint import CheckpointError, CheckpointManager
+from colocar.checkpoint.backends.fencing import fence_writers
+from colocar.checkpoint.backends.writer import CheckpointWriter, WriterOptions
+from colocar.checkpoint.format import layout
+from colocar.checkpoint.store.lease import _pid_namespace
+from colocar.checkpoint.store.steps import StepDirs
+from colocar.checkpoint.store.storage import open_storage
 
 
 def _lease(directory, **holder) -> None:

@@ -21,8 +21,9 @@ from checkpoint_helpers import abstract, assert_same, attempt_path
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from colocar.checkpoint import CheckpointError, CheckpointManager, keypaths, layout, tree
+from colocar.checkpoint import CheckpointError, CheckpointManager
 from colocar.checkpoint.cli import main as ckpt_main
+from colocar.checkpoint.format import keypaths, layout, tree
 
 
 class Adam(NamedTuple):

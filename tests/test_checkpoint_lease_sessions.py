@@ -16,7 +16,8 @@ from checkpoint_helpers import MiB, drill_state
 from helpers import program
 
 import colocar
-from colocar.checkpoint import CheckpointError, CheckpointManager, layout
+from colocar.checkpoint import CheckpointError, CheckpointManager
+from colocar.checkpoint.format import layout
 
 ROWS = 1024
 

@@ -18,7 +18,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from multi_helpers import stop, two_processes
 
-from colocar.checkpoint import CheckpointManager, layout
+from colocar.checkpoint import CheckpointManager
+from colocar.checkpoint.format import layout
 
 
 def test_multi_controller_save_and_restore(make_cluster, tmp_path, cluster):

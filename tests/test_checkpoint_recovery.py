@@ -18,8 +18,9 @@ from checkpoint_helpers import MiB, abstract, assert_same, attempt_path, make_st
 from helpers import wait_for
 from multi_helpers import stop, two_processes
 
-from colocar.checkpoint import CheckpointError, CheckpointManager, layout
+from colocar.checkpoint import CheckpointError, CheckpointManager
 from colocar.checkpoint.cli import main as ckpt_main
+from colocar.checkpoint.format import layout
 
 
 def _used(cluster) -> list[int]:

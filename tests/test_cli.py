@@ -170,7 +170,7 @@ def test_sidecar_bad_size_flag_is_a_usage_error(tmp_path: Path) -> None:
 def test_checkpoint_manager_on_a_missing_bucket_names_it(gcs_server, make_cluster) -> None:
     """Not the storage client's `NotFound 404` from the lease write: an error naming the bucket."""
     from colocar.checkpoint import CheckpointManager
-    from colocar.checkpoint.storage import StorageError
+    from colocar.checkpoint.store.storage import StorageError
 
     c = make_cluster()
     with pytest.raises(StorageError, match="bucket 'no-such-bucket-m' does not exist"):

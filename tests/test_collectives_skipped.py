@@ -11,7 +11,7 @@ import os
 from checkpoint_helpers import MiB
 from multi_helpers import run_two
 
-from colocar.checkpoint import layout
+from colocar.checkpoint.format import layout
 
 
 def test_a_save_one_process_skips_commits_nothing_and_names_it(make_cluster, tmp_path, cluster):

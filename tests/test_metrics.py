@@ -35,7 +35,8 @@ from security_helpers import DEADLINE, SHM_DIR, kill_sidecar, sidecar_argv
 
 import colocar
 from colocar import loaders
-from colocar.checkpoint import CheckpointError, CheckpointManager, layout
+from colocar.checkpoint import CheckpointError, CheckpointManager
+from colocar.checkpoint.format import layout
 from colocar.k8s import RenderError, build_options
 from colocar.k8s.cli import render_text
 from colocar.k8s.pod import METRICS_PATH, SIDECAR

@@ -16,9 +16,9 @@ REPO = Path(__file__).resolve().parent.parent
 SIDECAR_SIDE = (
     "colocar.sidecar.server",
     "colocar.sidecar.worker_main",
-    "colocar.checkpoint.writer_backend",
-    "colocar.checkpoint.reader_backend",
-    "colocar.checkpoint.fencing",
+    "colocar.checkpoint.backends.writer",
+    "colocar.checkpoint.backends.reader",
+    "colocar.checkpoint.backends.fencing",
     "colocar.elastic.snapshots.keepers.keeper",
     "colocar.elastic.snapshots.keepers.multi",
     "colocar.loaders.host_backend",

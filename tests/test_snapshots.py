@@ -23,7 +23,7 @@ from security_helpers import kill_sidecar, running_sidecar
 from test_security_tls import pki  # noqa: F401 - the certificates, as a fixture
 
 import colocar
-from colocar.checkpoint import tree
+from colocar.checkpoint.format import tree
 from colocar.controller_bridge.obj import colocated_class
 from colocar.elastic.snapshots import Snapshots
 from colocar.elastic.snapshots.keepers.keeper import SnapshotKeeper

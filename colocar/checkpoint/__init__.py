@@ -4,7 +4,10 @@
 the device-to-arena copies, the sidecars write zarr3 arrays and commit the step; `restore`
 reads what each host's devices need for the target sharding; `abstract(tree)` makes a restore
 target from a live (or abstract) state. Format: docs/checkpoints.md.
-Sidecar-side modules (`writer_backend`, `reader_backend`) import no JAX.
+Layout: `manager.py` (`CheckpointManager`) and `restore.py` here, `saves/` (a save in the
+controller), `backends/` (the sidecar side: writers and readers, no JAX), `store/` (storage,
+step directories, the writer lease), `format/` (colocar's layout), `orbax/` (Orbax's), and the
+`colocar ckpt` command (`cli.py`, `convert.py`).
 """
 
 from __future__ import annotations
@@ -14,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from colocar.errors import CheckpointError
 
+    from .format.tree import abstract
     from .manager import CheckpointManager, SaveStats
-    from .storage import StorageError
-    from .tree import abstract
+    from .store.storage import StorageError
 
 __all__ = ["CheckpointError", "CheckpointManager", "SaveStats", "StorageError", "abstract"]
 
@@ -31,11 +34,11 @@ def __getattr__(name: str) -> Any:
 
         return CheckpointError
     if name == "abstract":
-        from .tree import abstract
+        from .format.tree import abstract
 
         return abstract
     if name == "StorageError":
-        from .storage import StorageError
+        from .store.storage import StorageError
 
         return StorageError
     raise AttributeError(f"module 'colocar.checkpoint' has no attribute {name!r}")

@@ -20,11 +20,11 @@ from typing import Any
 from colocar.cli_help import HelpFormatter
 from colocar.errors import CheckpointError
 
-from . import layout
-from .catalog import LAYOUTS, Catalog
 from .convert import convert
-from .steps import ManifestError, StepDirs
-from .storage import DEFAULT_TIMEOUT, LocalStorage, Storage, StorageError, open_storage
+from .format import layout
+from .store.catalog import LAYOUTS, Catalog
+from .store.steps import ManifestError, StepDirs
+from .store.storage import DEFAULT_TIMEOUT, LocalStorage, Storage, StorageError, open_storage
 
 
 def list_steps(catalog: Catalog) -> list[dict[str, Any]]:

@@ -17,12 +17,12 @@ from typing import Any
 
 from colocar.errors import CheckpointError
 
-from . import layout
-from .catalog import Catalog, steps_of
+from .format import layout
 from .orbax import files as orbax_files
 from .orbax.names import KEY_SEQUENCE
-from .steps import StepDirs
-from .storage import open_storage
+from .store.catalog import Catalog, steps_of
+from .store.steps import StepDirs
+from .store.storage import open_storage
 
 
 def convert(
@@ -85,7 +85,7 @@ def _manifest_for(manifest: dict[str, Any], layout_name: str, step: int, attempt
         return converted
     from jax.tree_util import DictKey, SequenceKey  # (only a conversion to colocar's format needs JAX)
 
-    from . import keypaths
+    from .format import keypaths
 
     entries = orbax_files.array_entries(converted)
     paths = [

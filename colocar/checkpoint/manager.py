@@ -2,7 +2,7 @@
 
 Runs in the controller. `save` blocks only while shards are copied device -> arena and handed
 to each host's writer (a long-lived detached object in its sidecar, see `writers` and
-`writer_backend`); the writers store them with tensorstore, host 0's commits the step once
+`backends/writer.py`); the writers store them with tensorstore, host 0's commits the step once
 every host's part is durable. `wait` long-polls the writers and returns when the step is
 committed, or raises what went wrong. Who does what (one controller, or one JAX process per
 host) is the `topology`'s; the step directories are `steps.StepDirs`'. One manager writes a
@@ -30,19 +30,21 @@ import jax
 from colocar.controller_bridge.cluster import Cluster, current_cluster
 from colocar.errors import CheckpointError
 
-from . import from_blocks, layout, save, tree
-from .catalog import Catalog, steps_of
-from .inflight import InFlight, Save, SaveStats, save_failed
-from .lease import WriterLease
+from .backends.writer import WriterOptions
+from .format import layout, tree
 from .orbax import files as orbax_files
 from .orbax import shardings
 from .restore import RestoreStats, restore_tree
-from .save import Piece
-from .steps import STALE_SECONDS
-from .storage import open_storage
-from .topology import topology_of
-from .writer_backend import WriterOptions
-from .writers import Writers
+from .saves import from_blocks
+from .saves import plan as save
+from .saves.inflight import InFlight, Save, SaveStats, save_failed
+from .saves.plan import Piece
+from .saves.topology import topology_of
+from .saves.writers import Writers
+from .store.catalog import Catalog, steps_of
+from .store.lease import WriterLease
+from .store.steps import STALE_SECONDS
+from .store.storage import open_storage
 
 _ORDINALS: dict[str, Any] = defaultdict(itertools.count)
 

@@ -18,11 +18,11 @@ import numpy as np
 from colocar.controller_bridge.func import colocated
 from colocar.errors import CheckpointError
 
-from . import tree
+from .backends.reader import read_slices
+from .format import tree
 from .orbax import shardings
-from .reader_backend import read_slices
-from .save import shard_bounds
-from .storage import describe
+from .saves.plan import shard_bounds
+from .store.storage import describe
 
 _read = colocated(read_slices)
 

@@ -5,7 +5,7 @@ several sidecars in one process never collide. What the sidecar counts already (
 sessions, objects, the arena's pools) is read when Prometheus scrapes, by `SidecarCollector`;
 events of the sidecar-side libraries are counted where they happen, in this process's
 instruments below: loader pipelines (`loaders/pump.py`: batches, bad records, ring slots in use)
-and checkpoint writers (`checkpoint/writer_backend.py`: bytes written, saves and durations).
+and checkpoint writers (`checkpoint/backends/writer.py`: bytes written, saves and durations).
 The list of metrics, and how to scrape them, is in docs/metrics.md.
 """
 

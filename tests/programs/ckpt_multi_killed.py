@@ -19,7 +19,7 @@ from ckpt_processes import saver, start  # noqa: E402
 process, cluster, directory = start()
 w, m = saver(cluster, directory, commit_timeout=600)  # the default: what the others used to wait
 if process == int(sys.argv[6]):
-    from colocar.checkpoint import save
+    from colocar.checkpoint.saves import plan as save
 
     def stuck(*args, **kwargs):  # the save has begun on this host's writer; nothing is handed over
         print("mid-save", flush=True)

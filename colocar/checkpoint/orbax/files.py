@@ -15,7 +15,7 @@ import json
 import time
 from typing import Any
 
-from colocar.checkpoint import layout
+from colocar.checkpoint.format import layout
 from colocar.errors import CheckpointError
 
 from . import names

@@ -9,7 +9,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
-from colocar.checkpoint import tree
+from colocar.checkpoint.format import tree
 
 
 def param_name(path: tuple) -> str:

@@ -13,8 +13,8 @@ import json
 import uuid
 from typing import Any
 
-from colocar.checkpoint import layout
-from colocar.checkpoint.steps import StepDirs
+from colocar.checkpoint.format import layout
+from colocar.checkpoint.store.steps import StepDirs
 
 from . import names
 

@@ -22,7 +22,8 @@ import cloudpickle
 import jax
 import numpy as np
 
-from colocar.checkpoint import save, tree
+from colocar.checkpoint.format import tree
+from colocar.checkpoint.saves import plan as save
 from colocar.controller_bridge.arrays import addressable_shards
 from colocar.errors import HostLostError, SnapshotError
 from colocar.shm import ArenaFullError

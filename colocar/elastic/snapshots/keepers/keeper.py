@@ -305,7 +305,7 @@ class SnapshotKeeper:
         views of this host's own blocks of snapshot `step`: items (leaf, bounds, held leaf, held
         bounds), and the pieces (leaf, bounds, array) in `extra` (host data the controller sends).
         The views keep their blocks until written, whatever `begin` or `drop` do."""
-        from colocar.checkpoint.writer_backend import writer_for
+        from colocar.checkpoint.backends.writer import writer_for
 
         self._touch()
         pieces = []

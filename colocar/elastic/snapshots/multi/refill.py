@@ -18,8 +18,8 @@ import cloudpickle
 import jax
 import numpy as np
 
-from colocar.checkpoint import tree
-from colocar.checkpoint.save import Piece, shard_bounds
+from colocar.checkpoint.format import tree
+from colocar.checkpoint.saves.plan import Piece, shard_bounds
 from colocar.controller_bridge.arrays import addressable_shards
 from colocar.errors import SnapshotError
 

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from colocar.checkpoint.save import shard_bounds
+from colocar.checkpoint.saves.plan import shard_bounds
 from colocar.errors import SnapshotError
 
 from ..keepers.keeper import Key, key_of

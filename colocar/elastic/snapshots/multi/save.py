@@ -20,8 +20,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from colocar.checkpoint import layout, save, tree
-from colocar.checkpoint.from_blocks import Held
+from colocar.checkpoint.format import layout, tree
+from colocar.checkpoint.saves import plan as save
+from colocar.checkpoint.saves.from_blocks import Held
 from colocar.errors import CheckpointError, SnapshotError
 
 from . import agree

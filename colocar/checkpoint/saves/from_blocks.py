@@ -13,7 +13,7 @@ from concurrent.futures import Executor
 from typing import Any
 
 from .inflight import Save
-from .save import Piece, Plan
+from .plan import Piece, Plan
 
 
 class Held:

@@ -16,8 +16,8 @@ import numpy as np
 
 from colocar.shm import empty
 
-from . import layout
-from .storage import open_storage
+from ..format import layout
+from ..store.storage import open_storage
 
 BYTES_READ_METRICS = ("/tensorstore/kvstore/file/bytes_read", "/tensorstore/kvstore/gcs/bytes_read")
 

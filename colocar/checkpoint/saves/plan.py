@@ -26,7 +26,7 @@ from colocar.controller_bridge.arrays import addressable_shards, index_bounds
 from colocar.errors import CheckpointError
 from colocar.shm import ArenaFullError
 
-from . import layout, tree
+from ..format import layout, tree
 
 PREFETCH_BYTES = 256 << 20  # device-to-host copies started ahead of the one being placed
 BATCH_BYTES = 16 << 20  # pieces allocated and handed to a writer together when the arena is short
@@ -212,6 +212,7 @@ def copy_into(
         np.copyto(block, source)
     for future in futures:
         future.result()
+
 
 def send(
     host: Any,

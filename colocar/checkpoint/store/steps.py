@@ -18,7 +18,7 @@ from typing import Any
 
 from colocar.errors import CheckpointError
 
-from . import layout
+from ..format import layout
 from .storage import Storage
 
 STALE_SECONDS = 60.0  # an uncommitted step without a fresher heartbeat is abandoned (debris)

@@ -1,13 +1,13 @@
 """The primary writer's rules for a step besides writing (runs in the sidecar): wait for every
 planned host's done marker of the attempt, and after the commit apply retention and remove the
-debris of crashed saves. Used by `writer_backend.CheckpointWriter._primary`."""
+debris of crashed saves. Used by `writer.CheckpointWriter._primary`."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
-from .steps import StepDirs
+from ..store.steps import StepDirs
 
 AWAIT_HOSTS_POLL_SECONDS = 0.1  # the primary lists the done markers this often (the commit's latency)
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from colocar.errors import CheckpointError
 
-from .orbax.steps import OrbaxSteps
+from ..orbax.steps import OrbaxSteps
 from .steps import ManifestError, StepDirs, older_than
 from .storage import Storage
 

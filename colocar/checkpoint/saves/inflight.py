@@ -19,7 +19,7 @@ from typing import Any
 
 from colocar.errors import CheckpointError, ColocarError, HostLostError
 
-from .steps import StepDirs
+from ..store.steps import StepDirs
 from .topology import Topology
 from .writers import Writers
 

@@ -22,8 +22,8 @@ import jax
 from colocar.controller_bridge.cluster import Cluster, Host
 from colocar.errors import CheckpointError
 
-from . import layout
-from .save import Piece
+from ..format import layout
+from .plan import Piece
 
 NOT_STARTED = "not started: "  # what process 0 publishes instead of an attempt id when it failed
 

@@ -27,7 +27,7 @@ from colocar.controller_bridge.func import colocated
 from colocar.errors import CheckpointError
 from colocar.sidecar import sessions
 
-from . import layout
+from ..format import layout
 from .storage import Storage
 
 

@@ -1,6 +1,6 @@
 """The manager's writers: one long-lived writer object per host, kept across saves (controller).
 
-A writer (`writer_backend.CheckpointWriter`) is a detached object in its host's sidecar: it
+A writer (`backends.writer.CheckpointWriter`) is a detached object in its host's sidecar: it
 outlives the trainer long enough to commit a save the trainer started. One per manager and host
 serves every save (its jobs are keyed by step), so a save costs no object creation. A writer is
 made on first use, again when its sidecar's session was renewed (a restarted sidecar lost it),
@@ -22,9 +22,9 @@ from typing import Any
 from colocar.controller_bridge.func import colocated
 from colocar.controller_bridge.obj import colocated_class
 
-from .fencing import fence_writers
+from ..backends.fencing import fence_writers
+from ..backends.writer import CheckpointWriter, WriterOptions, import_storage
 from .topology import Topology
-from .writer_backend import CheckpointWriter, WriterOptions, import_storage
 
 _Writer = colocated_class(CheckpointWriter)
 _fence = colocated(fence_writers)

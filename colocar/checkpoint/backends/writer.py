@@ -29,10 +29,11 @@ import numpy as np
 
 from colocar.sidecar import instruments
 
-from . import fencing, layout, primary
-from .catalog import steps_of
-from .steps import STALE_SECONDS
-from .storage import Storage, describe, open_storage
+from ..format import layout
+from ..store.catalog import steps_of
+from ..store.steps import STALE_SECONDS
+from ..store.storage import Storage, describe, open_storage
+from . import fencing, primary
 from .trainer_watch import caller, watch_caller
 
 TERMINAL = ("committed", "done", "failed")

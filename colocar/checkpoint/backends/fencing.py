@@ -16,8 +16,8 @@ import threading
 import weakref
 from typing import Any
 
-from . import layout
-from .storage import Storage
+from ..format import layout
+from ..store.storage import Storage
 
 _WRITERS: weakref.WeakSet[Any] = weakref.WeakSet()  # every CheckpointWriter of this process
 _LOCK = threading.Lock()
