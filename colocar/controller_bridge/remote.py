@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from colocar.errors import HostLostError, ObjectNotFoundError
 from colocar.protocol import colocar_pb2 as pb
@@ -20,7 +20,20 @@ from .calls import Call, CallFuture
 from .remote_iterator import RemoteIterator
 
 if TYPE_CHECKING:
-    from .cluster import Host
+    from .connection import HostConnection
+
+
+class Host(Protocol):
+    """What a remote object needs of its host (`cluster.Host` is one): its name and connection.
+
+    A protocol, not the class, so that this module does not import `cluster` (which imports it).
+    """
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def connection(self) -> HostConnection: ...
 
 
 @dataclass(frozen=True)

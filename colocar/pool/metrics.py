@@ -9,14 +9,27 @@ names are listed in docs/metrics.md ("A shared pool").
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from .agent import PoolAgent
+    from .admission import Admission
+    from .tenants import TenantsFile
+
+
+class AgentView(Protocol):
+    """What the metrics read of the agent (`agent.PoolAgent` is one); a protocol, so that this
+    module does not import `agent` (which imports it)."""
+
+    tenants: TenantsFile
+    running: dict[str, Any]
+    admission: Admission
+
+    def use_of(self, name: str) -> list[dict[str, Any]]: ...
+
 
 WAIT_BUCKETS = (0.1, 1, 5, 15, 60, 300, 900, 3600, float("inf"))
 
@@ -24,7 +37,7 @@ WAIT_BUCKETS = (0.1, 1, 5, 15, 60, 300, 900, 3600, float("inf"))
 class PoolCollector(Collector):
     """Reads the agent's view of every tenant when Prometheus scrapes."""
 
-    def __init__(self, agent: PoolAgent):
+    def __init__(self, agent: AgentView):
         self.agent = agent
 
     def collect(self) -> Iterator[Metric]:
@@ -76,7 +89,7 @@ class PoolCollector(Collector):
 class PoolMetrics:
     """`/metrics` of the agent on `host:port` (port 0: any free one)."""
 
-    def __init__(self, agent: PoolAgent, host: str, port: int):
+    def __init__(self, agent: AgentView, host: str, port: int):
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(PoolCollector(agent))
         self.queue_wait = Histogram(
