@@ -4,7 +4,7 @@ tensorstore's first import holds the sidecar's GIL for a second or more (nearly 
 ml_dtypes' extension registering its dtypes' numpy loops, C code that never lets the GIL go),
 stalling every other thread of the sidecar: its keepalive and health replies and every call in
 flight. A checkpoint manager therefore has it imported on its sidecars as it is made
-(`checkpoint.writers`), before any save or restore. A sidecar that should never stall once it
+(`checkpoint.saves.writers`), before any save or restore. A sidecar that should never stall once it
 serves (one shared by several jobs) imports it at start instead, on a thread that overlaps the
 rest of its start-up (the arena's pre-faulting releases the GIL), joined before its servers
 start. Not by default: it costs every sidecar start that second of CPU, and most never write a

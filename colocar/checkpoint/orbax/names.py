@@ -43,7 +43,7 @@ OCDBT_CONFIG = {
     "manifest_kind": "single",
 }
 
-_COLOCAR_STEP = re.compile(r"^step_\d{10}/?$")  # colocar's format (`checkpoint.layout.step_dir`)
+_COLOCAR_STEP = re.compile(r"^step_\d{10}/?$")  # colocar's format (`checkpoint.format.layout.step_dir`)
 _STEP = re.compile(r"^(?:(?P<prefix>.*)_)?(?P<step>\d+)(?P<tmp>\.orbax-checkpoint-tmp.*)?$")
 
 

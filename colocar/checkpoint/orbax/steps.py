@@ -1,4 +1,4 @@
-"""The step directories of Orbax's layout, answering what `checkpoint.steps.StepDirs` answers
+"""The step directories of Orbax's layout, answering what `checkpoint.store.steps.StepDirs` answers
 for colocar's format (controller, sidecar writer and `colocar ckpt`; no JAX).
 
 A step is finished when Orbax would read it: on local disk, a `<N>` directory (no temporary

@@ -1,6 +1,6 @@
 """Storage saves from snapshots: a snapshot's blocks written by the checkpoint writers (controller).
 
-`SnapshotBlocks` is a `checkpoint.from_blocks.Held`: it plans a checkpoint of snapshot `step`
+`SnapshotBlocks` is a `checkpoint.saves.from_blocks.Held`: it plans a checkpoint of snapshot `step`
 from its record (the leaves' metadata, the plain values, which host holds which shard) cut into
 the manager's chunks, and asks each host's keeper to hand that host's writer views of its own
 blocks (`SnapshotKeeper.write_to`: both live in the sidecar). No device-to-host copy happens

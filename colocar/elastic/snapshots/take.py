@@ -1,6 +1,6 @@
 """Taking a snapshot: replica placement, the fit check, shards device -> arena (controller).
 
-A snapshot reuses the checkpoint's save planning (`checkpoint.save.plan`: one piece per
+A snapshot reuses the checkpoint's save planning (`checkpoint.saves.plan.plan`: one piece per
 distinct shard, replicated shards once) with one piece per shard, and its copy (`copy_into`:
 one memcpy into an arena block of the shard's host, split over the copy threads). What a host
 must hold is its own shards plus the replicas it receives; a snapshot that does not fit some

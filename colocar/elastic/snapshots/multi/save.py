@@ -4,7 +4,7 @@ At each take a process records, besides its shards, the manifest entries a check
 state needs (`storage_fields`: as `CheckpointManager.save` plans them) and which of its shards
 are replica 0 (`writes`): JAX gives each distinct shard exactly one replica 0, so every shard
 is written once, by one process, as a multi-controller `CheckpointManager.save` writes it.
-`MultiBlocks` is the `checkpoint.from_blocks.Held` of one process: it cuts those shards into
+`MultiBlocks` is the `checkpoint.saves.from_blocks.Held` of one process: it cuts those shards into
 the manager's chunks and has its keeper hand its sidecar's writer views of its own blocks;
 the leader (process 0) also writes the numpy leaves, kept pickled in the record. The manager
 runs the usual attempt, manifest and commit protocol over all processes. `omit`: top-level keys
