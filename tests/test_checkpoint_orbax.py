@@ -83,6 +83,24 @@ def test_orbax_restores_what_colocar_wrote(cluster, tmp_path):
     assert peer("restore", directory, 5, 5) == ["restored"]
 
 
+def test_v1_training_checkpointer_restores_the_state_item(cluster, tmp_path):
+    """`item="state"`: the item v1's `training.Checkpointer` loads by default; colocar lists
+    and restores it too, and an item name Orbax's layout cannot hold is refused up front."""
+    directory = tmp_path / "v1-training"
+    with CheckpointManager(str(directory), cluster, layout="orbax", item=names.V1_ITEM) as m:
+        m.save(3, orbax_states.state(3))
+        m.wait()
+    wrote = sorted(os.listdir(directory / "3"))
+    assert wrote == [names.CHECKPOINT_METADATA, names.COMMIT_SUCCESS, names.V1_ITEM]
+    with CheckpointManager(str(directory), cluster) as reader:
+        assert reader.all_steps() == [3]
+        assert orbax_states.mismatches(reader.restore(3, orbax_states.target(3)), 3) == []
+    assert peer("restore-training", directory, 3, 3) == ["restored"]
+    for bad, layout in (("state", "colocar"), ("colocar", "orbax"), ("a/b", "orbax"), ("7", "orbax")):
+        with pytest.raises(ValueError, match="item"):
+            CheckpointManager(str(tmp_path / "refused"), cluster, layout=layout, item=bad)
+
+
 def test_colocars_extras_ride_along_where_orbax_ignores_them(cluster, tmp_path):
     """Strings, None and lists of numbers (a data iterator's state) restore through colocar;
     Orbax restores the arrays and numbers and ignores the rest."""

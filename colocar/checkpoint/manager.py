@@ -33,6 +33,7 @@ from colocar.errors import CheckpointError
 from .backends.writer import WriterOptions
 from .format import layout, tree
 from .orbax import files as orbax_files
+from .orbax import names as orbax_names
 from .orbax import shardings
 from .restore import RestoreStats, restore_tree
 from .saves import from_blocks
@@ -63,8 +64,9 @@ class CheckpointManager:
     previous one is still being written (else `save` waits for it). `save_on_preemption`
     records SIGTERM so that the loop can `save` a last step (see `reached_preemption`).
     `layout`: "colocar" (its own format: `step_<N>/`) or "orbax" (what orbax-checkpoint's
-    `CheckpointManager` writes: `<N>/default/`, which Orbax and its tools read); restores and
-    listings read both, and Orbax's own checkpoints (docs/coming-from.md, "Coming from Orbax").
+    `CheckpointManager` writes: `<N>/<item>/`, "default", or "state" for v1's
+    `training.Checkpointer`); restores and listings read both, and Orbax's own checkpoints
+    (docs/coming-from.md, "Coming from Orbax").
     """
 
     def __init__(
@@ -88,17 +90,18 @@ class CheckpointManager:
         lease_seconds: float = 60.0,
         save_on_preemption: bool = False,
         layout: str = "colocar",
+        item: str = orbax_names.ITEM,
     ):
         if max_to_keep is not None and max_to_keep < 1:
             raise ValueError(f"max_to_keep must be at least 1 (or None to keep all), got {max_to_keep}")
+        self.layout, self.item = layout, orbax_names.check_item(item, layout)
         self.directory = directory
         self.storage = open_storage(directory, storage_timeout)
-        self.layout, self.steps = layout, steps_of(self.storage, layout)  # what this manager writes
+        self.steps = steps_of(self.storage, layout, item)  # what this manager writes
         self.catalog = Catalog(self.storage)  # what it reads: both layouts
         self.cluster = cluster if cluster is not None else current_cluster()
         self.save_interval_steps, self.queue, self.pool = save_interval_steps, queue, pool
-        self.max_chunk_bytes = max_chunk_bytes
-        self.storage_timeout = storage_timeout
+        self.max_chunk_bytes, self.storage_timeout = max_chunk_bytes, storage_timeout
         self._id = uuid.uuid4().hex
         self.options = WriterOptions(
             concurrent_writes=concurrent_writes,
@@ -109,8 +112,7 @@ class CheckpointManager:
             max_to_keep=max_to_keep,
             keep_period=keep_period,
             storage_timeout=storage_timeout,
-            owner=self._id,
-            layout=layout,
+            owner=self._id, layout=layout, item=item,
         )
         self._saves = 0  # save() calls past the interval check; names a save in every process
         self._ordinal = next(_ORDINALS[directory])  # managers of this directory made before, here
@@ -248,7 +250,7 @@ class CheckpointManager:
             "jax_version": jax.__version__,
         }
         if self.layout == "orbax":
-            orbax_files.annotate(manifest)  # Orbax's names and key paths (refuses a clash of names)
+            orbax_files.annotate(manifest, self.item)  # Orbax's names and key paths; refuses clashes
             if not isinstance(state, from_blocks.Held):
                 shardings.add_shardings(manifest["leaves"], named)
         record = Save(step, hosts, started, SaveStats(step=step), attempt)

@@ -8,6 +8,8 @@ Run by test_checkpoint_orbax.py. argv:
 - `restore DIR STEP SEED`: restores step STEP with `ocp.CheckpointManager(DIR).restore(step,
   args=ocp.args.StandardRestore(target))` and with v1's `load_pytree`, onto another mesh;
   prints "restored" when both are bit for bit `values(SEED)`, else what differs.
+- `restore-training DIR STEP SEED`: restores step STEP with v1's `training.Checkpointer(DIR)`
+  (its `state` item), onto another mesh; prints "restored" or what differs.
 - `continue DIR SEED`: an Orbax job picking up DIR: restores its latest step, saves the next
   one with Orbax (SEED's state), prints "continued <step>".
 - `save-multi DIR SEED PROCESS PORT`: one of two jax.distributed processes (4 devices each)
@@ -54,6 +56,13 @@ def restore(directory: str, step: int, seed: int) -> None:
     print("\n".join(bad) if bad else "restored", flush=True)
 
 
+def restore_training(directory: str, step: int, seed: int) -> None:
+    with ocp1.training.Checkpointer(directory) as c:
+        loaded = c.load(step, orbax_states.target(seed))
+    bad = orbax_states.mismatches(loaded, seed)
+    print("\n".join(bad) if bad else "restored", flush=True)
+
+
 def continue_job(directory: str, seed: int) -> None:
     with ocp.CheckpointManager(directory) as m:
         latest = m.latest_step()
@@ -79,6 +88,8 @@ if __name__ == "__main__":
         save(args[0], int(args[1]))
     elif command == "restore":
         restore(args[0], int(args[1]), int(args[2]))
+    elif command == "restore-training":
+        restore_training(args[0], int(args[1]), int(args[2]))
     elif command == "save-multi":
         save_multi(args[0], int(args[1]), int(args[2]), args[3])
     else:

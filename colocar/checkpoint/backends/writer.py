@@ -85,6 +85,7 @@ class WriterOptions:
     nice: int = 5  # scheduling priority of the writer threads (0: as the sidecar)
     owner: str = ""  # the manager whose writer this is: commits only while it holds the lease
     layout: str = "colocar"  # colocar's format, or "orbax" (Orbax's own layout: `checkpoint.orbax`)
+    item: str = "default"  # in Orbax's layout, the step's one item (`checkpoint.orbax.names`)
 
 
 @dataclass
@@ -121,7 +122,7 @@ class CheckpointWriter:
         self.host = host
         self.options = options
         self.storage: Storage = open_storage(url, options.storage_timeout)
-        self.steps = steps_of(self.storage, options.layout)
+        self.steps = steps_of(self.storage, options.layout, options.item)
         self._jobs: dict[int, _Job] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(

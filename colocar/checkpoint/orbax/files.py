@@ -23,7 +23,7 @@ from . import names
 VALUE_TYPES = {"array": "jax.Array", "prng_key": "jax.Array", "numpy": "np.ndarray", "scalar": "scalar"}
 
 
-def annotate(manifest: dict[str, Any]) -> dict[str, Any]:
+def annotate(manifest: dict[str, Any], item: str = names.ITEM) -> dict[str, Any]:
     """Marks a save's manifest as Orbax's layout: every leaf gets its Orbax key path (`path`,
     from the manifest's tree) and its parameter name (`dir`, the array's name in the OCDBT
     database). Refuses two leaves with one name (`{"a.b": x}` and `{"a": {"b": y}}`)."""
@@ -39,7 +39,7 @@ def annotate(manifest: dict[str, Any]) -> dict[str, Any]:
         seen[name] = key
         entry.update(path=keys, dir=name)
     manifest.update(
-        array_layout=layout.ORBAX_LAYOUT, orbax={"item": names.ITEM, "use_ocdbt": True, "use_zarr3": True}
+        array_layout=layout.ORBAX_LAYOUT, orbax={"item": item, "use_ocdbt": True, "use_zarr3": True}
     )
     return manifest
 

@@ -43,8 +43,21 @@ OCDBT_CONFIG = {
     "manifest_kind": "single",
 }
 
+_ITEM = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
 _COLOCAR_STEP = re.compile(r"^step_\d{10}/?$")  # colocar's format (`checkpoint.format.layout.step_dir`)
 _STEP = re.compile(r"^(?:(?P<prefix>.*)_)?(?P<step>\d+)(?P<tmp>\.orbax-checkpoint-tmp.*)?$")
+
+
+def check_item(item: str, layout: str) -> str:
+    """`item` when it can name the one item of a step in Orbax's layout, else ValueError."""
+    if item != ITEM and layout != "orbax":
+        raise ValueError(f"item={item!r} names an item of Orbax's layout; give it with layout='orbax'")
+    if not _ITEM.match(item) or item == COLOCAR or parse_step_name(item) is not None:
+        raise ValueError(
+            f"item must be a plain directory name other than {COLOCAR!r} and a step number "
+            f"(Orbax's are {ITEM!r} and {V1_ITEM!r}), got {item!r}"
+        )
+    return item
 
 
 def parse_step_name(name: str) -> tuple[int, bool] | None:

@@ -13,6 +13,7 @@ from typing import Any
 
 from colocar.errors import CheckpointError
 
+from ..orbax.names import ITEM
 from ..orbax.steps import OrbaxSteps
 from .steps import ManifestError, StepDirs, older_than
 from .storage import Storage
@@ -20,12 +21,12 @@ from .storage import Storage
 LAYOUTS = ("colocar", "orbax")
 
 
-def steps_of(storage: Storage, layout: str) -> StepDirs:
-    """The step directories a manager of `layout` writes."""
+def steps_of(storage: Storage, layout: str, item: str = ITEM) -> StepDirs:
+    """The step directories a manager of `layout` writes (in Orbax's layout, into `item`)."""
     if layout == "colocar":
         return StepDirs(storage)
     if layout == "orbax":
-        return OrbaxSteps(storage)
+        return OrbaxSteps(storage, item)
     raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
 
 
