@@ -359,3 +359,31 @@ def test_a_keeper_drops_its_snapshots_by_itself_once_idle(four_hosts):
     finally:
         keeper.close()
         keeper.delete()
+
+
+def test_a_replica_that_comes_before_its_keepers_begin_waits_for_it(four_hosts):
+    """The controller begins every keeper and hands it its block in one call, all hosts at
+    once, so a peer's replica (another session: the peer keeper's) can reach a keeper before
+    that call: it waits for the begin and is kept. A replica of an attempt the keeper dropped
+    is refused at once (its sender's snapshot is gone too), not after the begin wait ran out."""
+    host, name = four_hosts.hosts[2], "colocar.snapshots/test-early/2"
+    keeper = _Keeper.on(host, name=name, ttl=60)(2, POOL, PeerOptions(), 600.0)
+    peer = colocar.connect([host.address], token_file=four_hosts.token_file, devices=[[]])
+    data = np.arange(4, dtype=np.float32).tobytes()
+    chunk = (0, [[0, 4]], "float32", [4], 0, data)  # leaf, bounds, dtype, shape, offset, bytes
+    try:
+        from_peer = peer.hosts[0].object(name)
+        early = from_peer.receive.submit(5, "a", 1, *chunk)  # host 1's replica of step 5, attempt "a"
+        time.sleep(0.5)
+        assert not early.done(), "the replica was answered before the keeper began its step"
+        keeper.begin_packed(5, "a", [], [], None, [])  # this host holds no piece of its own
+        assert early.result(timeout=60) == len(data)
+        assert keeper.holdings()[5]["keys"] == [(0, ((0, 4),))]
+        keeper.drop(5)
+        late = from_peer.receive.submit(5, "a", 1, *chunk)
+        with pytest.raises(KeyError, match="holds no snapshot of step 5"):
+            late.result(timeout=30)  # at once: the begin wait is 120 s
+    finally:
+        peer.close()
+        keeper.close()
+        keeper.delete()

@@ -29,6 +29,7 @@ class Reclaimer:
         self._closed = False
         self._pushed = 0
         self._done = 0
+        self._progress = threading.Condition()  # notified after each batch (never by `push`)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -43,10 +44,12 @@ class Reclaimer:
         """Waits until everything pushed so far was released; True if it was."""
         target = self._pushed
         deadline = time.monotonic() + timeout
-        while self._done < target:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                return False
-            time.sleep(0.001)
+        with self._progress:
+            while self._done < target:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._thread.is_alive():
+                    return False
+                self._progress.wait(min(left, 0.1))
         return True
 
     def _run(self) -> None:
@@ -66,7 +69,9 @@ class Reclaimer:
                     self._release(batch)
                 except Exception:  # a failed release must not kill the thread
                     traceback.print_exc()
-                self._done += len(batch)
+                with self._progress:
+                    self._done += len(batch)
+                    self._progress.notify_all()
 
     def close(self) -> None:
         """Releases what is queued, then stops the thread."""

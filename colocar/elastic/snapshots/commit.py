@@ -132,13 +132,15 @@ class Committer:
         tracked.handed.set()
 
     def _await_replicas(self, tracked: Tracked, deadline: float) -> str | None:
-        """None once every host replicated its shards, else what went wrong. Each round asks
-        every pending host at once (a lost or failed one ends the wait within a round), then
-        long-polls the first for up to POLL_SECONDS."""
+        """None once every host replicated its shards, else what went wrong. Each round
+        long-polls every pending host at once for up to POLL_SECONDS (a lost or failed one
+        ends the wait within a round; one that is done answers at once)."""
         pending = list(tracked.hosts)
         while pending:
-            for i, h in enumerate(pending):
-                error = self._poll(tracked, h, POLL_SECONDS if i == 0 else 0.0)
+            attempt = tracked.record["attempt"]
+            calls = {h: self._submit(h, "status", tracked.step, attempt, POLL_SECONDS) for h in pending}
+            for h, call in calls.items():
+                error = self._poll(tracked, h, call)
                 if error is not None:
                     return error
             pending = [h for h in pending if tracked.statuses[h]["state"] != "replicated"]
@@ -146,10 +148,11 @@ class Committer:
                 return f"hosts {pending}: replication did not finish within {self.timeout} s"
         return None
 
-    def _poll(self, tracked: Tracked, h: int, timeout: float) -> str | None:
-        """Host `h`'s status of the snapshot (recorded), or why it failed."""
+    def _poll(self, tracked: Tracked, h: int, call: Any) -> str | None:
+        """Host `h`'s status of the snapshot from its `status` call in flight (recorded), or
+        why it failed."""
         try:
-            status = self._keeper(h).status(tracked.step, tracked.record["attempt"], timeout)
+            status = call.result()
         except Exception as e:
             return f"host {h}: {type(e).__name__}: {e}"
         tracked.statuses[h] = status

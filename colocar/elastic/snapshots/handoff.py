@@ -2,8 +2,8 @@
 
 The usual way (`place`, then `hand_off` in the committer's background thread): each host's
 pieces are copied into one new block of its pool before the keepers hear of the step; then
-every keeper learns the step and drops what is not kept (`begin`), and only then takes its
-host's block (a peer's replica may arrive as soon as one host has its block). When
+each keeper, in one call, learns the step, drops what is not kept and takes its host's block
+(`begin_packed`; a peer's replica that arrives before that call waits for it). When
 a pool has no room for one more snapshot next to the kept ones, or for a first take
 (`take_waiting`): the keepers first drop what is not kept, the fit is checked against the
 pools' free bytes, then the pieces are copied and handed over at once (`send`).
@@ -49,11 +49,17 @@ def place(snaps: Any, planned: Planned) -> dict[int, Placed] | None:
 
 
 def hand_off(snaps: Any, planned: Planned, placed: dict[int, Placed]) -> None:
-    """Background, once the previous snapshot ended: every keeper learns the step and drops
-    what is not kept (all of them first: a peer's replica may come as soon as a host has its
-    block), then takes its host's block and starts replicating it."""
-    begin(snaps, planned, snaps._kept(planned.step))
-    futures = [hand(snaps._keepers[h], planned.step, planned.pieces[h], placed.pop(h)) for h in list(placed)]
+    """Background, once the previous snapshot ended: every keeper, in one call each, learns
+    the step, drops what is not kept, takes its host's block and starts replicating it (a
+    peer's replica that comes before a keeper's own call waits there for it: `receive`)."""
+    keep, attempt = snaps._kept(planned.step), planned.record["attempt"]
+    futures = []
+    for h, peers in planned.targets.items():
+        keeper, begin_args = snaps._keepers[h], (attempt, keep, targets(snaps, peers))
+        if h in placed:
+            futures.append(hand(keeper, planned.step, planned.pieces[h], placed.pop(h), begin_args))
+        else:
+            futures.append(keeper.begin.submit(planned.step, *begin_args))
     for future in futures:
         future.result()
 

@@ -23,7 +23,8 @@ from colocar.errors import CheckpointError, SnapshotError
 from colocar.shm import ArenaFullError
 
 from ..policy.events import log
-from .keepers.keeper import Bounds, Key, key_of
+from .keepers.held import Key, key_of
+from .keepers.stitch import Bounds
 from .slices import check_covered, sources
 
 Survey = dict[int, dict[int, dict[str, Any]]]  # host -> step -> {"record", "attempt", "state", "keys"}

@@ -16,7 +16,8 @@ import numpy as np
 
 from colocar.errors import SnapshotError
 
-from .keepers.keeper import Bounds, Key
+from .keepers.held import Key
+from .keepers.stitch import Bounds
 
 
 def overlap(a: Bounds, b: Bounds) -> Bounds | None:

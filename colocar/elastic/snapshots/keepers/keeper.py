@@ -12,44 +12,20 @@ restore needs out of the blocks here. No JAX import: only the peer link pulls it
 
 from __future__ import annotations
 
-import sys
+import collections
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from .held import ENDED, Snap, key_of
+from .lifetime import flush_dropped, preimport, watch_idle
 from .peers import PeerLinks, PeerOptions, Target, lower_priority
 from .stitch import Bounds, allocate, by_leaf, stitch, unpack, within
 
-Key = tuple[int, Bounds]  # (leaf index, bounds)
-ENDED = ("replicated", "failed")
-
-
-def key_of(leaf: int, bounds: Any) -> Key:
-    return int(leaf), tuple((int(a), int(b)) for a, b in bounds)
-
-
-@dataclass
-class _Snap:
-    step: int
-    attempt: str  # a late call for an earlier attempt of the same step is refused
-    peers: list[Target]
-    own: dict[Key, np.ndarray] = field(default_factory=dict)
-    replicas: dict[int, dict[Key, np.ndarray]] = field(default_factory=dict)  # source host -> blocks
-    incoming: dict[tuple[int, Key], list[Any]] = field(default_factory=dict)  # -> [block, bytes so far]
-    state: str = "copying"  # copying -> replicating -> replicated | failed
-    error: str = ""
-    record: bytes | None = None  # set by commit
-    pending: bytes | None = None  # a record to commit once replicated (`MultiKeeper.commit_when_replicated`)
-    replicated_bytes: int = 0
-    replication_seconds: float = 0.0
-
-    def nbytes(self) -> int:
-        blocks = list(self.own.values()) + [b for r in self.replicas.values() for b in r.values()]
-        return sum(b.nbytes for b in blocks)
+BEGIN_WAIT_SECONDS = 120.0  # how long a replica waits for its receiver to begin the step
 
 
 class SnapshotKeeper:
@@ -59,17 +35,18 @@ class SnapshotKeeper:
         self.host = host
         self.pool = pool or "default"
         self.idle_seconds = idle_seconds
-        self._snaps: dict[int, _Snap] = {}
+        self._snaps: dict[int, Snap] = {}
+        self._dropped: collections.deque[tuple[int, str]] = collections.deque(maxlen=64)  # (step, attempt)
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._peers = PeerLinks(host, peer_options)
-        _preimport()
+        preimport()
         self._closed = False
         self._touched = time.monotonic()  # the last call from a controller
         # A keeper whose lifetime ended (the sidecar dropped it) closes its peer sessions too.
         weakref.finalize(self, self._peers.close)
         threading.Thread(
-            target=_watch_idle, args=(weakref.ref(self), idle_seconds), name="colocar-snap-idle", daemon=True
+            target=watch_idle, args=(weakref.ref(self), idle_seconds), name="colocar-snap-idle", daemon=True
         ).start()
 
     def _touch(self) -> None:
@@ -86,7 +63,7 @@ class SnapshotKeeper:
             for step in list(self._snaps):
                 self._forget(step)
         self._peers.close()
-        _flush()
+        flush_dropped()
         return True
 
     # --- taking a snapshot ------------------------------------------------------------------
@@ -100,9 +77,26 @@ class SnapshotKeeper:
                 raise RuntimeError(f"the snapshot keeper of host {self.host} is closed")
             for old in [s for s in self._snaps if s not in keep]:
                 self._forget(old)
-            self._snaps[step] = _Snap(step, attempt, [Target(*p) for p in peers])
+            self._snaps[step] = Snap(step, attempt, [Target(*p) for p in peers])
             self._changed.notify_all()
-        _flush()
+        flush_dropped()
+
+    def begin_packed(
+        self,
+        step: int,
+        attempt: str,
+        keep: list[int],
+        peers: list[Target],
+        block: np.ndarray | None,
+        layout: list[tuple[Any, ...]],
+    ) -> None:
+        """`begin`, then `write_packed` (no piece when `block` is None): a host's whole
+        hand-off in one call; a peer's replica that comes before it waits for it (`receive`)."""
+        self.begin(step, attempt, keep, peers)
+        if block is None:
+            self.write(step, [], 0)
+        else:
+            self.write_packed(step, block, layout)
 
     def write(self, step: int, pieces: list[tuple[int, Any, np.ndarray]], total: int | None = None) -> None:
         """Keeps pieces (leaf, bounds, arena view in the snapshot pool) of this host's shards;
@@ -135,7 +129,7 @@ class SnapshotKeeper:
             target=self._replicate, args=(snap,), name=f"colocar-snap-replicate-{step}", daemon=True
         ).start()
 
-    def _replicate(self, snap: _Snap) -> None:
+    def _replicate(self, snap: Snap) -> None:
         lower_priority(self._peers.options.nice)
         started = time.monotonic()
         items = [(leaf, [list(b) for b in bounds], data) for (leaf, bounds), data in snap.own.items()]
@@ -163,7 +157,7 @@ class SnapshotKeeper:
     def _committed_here(self, step: int, attempt: str, record: bytes) -> None:
         """After this keeper committed a pending record itself (a subclass shares it)."""
 
-    def _alive(self, snap: _Snap) -> Any:
+    def _alive(self, snap: Snap) -> Any:
         """A check that raises once the snapshot was dropped or failed (replication stops)."""
 
         def check() -> None:
@@ -187,7 +181,9 @@ class SnapshotKeeper:
         """One chunk of a block sent by `source` (a peer's keeper: a replica; this host: its
         own shard, from a controller that does not map the arena). The block is allocated in
         the snapshot pool when its first chunk arrives (chunks may come in any order) and
-        counts once all its bytes did. Returns the bytes taken."""
+        counts once all its bytes did. Returns the bytes taken. It may come before this host
+        began the step: it waits for that (`_await_begin`)."""
+        self._await_begin(step, attempt)
         key = key_of(leaf, bounds)
         with self._lock:
             snap = self._snap(step, attempt)
@@ -242,7 +238,7 @@ class SnapshotKeeper:
         self._touch()
         with self._lock:
             self._forget(step)
-        _flush()
+        flush_dropped()
 
     # --- finding and reading ----------------------------------------------------------------
     def holdings(self) -> dict[int, dict[str, Any]]:
@@ -338,10 +334,23 @@ class SnapshotKeeper:
             for step in list(self._snaps):
                 self._forget(step)
         threading.Thread(target=self._peers.close, name="colocar-snap-close", daemon=True).start()
-        _flush()
+        flush_dropped()
+
+    def _await_begin(self, step: int, attempt: str) -> None:
+        """Until this host began `step`'s `attempt` (the controller begins every host at once,
+        and a multi-controller job's processes are not in lock-step), that attempt was dropped
+        here, or BEGIN_WAIT_SECONDS passed."""
+
+        def settled() -> bool:
+            snap = self._snaps.get(step)
+            begun = snap is not None and snap.attempt == attempt
+            return begun or self._closed or (step, attempt) in self._dropped
+
+        with self._lock:
+            self._changed.wait_for(settled, BEGIN_WAIT_SECONDS)
 
     # --- helpers (lock held) ----------------------------------------------------------------
-    def _snap(self, step: int, attempt: str | None = None) -> _Snap:
+    def _snap(self, step: int, attempt: str | None = None) -> Snap:
         snap = self._snaps.get(step)
         if snap is None or (attempt is not None and snap.attempt != attempt):
             raise KeyError(
@@ -349,7 +358,7 @@ class SnapshotKeeper:
             )
         return snap
 
-    def _fail(self, snap: _Snap, error: str) -> None:
+    def _fail(self, snap: Snap, error: str) -> None:
         if snap.state not in ENDED:
             snap.state, snap.error = "failed", error
             self._changed.notify_all()
@@ -357,44 +366,9 @@ class SnapshotKeeper:
     def _forget(self, step: int) -> None:
         snap = self._snaps.pop(step, None)
         if snap is not None:
+            self._dropped.append((step, snap.attempt))
             self._fail(snap, f"step {step} was dropped on host {self.host}")
             snap.own.clear()  # the views go: their blocks are freed
             snap.replicas.clear()
             snap.incoming.clear()
             self._changed.notify_all()
-
-
-def _preimport() -> None:
-    """What the replication threads import, imported now: a first import there racing another
-    thread's (a checkpoint writer's modules reach `colocar.controller_bridge` too) can find a
-    module of that package partially initialised."""
-    import colocar.controller_bridge.connection  # noqa: F401
-    import colocar.controller_bridge.remote  # noqa: F401
-
-
-def _watch_idle(ref: weakref.ref, idle_seconds: float) -> None:
-    """Runs while the keeper lives: lets it expire its snapshots once idle."""
-    period = max(0.05, min(60.0, idle_seconds / 4))
-    while True:
-        time.sleep(period)
-        keeper = ref()
-        if keeper is None or keeper._closed:
-            return
-        if keeper.expire_if_idle():
-            print(
-                f"colocar snapshots: host {keeper.host} dropped its snapshots after "
-                f"{keeper.idle_seconds:.0f} s without a call from their controller",
-                file=sys.__stderr__,
-                flush=True,
-            )
-        del keeper
-
-
-def _flush() -> None:
-    """Waits until the blocks of dropped views are free (the arena's counts then say so)."""
-    from colocar.shm.context import sidecar_runtime
-
-    try:
-        sidecar_runtime().flush()
-    except RuntimeError:  # not in a sidecar (a unit test of the class): nothing to wait for
-        pass

@@ -4,8 +4,8 @@ With one JAX process per host, each process hands only its own shards to the kee
 sidecar, and no controller reaches another host's keeper: what crosses hosts goes keeper to
 keeper (`peers.py`). On top of `SnapshotKeeper` this keeper
 
-* takes replicas that arrive before its own process began the step (`receive` waits for
-  `begin`: the processes are not in lock-step);
+* takes replicas that arrive before its own process began the step (as every keeper does,
+  `receive` waits for `begin`: here because the processes are not in lock-step);
 * commits its process's record once its shards are replicated, by itself, and hands it to the
   peers holding its replicas (`commit_when_replicated`, `share_record`), so a killed trainer's
   last snapshot and a replaced host's record survive with their shards;
@@ -27,12 +27,13 @@ from typing import Any
 
 import numpy as np
 
-from .keeper import SnapshotKeeper, _flush, _Snap, key_of
+from .held import Snap, key_of
+from .keeper import SnapshotKeeper
+from .lifetime import flush_dropped
 from .peers import PeerOptions, Target, send_chunks
 from .stitch import by_leaf, stitch
 
 log = logging.getLogger("colocar.elastic")
-BEGIN_WAIT_SECONDS = 120.0  # how long a replica waits for its receiver's process to begin the step
 READS = ("holdings", "blocks")  # the reads `fail_reads` can make fail
 _failing: set[str] = set()  # fault injection: the reads of this sidecar's keepers that raise
 
@@ -60,20 +61,6 @@ class MultiKeeper(SnapshotKeeper):
         super().__init__(host, pool, peer_options, idle_seconds)
         self._peer_records: dict[tuple[int, int], tuple[str, bytes]] = {}  # (step, source) -> record
 
-    def receive(self, step: int, attempt: str, source: int, *args: Any) -> int:  # type: ignore[override]
-        """As `SnapshotKeeper.receive`, after waiting (at most BEGIN_WAIT_SECONDS) for this
-        host's process to begin the step's `attempt`."""
-        self._await_begin(step, attempt)
-        return super().receive(step, attempt, source, *args)
-
-    def _await_begin(self, step: int, attempt: str) -> None:
-        def begun() -> bool:
-            snap = self._snaps.get(step)
-            return self._closed or (snap is not None and snap.attempt == attempt)
-
-        with self._lock:
-            self._changed.wait_for(begun, BEGIN_WAIT_SECONDS)
-
     def prepare(self, step: int, attempt: str, peers: list[Any]) -> None:
         """Makes room for a refill of `step` (this `attempt`): a new empty snapshot unless one
         of the same attempt is here; nothing else is dropped."""
@@ -82,7 +69,7 @@ class MultiKeeper(SnapshotKeeper):
             snap = self._snaps.get(step)
             if snap is None or snap.attempt != attempt:
                 self._forget(step)
-                self._snaps[step] = _Snap(step, attempt, [Target(*p) for p in peers], state="replicated")
+                self._snaps[step] = Snap(step, attempt, [Target(*p) for p in peers], state="replicated")
             self._changed.notify_all()
 
     def commit(self, step: int, attempt: str, record: bytes) -> None:
@@ -250,5 +237,5 @@ class MultiKeeper(SnapshotKeeper):
         with self._lock:
             snap.replicated_bytes += sent
             snap.replication_seconds += time.monotonic() - started
-        _flush()
+        flush_dropped()
         return sent

@@ -21,7 +21,7 @@ from typing import Any
 from colocar.controller_bridge import liveness
 from colocar.errors import ProcessLostError, SnapshotError
 
-from ..keepers.keeper import key_of
+from ..keepers.held import key_of
 
 Summary = dict[str, Any]  # {"own": {step: attempt}, "replicas": {source: {step: attempt}}}
 _made: dict[str, int] = defaultdict(int)  # per key prefix: instances made in this process

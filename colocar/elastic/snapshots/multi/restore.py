@@ -23,7 +23,7 @@ import numpy as np
 from colocar.checkpoint.saves.plan import shard_bounds
 from colocar.errors import SnapshotError
 
-from ..keepers.keeper import Key, key_of
+from ..keepers.held import Key, key_of
 from ..slices import check_covered, sources, volume
 from . import agree
 
