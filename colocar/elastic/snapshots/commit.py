@@ -25,6 +25,7 @@ from typing import Any
 
 log = logging.getLogger("colocar.elastic")
 POLL_SECONDS = 1.0  # one status long-poll (a round of the wait)
+HandOff = Callable[[], "dict[int, dict[str, Any]] | None"]  # -> the hosts' first statuses
 
 
 @dataclass
@@ -36,7 +37,7 @@ class Tracked:
     error: str = ""
     statuses: dict[int, dict[str, Any]] = field(default_factory=dict)
     seconds: float = 0.0
-    hand_off: Callable[[], None] | None = None  # run first, then dropped (its blocks with it)
+    hand_off: HandOff | None = None  # run first, then dropped (its blocks with it)
     then: Callable[[], None] | None = None  # run once committed (before `done`)
     handed: threading.Event = field(default_factory=threading.Event)  # the keepers hold the blocks
     done: threading.Event = field(default_factory=threading.Event)
@@ -61,7 +62,7 @@ class Committer:
         step: int,
         hosts: list[int],
         record: dict[str, Any],
-        hand_off: Callable[[], None] | None = None,
+        hand_off: HandOff | None = None,
         then: Callable[[], None] | None = None,
     ) -> Tracked:
         """Follows snapshot `step` once the snapshots tracked before it ended: `hand_off()`
@@ -101,7 +102,7 @@ class Committer:
         try:
             if tracked.hand_off is not None:
                 hand_off, tracked.hand_off = tracked.hand_off, None  # its blocks go with it
-                hand_off()
+                tracked.statuses.update(hand_off() or {})  # the keepers' first statuses
             self._handed(tracked)
             error = self._await_replicas(tracked, started + self.timeout)
             if error is None:
@@ -135,7 +136,10 @@ class Committer:
         """None once every host replicated its shards, else what went wrong. Each round
         long-polls every pending host at once for up to POLL_SECONDS (a lost or failed one
         ends the wait within a round; one that is done answers at once)."""
-        pending = list(tracked.hosts)
+        for h, status in tracked.statuses.items():  # from the hand-off
+            if (error := _failed(tracked, h, status)) is not None:
+                return error
+        pending = [h for h in tracked.hosts if tracked.statuses.get(h, {}).get("state") != "replicated"]
         while pending:
             attempt = tracked.record["attempt"]
             calls = {h: self._submit(h, "status", tracked.step, attempt, POLL_SECONDS) for h in pending}
@@ -156,9 +160,7 @@ class Committer:
         except Exception as e:
             return f"host {h}: {type(e).__name__}: {e}"
         tracked.statuses[h] = status
-        if status["state"] in ("failed", "unknown"):
-            return status["error"] or f"host {h}: step {tracked.step} {status['state']}"
-        return None
+        return _failed(tracked, h, status)
 
     def _commit(self, tracked: Tracked) -> None:
         """The record goes to every host at once; it counts once one of them holds it."""
@@ -238,3 +240,10 @@ class Committer:
         tracked.state, tracked.error = "committed", f"salvaged without hosts {lost}: {error}"
         self._on_commit(tracked.step)
         return True
+
+
+def _failed(tracked: Tracked, h: int, status: dict[str, Any]) -> str | None:
+    """Why host `h`'s status says the snapshot failed there, or None."""
+    if status["state"] in ("failed", "unknown"):
+        return status["error"] or f"host {h}: step {tracked.step} {status['state']}"
+    return None

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from .commit import POLL_SECONDS
 from .keepers.peers import Target
 from .take import Placed, Planned, hand, misfit, on_each, packed_offsets
 from .take import place as place_on
@@ -48,20 +49,23 @@ def place(snaps: Any, planned: Planned) -> dict[int, Placed] | None:
     return None
 
 
-def hand_off(snaps: Any, planned: Planned, placed: dict[int, Placed]) -> None:
+def hand_off(snaps: Any, planned: Planned, placed: dict[int, Placed]) -> dict[int, dict[str, Any]]:
     """Background, once the previous snapshot ended: every keeper, in one call each, learns
     the step, drops what is not kept, takes its host's block and starts replicating it (a
-    peer's replica that comes before a keeper's own call waits there for it: `receive`)."""
+    peer's replica that comes before a keeper's own call waits there for it: `receive`).
+    Returns the hosts' statuses from those calls (each answers once replicated, or after a
+    poll's time: the committer's first poll rides on the hand-off)."""
     keep, attempt = snaps._kept(planned.step), planned.record["attempt"]
-    futures = []
+    futures = {}
     for h, peers in planned.targets.items():
-        keeper, begin_args = snaps._keepers[h], (attempt, keep, targets(snaps, peers))
+        keeper, peer_keepers = snaps._keepers[h], targets(snaps, peers)
         if h in placed:
-            futures.append(hand(keeper, planned.step, planned.pieces[h], placed.pop(h), begin_args))
+            begin_args = (attempt, keep, peer_keepers, POLL_SECONDS)
+            futures[h] = hand(keeper, planned.step, planned.pieces[h], placed.pop(h), begin_args)
         else:
-            futures.append(keeper.begin.submit(planned.step, *begin_args))
-    for future in futures:
-        future.result()
+            futures[h] = keeper.begin.submit(planned.step, attempt, keep, peer_keepers)
+    results = {h: future.result() for h, future in futures.items()}
+    return {h: status for h, status in results.items() if status is not None}
 
 
 def take_waiting(snaps: Any, planned: Planned) -> str | None:

@@ -89,14 +89,18 @@ class SnapshotKeeper:
         peers: list[Target],
         block: np.ndarray | None,
         layout: list[tuple[Any, ...]],
-    ) -> None:
+        wait: float = 0.0,
+    ) -> dict[str, Any]:
         """`begin`, then `write_packed` (no piece when `block` is None): a host's whole
-        hand-off in one call; a peer's replica that comes before it waits for it (`receive`)."""
+        hand-off in one call; a peer's replica that comes before it waits for it (`receive`).
+        Returns the step's `status` once replicated or after `wait` s (the controller's first
+        poll, in the same round trip)."""
         self.begin(step, attempt, keep, peers)
         if block is None:
             self.write(step, [], 0)
         else:
             self.write_packed(step, block, layout)
+        return self.status(step, attempt, wait)
 
     def write(self, step: int, pieces: list[tuple[int, Any, np.ndarray]], total: int | None = None) -> None:
         """Keeps pieces (leaf, bounds, arena view in the snapshot pool) of this host's shards;
