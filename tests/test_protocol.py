@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import re
 
 import numpy as np
 import pytest
@@ -11,13 +12,28 @@ from colocar.protocol import serialization
 from colocar.protocol.generate import HERE, generate
 
 
+def _without_stamp(text: str) -> str:
+    """The generated text less the grpcio-tools version that wrote it (the committed module
+    keeps its own, which pyproject.toml's grpcio floor matches): a newer grpcio-tools release
+    on a fresh machine is no change of the protocol."""
+    return re.sub(r"^GRPC_GENERATED_VERSION = .*$", "", text, flags=re.M)
+
+
 def test_generated_code_is_in_sync_with_the_proto(tmp_path: pathlib.Path) -> None:
     pytest.importorskip("grpc_tools")
     for fresh in generate(tmp_path):
         committed = HERE / fresh.name
-        assert committed.read_text() == fresh.read_text(), (
+        assert _without_stamp(committed.read_text()) == _without_stamp(fresh.read_text()), (
             f"{committed.name} is stale: run `python -m colocar.protocol.generate`"
         )
+
+
+def test_the_grpcio_floor_is_what_the_generated_module_checks() -> None:
+    """The generated module refuses to import under an older grpcio than the one it names."""
+    generated = (HERE / "colocar_pb2_grpc.py").read_text()
+    stamp = re.search(r"^GRPC_GENERATED_VERSION = '([\d.]+)'", generated, re.M)
+    pyproject = (HERE.parents[1] / "pyproject.toml").read_text()
+    assert stamp is not None and f'"grpcio>={stamp.group(1)}"' in pyproject, stamp
 
 
 def test_large_arrays_leave_the_pickle() -> None:

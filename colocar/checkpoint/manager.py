@@ -197,6 +197,8 @@ class CheckpointManager:
                 )
             except BaseException as e:
                 self.topology.refuse(self._attempt_key(), e)  # the others stop waiting for it
+                if isinstance(e, Exception) and not isinstance(e, CheckpointError):  # e.g. a host lost
+                    raise save_failed(step, f"{type(e).__name__}: {e}") from e
                 raise
             record = self._start(step, state, metadata or {}, started, attempt)
             self._inflight.saves.append(record)

@@ -25,11 +25,13 @@ from .lifetime import flush_dropped, preimport, watch_idle
 from .peers import PeerLinks, PeerOptions, Target, lower_priority
 from .stitch import Bounds, allocate, by_leaf, stitch, unpack, within
 
-BEGIN_WAIT_SECONDS = 120.0  # how long a replica waits for its receiver to begin the step
-
 
 class SnapshotKeeper:
     """One per `Snapshots` and host, created detached (it outlives a lost controller)."""
+
+    # How long a replica waits for this keeper to begin its step: one controller begins every
+    # host in the same round, so only a moment (a restarted peer never will: fail soon).
+    begin_wait_seconds = 10.0
 
     def __init__(self, host: int, pool: str, peer_options: PeerOptions, idle_seconds: float = 7200.0):
         self.host = host
@@ -343,15 +345,20 @@ class SnapshotKeeper:
     def _await_begin(self, step: int, attempt: str) -> None:
         """Until this host began `step`'s `attempt` (the controller begins every host at once,
         and a multi-controller job's processes are not in lock-step), that attempt was dropped
-        here, or BEGIN_WAIT_SECONDS passed."""
+        here, or `begin_wait_seconds` passed."""
 
         def settled() -> bool:
-            snap = self._snaps.get(step)
-            begun = snap is not None and snap.attempt == attempt
+            begun = self._begun(self._snaps.get(step), attempt)
             return begun or self._closed or (step, attempt) in self._dropped
 
         with self._lock:
-            self._changed.wait_for(settled, BEGIN_WAIT_SECONDS)
+            self._changed.wait_for(settled, self.begin_wait_seconds)
+
+    def _begun(self, snap: Snap | None, attempt: str) -> bool:
+        """Whether a replica of `attempt` need not wait with `snap` held for its step: any
+        attempt will do here (one controller begins every host at once, so another one held
+        is an earlier attempt's replica, refused at once)."""
+        return snap is not None
 
     # --- helpers (lock held) ----------------------------------------------------------------
     def _snap(self, step: int, attempt: str | None = None) -> Snap:

@@ -57,9 +57,15 @@ def _fault(read: str, host: int) -> None:
 class MultiKeeper(SnapshotKeeper):
     """One per host and multi-controller `Snapshots`, created detached by that host's process."""
 
+    begin_wait_seconds = 120.0  # the processes take their snapshots each in its own time
+
     def __init__(self, host: int, pool: str, peer_options: PeerOptions, idle_seconds: float = 7200.0):
         super().__init__(host, pool, peer_options, idle_seconds)
         self._peer_records: dict[tuple[int, int], tuple[str, bytes]] = {}  # (step, source) -> record
+
+    def _begun(self, snap: Snap | None, attempt: str) -> bool:
+        """Only that attempt: this host's process may begin it after a peer's did."""
+        return snap is not None and snap.attempt == attempt
 
     def prepare(self, step: int, attempt: str, peers: list[Any]) -> None:
         """Makes room for a refill of `step` (this `attempt`): a new empty snapshot unless one
