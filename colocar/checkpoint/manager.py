@@ -28,7 +28,7 @@ from typing import Any
 import jax
 
 from colocar.controller_bridge.cluster import Cluster, current_cluster
-from colocar.errors import CheckpointError
+from colocar.errors import CheckpointError, ColocarError
 
 from .backends.writer import WriterOptions
 from .format import layout, tree
@@ -45,7 +45,7 @@ from .saves.writers import Writers
 from .store.catalog import Catalog, steps_of
 from .store.lease import WriterLease
 from .store.steps import STALE_SECONDS
-from .store.storage import open_storage
+from .store.storage import StorageError, open_storage
 
 _ORDINALS: dict[str, Any] = defaultdict(itertools.count)
 
@@ -197,8 +197,8 @@ class CheckpointManager:
                 )
             except BaseException as e:
                 self.topology.refuse(self._attempt_key(), e)  # the others stop waiting for it
-                if isinstance(e, Exception) and not isinstance(e, CheckpointError):  # e.g. a host lost
-                    raise save_failed(step, f"{type(e).__name__}: {e}") from e
+                if isinstance(e, ColocarError) and not isinstance(e, CheckpointError | StorageError):
+                    raise save_failed(step, f"{type(e).__name__}: {e}") from e  # e.g. a host lost
                 raise
             record = self._start(step, state, metadata or {}, started, attempt)
             self._inflight.saves.append(record)
