@@ -25,7 +25,7 @@ from typing import Any
 
 log = logging.getLogger("colocar.elastic")
 POLL_SECONDS = 1.0  # one status long-poll (a round of the wait)
-HandOff = Callable[[], "dict[int, dict[str, Any]] | None"]  # -> the hosts' first statuses
+HandOff = Callable[[], dict[int, dict[str, Any]]]  # -> the hosts' first statuses
 
 
 @dataclass
@@ -102,7 +102,7 @@ class Committer:
         try:
             if tracked.hand_off is not None:
                 hand_off, tracked.hand_off = tracked.hand_off, None  # its blocks go with it
-                tracked.statuses.update(hand_off() or {})  # the keepers' first statuses
+                tracked.statuses.update(hand_off())  # the keepers' first statuses
             self._handed(tracked)
             error = self._await_replicas(tracked, started + self.timeout)
             if error is None:
@@ -140,8 +140,8 @@ class Committer:
             if (error := _failed(tracked, h, status)) is not None:
                 return error
         pending = [h for h in tracked.hosts if tracked.statuses.get(h, {}).get("state") != "replicated"]
+        attempt = tracked.record["attempt"]
         while pending:
-            attempt = tracked.record["attempt"]
             calls = {h: self._submit(h, "status", tracked.step, attempt, POLL_SECONDS) for h in pending}
             for h, call in calls.items():
                 error = self._poll(tracked, h, call)

@@ -19,7 +19,7 @@ import numpy as np
 
 from .commit import POLL_SECONDS
 from .keepers.peers import Target
-from .take import Placed, Planned, hand, misfit, on_each, packed_offsets
+from .take import Placed, Planned, layout_of, misfit, on_each, packed_offsets
 from .take import place as place_on
 from .take import send as send_to
 
@@ -57,15 +57,14 @@ def hand_off(snaps: Any, planned: Planned, placed: dict[int, Placed]) -> dict[in
     poll's time: the committer's first poll rides on the hand-off)."""
     keep, attempt = snaps._kept(planned.step), planned.record["attempt"]
     futures = {}
-    for h, peers in planned.targets.items():
-        keeper, peer_keepers = snaps._keepers[h], targets(snaps, peers)
-        if h in placed:
-            begin_args = (attempt, keep, peer_keepers, POLL_SECONDS)
-            futures[h] = hand(keeper, planned.step, planned.pieces[h], placed.pop(h), begin_args)
-        else:
-            futures[h] = keeper.begin.submit(planned.step, attempt, keep, peer_keepers)
-    results = {h: future.result() for h, future in futures.items()}
-    return {h: status for h, status in results.items() if status is not None}
+    for h in list(placed):  # every host of the plan (one with no piece holds no block)
+        its = placed.pop(h)  # its block goes with the call
+        layout = layout_of(planned.pieces[h], its) if its.block is not None else []
+        peers = targets(snaps, planned.targets[h])
+        futures[h] = snaps._keepers[h].begin_packed.submit(
+            planned.step, attempt, keep, peers, its.block, layout, POLL_SECONDS
+        )
+    return {h: future.result() for h, future in futures.items()}
 
 
 def take_waiting(snaps: Any, planned: Planned) -> str | None:

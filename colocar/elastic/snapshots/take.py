@@ -281,15 +281,9 @@ class Placed:
     offsets: list[int]
 
 
-def hand(keeper: Any, step: int, pieces: list[save.Piece], placed: Placed, begin: tuple | None = None) -> Any:
+def hand(keeper: Any, step: int, pieces: list[save.Piece], placed: Placed) -> Any:
     """The placed block to the host's keeper, which starts replicating its pieces: the call,
-    in flight (its future). With `begin` (attempt, kept steps, peers, seconds to wait for the
-    replication), the keeper begins the step in the same call and answers its status
-    (`begin_packed`)."""
-    if begin is not None:
-        layout = layout_of(pieces, placed) if placed.block is not None else []
-        attempt, keep, peers, wait = begin
-        return keeper.begin_packed.submit(step, attempt, keep, peers, placed.block, layout, wait)
+    in flight (its future)."""
     if placed.block is None:
         return keeper.write.submit(step, [], 0)
     return keeper.write_packed.submit(step, placed.block, layout_of(pieces, placed))
