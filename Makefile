@@ -7,6 +7,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.colocar-installed
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 export JAX_PLATFORMS ?= cpu
+# pytest-xdist workers for `make test`: the suite waits on processes and events about half the time
+TEST_WORKERS ?= 2
 
 .PHONY: demo test lint docs bench clean
 
@@ -21,7 +23,7 @@ demo: $(STAMP)
 	$(VENV)/bin/colocar demo $(DEMO_ARGS)
 
 test: $(STAMP) lint
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 docs: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict --site-dir site

@@ -1,7 +1,9 @@
 """Shared fixtures: a per-session shm directory, session-scoped clusters, leak checks.
 
 JAX runs on 8 CPU devices. Every arena of the suite lives in one shm directory of its own, so
-the final check (no arena file, no sidecar process left) is exact.
+the final check (no arena file, no sidecar process left) is exact. `make test` runs the suite
+in two pytest-xdist workers, each a whole pytest session with its own shm directory, clusters
+and leak check; files are handed out whole (see `pytest_xdist_make_scheduler`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,10 @@ _base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 SHM_DIR = tempfile.mkdtemp(prefix=f"colocar-test-{os.getpid()}-", dir=_base)
 os.environ["COLOCAR_SHM_DIR"] = SHM_DIR
 atexit.register(shutil.rmtree, SHM_DIR, True)  # also when pytest stops before the session ends
+STATE_DIR = tempfile.mkdtemp(prefix="colocar-test-state-")  # named local sessions' records
+os.environ["COLOCAR_STATE_DIR"] = STATE_DIR
+atexit.register(shutil.rmtree, STATE_DIR, True)
+SLURM_FILES = "tests/test_slurm_"  # one live Slurm serves them all: one worker runs them, first
 
 MiB = 1 << 20
 TEST_ARENA = 64 * MiB
@@ -39,12 +45,28 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: not item.nodeid.startswith(SLURM_FILES))  # stable: the longest
+    # group of files goes out first, so that no worker is left with it at the end
     if config.getoption("--slow"):
         return
     skip = pytest.mark.skip(reason="needs --slow")
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under pytest-xdist: a worker takes a whole file at a time (its module fixtures are set
+    up once), and every Slurm file goes to the same worker. Two live Slurms at once would
+    number their jobs alike, and jobs name their sidecars' arenas and ports after their ids."""
+    from xdist.scheduler import LoadFileScheduling
+
+    class FileScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return SLURM_FILES if nodeid.startswith(SLURM_FILES) else super()._split_scope(nodeid)
+
+    return FileScheduling(config, log)
 
 
 def server_children() -> list[psutil.Process]:
@@ -155,7 +177,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         with contextlib.suppress(psutil.Error):
             process.kill()
     files = os.listdir(SHM_DIR) if os.path.isdir(SHM_DIR) else []
-    files += glob.glob("/dev/shm/colocar-slurm*")  # the arenas of Slurm jobs' sidecars
+    if SLURMS:  # the arenas of Slurm jobs' sidecars (another xdist worker's are its own to check)
+        files += glob.glob("/dev/shm/colocar-slurm*")
     shutil.rmtree(SHM_DIR, ignore_errors=True)
     problems = []
     if left:

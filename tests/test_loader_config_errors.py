@@ -27,7 +27,14 @@ from colocar.loaders.config import (
 # Errors
 # ---------------------------------------------------------------------------------------------
 
-DELETE = object()
+class _Delete:
+    """A key to delete from the config (its repr names the test id the same in every process)."""
+
+    def __repr__(self) -> str:
+        return "DELETE"
+
+
+DELETE = _Delete()
 
 
 def _apply(cfg: dict[str, Any], path: str, value: Any) -> None:

@@ -28,9 +28,21 @@ def test_dropping_the_handle_deletes_the_remote_object(cluster):
     before = host.stats()["objects"]
     box = Box.on(host)(np.ones(1 << 16))
     assert host.stats()["objects"] == before + 1
+    address = box._address  # no handle: calls through it do not keep the object alive
+    assert address.call("get", (), {}).run().shape == (1 << 16,)
     del box
     gc.collect()
-    wait_for(lambda: host.stats()["objects"] == before, "the remote object to be deleted")
+    wait_for(lambda: _deleted(address), "the remote object to be deleted")  # this one, whatever
+    # other tests' objects the shared sidecar is deleting meanwhile
+
+
+def _deleted(address) -> bool:
+    try:
+        address.call("get", (), {}).run()
+    except colocar.ColocarError as e:
+        assert "object" in str(e), e
+        return True
+    return False
 
 
 def test_detached_object_outlives_its_session_and_is_found_by_name(cluster):
