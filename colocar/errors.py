@@ -17,7 +17,8 @@ class SessionEndedError(ColocarError):
 
 
 class ObjectNotFoundError(ColocarError, LookupError):
-    """No object of that name lives on the host (`host.object(name)`, `cluster.object(name)`)."""
+    """No object of that name lives on the host (`host.object(name)`, `cluster.object(name)`),
+    or a handle's object is gone from it (deleted, or a detached one past its ttl)."""
 
 
 class RemoteError(ColocarError):

@@ -27,7 +27,7 @@ from colocar.checkpoint.format import tree
 from colocar.controller_bridge.obj import colocated_class
 from colocar.elastic.snapshots import Snapshots
 from colocar.elastic.snapshots.keepers.keeper import SnapshotKeeper
-from colocar.elastic.snapshots.keepers.peers import PeerOptions
+from colocar.elastic.snapshots.keepers.peers import PeerLinks, PeerOptions, Target
 from colocar.elastic.snapshots.take import SnapshotSkipped
 from colocar.errors import ColocarError, SnapshotError
 
@@ -387,3 +387,25 @@ def test_a_replica_that_comes_before_its_keepers_begin_waits_for_it(four_hosts):
         peer.close()
         keeper.close()
         keeper.delete()
+
+
+def test_a_peer_keeper_made_anew_under_its_name_gets_the_next_replica(four_hosts):
+    """A keeper's links keep the handle on a peer's keeper from one snapshot to the next. When
+    that keeper was replaced under its name since (it expired, and a later `Snapshots` made it
+    anew), the old handle is refused, and the replica goes to the new keeper: none is lost."""
+    host, name = four_hosts.hosts[3], "colocar.snapshots/test-anew/3"
+    links = PeerLinks(0, PeerOptions(token=open(four_hosts.token_file).read()))  # host 0's, here
+    target, data = Target(3, host.address, name), np.arange(4, dtype=np.float32)
+    try:
+        for step in (1, 2):  # a keeper each
+            keeper = _Keeper.on(host, name=name, ttl=60)(3, POOL, PeerOptions(), 600.0)
+            try:
+                keeper.begin_packed(step, "a", [], [], None, [])
+                sent = links.send(target, step, "a", [(0, [[0, 4]], data)], lambda: None)
+                assert sent == data.nbytes
+                assert keeper.holdings()[step]["keys"] == [(0, ((0, 4),))]
+            finally:
+                keeper.close()
+                keeper.delete()
+    finally:
+        links.close()

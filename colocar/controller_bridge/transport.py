@@ -22,6 +22,7 @@ from colocar.errors import (
     CallTimeoutError,
     ColocarError,
     HostLostError,
+    ObjectNotFoundError,
     QuotaExceededError,
     SessionEndedError,
 )
@@ -126,6 +127,8 @@ def translate(e: TransportError, what: str, peer: Peer) -> Exception:
             f"{what} on {name}: the sidecar lost this session (restart or expired "
             "lease); remote objects and arrays on it are gone"
         )
+    if status == Status.NOT_FOUND and details.startswith("object: "):  # deleted, expired or never made
+        return ObjectNotFoundError(f"{what} on {name}: {details.removeprefix('object: ')}")
     if status == Status.RESOURCE_EXHAUSTED and "message larger than max" in details:  # gRPC's limit
         return ColocarError(f"{what} on {name}: {details}; {TOO_LARGE_HINT}")
     if status == Status.RESOURCE_EXHAUSTED and QUOTA_REACHED in details:

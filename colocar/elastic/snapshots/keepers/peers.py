@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from colocar.errors import ObjectNotFoundError
 from colocar.protocol.tls import channel_credentials
 
 CHUNK_BYTES = (1 << 20) - (16 << 10)  # a chunk and its call's arguments stay under the 1 MiB inline limit
@@ -147,7 +148,8 @@ class PeerLinks:
     def __init__(self, host: int, options: PeerOptions):
         self.host = host
         self.options = options
-        self._links: dict[str, Any] = {}
+        self._links: dict[str, Any] = {}  # address -> connection
+        self._handles: dict[Target, tuple[Any, Any]] = {}  # the last keeper found: (connection, handle)
         self._lock = threading.Lock()
 
     def send(
@@ -159,12 +161,23 @@ class PeerLinks:
         check: Callable[[], None],
     ) -> int:
         """Stores `items` (leaf, bounds, array) of `step` in `target`'s keeper; returns the
-        bytes sent. `check()` raises to stop (the snapshot was dropped)."""
-        peer = self._keeper(target)
-        return send_chunks(peer, step, attempt, self.host, items, check, self.options.bandwidth)
+        bytes sent. `check()` raises to stop (the snapshot was dropped).
 
-    def _keeper(self, target: Target) -> Any:
-        """A handle on the peer's keeper, over a live gRPC session with its sidecar."""
+        The handle on the peer's keeper is kept from one snapshot to the next: finding it is a
+        round trip, as long as the sending itself under load. A keeper replaced since under
+        its name (it expired, and a later `Snapshots` made it anew) refuses every chunk sent
+        to the old one, so the chunks go once more, to the keeper found now."""
+        if not items:
+            return 0
+        args = (step, attempt, self.host, items, check, self.options.bandwidth)
+        try:
+            return send_chunks(self._keeper(target, cached=True), *args)
+        except ObjectNotFoundError:
+            return send_chunks(self._keeper(target), *args)
+
+    def _keeper(self, target: Target, cached: bool = False) -> Any:
+        """A handle on the peer's keeper, over a live gRPC session with its sidecar: found
+        now, or (`cached`) the one found last over the same session."""
         from colocar.controller_bridge.connection import HostConnection
         from colocar.controller_bridge.remote import find_detached
 
@@ -186,11 +199,18 @@ class PeerLinks:
                     credentials=channel_credentials(o.tls_ca, o.tls_cert, o.tls_key),
                 )
                 self._links[target.address] = conn
-        return find_detached(_PeerHost(target.host, conn), target.name)  # type: ignore[arg-type]
+            kept = self._handles.get(target) if cached else None
+            if kept is not None and kept[0] is conn:
+                return kept[1]
+        found = find_detached(_PeerHost(target.host, conn), target.name)  # type: ignore[arg-type]
+        with self._lock:
+            self._handles[target] = (conn, found)
+        return found
 
     def close(self) -> None:
         with self._lock:
             links, self._links = self._links, {}
+            self._handles.clear()
         for conn in links.values():
             try:
                 conn.close()
