@@ -21,6 +21,7 @@ from test_snapshots import POOL, _kill, _state, _target, _used, _wait_lost
 
 import colocar
 from colocar.checkpoint import CheckpointManager
+from colocar.elastic import faults
 from colocar.elastic.snapshots import Snapshots
 from colocar.elastic.snapshots import save as snap_save
 from colocar.errors import CheckpointError, SnapshotError
@@ -123,6 +124,25 @@ def test_a_host_lost_between_the_snapshot_and_its_save_commits_nothing(make_clus
             snaps.save_to(mngr, 7)
         assert mngr.all_steps() == [] and mngr.steps.committed() == []
         mngr.close()
+
+
+def test_the_storage_tier_saves_from_the_devices_once_the_snapshot_was_abandoned(make_cluster, tmp_path):
+    """The elastic storage tier saves the arrays the last take copied from that snapshot's
+    blocks; once the snapshot was abandoned (here its replication ran out of time), the
+    keepers dropped them, and the tier saves from the devices instead of failing with it."""
+    cluster = _four(make_cluster)
+    state = {k: v for k, v in _state(cluster, seed=7).items() if k != "table"}  # jax arrays only
+    with Snapshots(cluster, replicas=1, pool=POOL, replication_timeout=0.5) as snaps:
+        faults.hold_replication(cluster, 0)
+        try:
+            assert snaps.take(3, state)
+            snaps.wait(timeout=60)
+        finally:
+            faults.hold_replication(cluster, 0, held=False)
+        assert snaps.stats()["replication"]["state"] == "failed" and snaps.latest() is None
+        with CheckpointManager(str(tmp_path / "ckpt"), cluster) as mngr:
+            assert snap_save.save_if_taken(mngr, 3, state, {}) is None  # None: from the devices
+            assert mngr.all_steps() == []
 
 
 def test_retention_never_frees_blocks_a_save_still_writes(make_cluster, tmp_path):

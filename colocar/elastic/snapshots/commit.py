@@ -83,6 +83,11 @@ class Committer:
         if last is not None and not last.done.wait(timeout):
             raise TimeoutError(f"replication of snapshot step {last.step} still runs after {timeout} s")
 
+    def abandoned(self, step: int) -> bool:
+        """Whether the last snapshot tracked is `step` and it was abandoned (its blocks dropped)."""
+        last = self.last
+        return last is not None and last.step == step and last.state == "failed"
+
     def wait_handed(self, step: int) -> None:
         """Until the keepers hold the blocks of snapshot `step`, or it ended."""
         tracked = self._unhanded.get(step)

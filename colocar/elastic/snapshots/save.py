@@ -156,10 +156,15 @@ def _equal(a: Any, b: Any) -> bool:
 
 def save_if_taken(manager: Any, step: int, state: Any, metadata: dict[str, Any]) -> bool | None:
     """Saves `step` from an open `Snapshots` whose last take was `step` of these very arrays,
-    over the manager's hosts; None when there is none (save from the devices)."""
+    over the manager's hosts; None when there is none (save from the devices), also when that
+    snapshot was abandoned (a failed replication dropped its blocks: the save does not fail
+    with it)."""
     for snaps in list(_OPEN):
         taken = getattr(snaps, "_taken", None)
         if snaps._closed or taken is None or taken[0] != step or not same(taken[1], state):
+            continue
+        snaps._committer.wait_handed(step)
+        if snaps._committer.abandoned(step):
             continue
         connections = {id(h.connection) for h in manager.cluster.hosts}
         if any(id(h.connection) not in connections for h in snaps.cluster.hosts if h.index in snaps._keepers):
