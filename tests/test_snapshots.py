@@ -30,6 +30,7 @@ from colocar.elastic.snapshots.keepers.keeper import SnapshotKeeper
 from colocar.elastic.snapshots.keepers.peers import PeerLinks, PeerOptions, Target
 from colocar.elastic.snapshots.take import SnapshotSkipped
 from colocar.errors import ColocarError, SnapshotError
+from colocar.shm import ArenaFullError
 
 MiB = 1 << 20
 POOL = "snap"
@@ -187,6 +188,41 @@ def test_a_host_lost_before_a_snapshot_keeps_the_previous_one(make_cluster):
         assert snaps.latest() == 2
         _kill(cluster, 2)
         assert_same(snaps.restore(2, _target(first, cluster, {0, 2})), first)
+
+
+def test_a_replica_its_peer_has_no_room_for_fails_the_snapshot_at_once(make_cluster):
+    """Host 1's pool is filled after a snapshot, so host 0's next replica is refused there: the
+    snapshot is abandoned within seconds (not after the replication timeout), the previous
+    one stays the newest, and the next take, with room again, counts."""
+    cluster = _cluster(make_cluster)
+    with Snapshots(cluster, replicas=1, pool=POOL, replication_timeout=600) as snaps:
+        assert snaps.take(1, _state(cluster, 11))
+        snaps.wait(60)
+        filler = _fill(cluster.hosts[1])
+        assert snaps.take(2, _state(cluster, 12))  # every host's own block fits (its spare)
+        snaps.wait(60)
+        replication = snaps.stats()["replication"]
+        assert replication["step"] == 2 and replication["state"] == "failed", replication
+        assert "replicating step 2 to host 1 failed: arena pool 'snap' cannot hold" in replication["error"]
+        assert snaps.latest() == 1
+        del filler
+        third = _state(cluster, 13)
+        assert snaps.take(3, third)
+        snaps.wait(60)
+        assert snaps.latest() == 3
+        assert_same(snaps.restore(3, _target(third, cluster, {0})), third)
+
+
+def _fill(host) -> list[np.ndarray]:
+    """Blocks that take every free byte of the host's snapshot pool (while they live)."""
+    pool = host.stats()["pools"][POOL]
+    size, held = (pool["reserved"] - pool["used"]) // 4096 * 4096, []  # large blocks align to 4 KiB
+    while size:
+        try:
+            held += host.connection.blocks.empty([((size,), np.dtype(np.uint8))], pool=POOL, timeout=0.0)
+        except ArenaFullError:
+            size = 0 if size == 64 else 64  # then the small blocks' leftovers, 64 bytes each
+    return held
 
 
 def _wait_lost(cluster, h: int) -> None:

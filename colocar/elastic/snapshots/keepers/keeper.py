@@ -139,14 +139,15 @@ class SnapshotKeeper:
         lower_priority(self._peers.options.nice)
         started = time.monotonic()
         items = [(leaf, [list(b) for b in bounds], data) for (leaf, bounds), data in snap.own.items()]
-        try:
-            for target in snap.peers:
+        for target in snap.peers:
+            try:
                 sent = self._peers.send(target, snap.step, snap.attempt, items, self._alive(snap))
-                snap.replicated_bytes += sent
-        except Exception as e:
-            with self._lock:
-                self._fail(snap, f"host {self.host}: replicating step {snap.step} failed: {e}")
-            return
+            except Exception as e:
+                why = f"host {self.host}: replicating step {snap.step} to host {target.host} failed: {e}"
+                with self._lock:
+                    self._fail(snap, why)
+                return
+            snap.replicated_bytes += sent
         with self._lock:
             snap.replication_seconds = time.monotonic() - started
             if snap.state != "replicating":
