@@ -266,15 +266,10 @@ def place(
         return Placed(None, [])
     if block is None or block.nbytes != total:
         (block,) = host.connection.blocks.empty([((total,), np.dtype(np.uint8))], pool=pool, timeout=0.0)
-    large = []  # copied by `copy_into`, split over the copiers; the small ones here, at once
-    for p, o, source in zip(pieces, offsets, sources, strict=True):
-        n = p.nbytes
-        view = block[o : o + n].view(p.dtype).reshape(p.shape)
-        if n < save.INLINE_COPY_BYTES:
-            np.copyto(view, source)
-        else:
-            large.append((view, source))
-    save.copy_into(large, copiers)
+    views = [
+        block[o : o + p.nbytes].view(p.dtype).reshape(p.shape) for p, o in zip(pieces, offsets, strict=True)
+    ]
+    save.copy_into(list(zip(views, sources, strict=True)), copiers)
     return Placed(block, offsets)
 
 

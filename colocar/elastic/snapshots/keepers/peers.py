@@ -170,8 +170,9 @@ class PeerLinks:
         if not items:
             return 0
         args = (step, attempt, self.host, items, check, self.options.bandwidth)
+        peer = self._keeper(target, cached=True)  # a keeper not found at all raises here, once
         try:
-            return send_chunks(self._keeper(target, cached=True), *args)
+            return send_chunks(peer, *args)
         except ObjectNotFoundError:
             return send_chunks(self._keeper(target), *args)
 
