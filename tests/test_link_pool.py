@@ -1,13 +1,33 @@
-"""The local link's pool of future threads (`controller_bridge/link_pool.py`)."""
+"""The local link's pool of reader threads (`controller_bridge/link_pool.py`), with jobs of
+the pool's `Job` shape (a `LinkReply` is one: `run_pooled`, or `cancel` at close)."""
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import CancelledError
 
 import pytest
 
-from colocar.controller_bridge.link_pool import LinkJob, LinkPool
+from colocar.controller_bridge.link_pool import LinkPool
+
+
+class LinkJob:
+    """Runs `run` on a pool thread and tells `done` its outcome, or CancelledError."""
+
+    def __init__(self, run: Callable[[], object], done: Callable[[object, BaseException | None], None]):
+        self._run, self._done = run, done
+
+    def run_pooled(self) -> None:
+        try:
+            reply = self._run()
+        except Exception as e:  # noqa: BLE001
+            self._done(None, e)
+        else:
+            self._done(reply, None)
+
+    def cancel(self) -> None:
+        self._done(None, CancelledError())
 
 
 def test_jobs_get_a_thread_each_up_to_the_size_and_close_cancels_the_queued() -> None:

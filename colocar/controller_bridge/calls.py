@@ -24,7 +24,6 @@ from colocar.protocol.status import Status, TransportError
 
 from .connection import HostConnection
 from .lanes import LaneFuture
-from .transport import Done
 
 _TAKEN = pb.CallReply()  # a reply being decoded, or decoded: it is never decoded twice
 
@@ -149,22 +148,22 @@ class Call:
         self._sent()
         return reply
 
-    def _call_async(self, done: Done) -> None:
-        """Starts the call; `done(reply, error)` runs once it ended (see `_after_failure`)."""
-        self._send_async(self._with_code(False), False, done)
+    def _call_async(self, future: LaneFuture) -> None:
+        """Starts the call; it ends in `future.finish` (see `_after_failure`)."""
+        self._send_async(self._with_code(False), False, future)
 
-    def _send_async(self, request: pb.CallRequest, force: bool, done: Done) -> None:
+    def _send_async(self, request: pb.CallRequest, force: bool, future: LaneFuture) -> None:
         def finished(reply: Any, error: BaseException | None) -> None:
             if error is None:
                 self._sent()
-                done(reply, None)
+                future.finish(reply, None)
                 return
             try:
-                self._send_async(self._after_failure(error, force), True, done)
+                self._send_async(self._after_failure(error, force), True, future)
             except BaseException as e:
-                done(None, e)
+                future.finish(None, e)
 
-        self.conn.transport.call_async("Call", request, self.timeout, finished, self._unsent)
+        future.read_by(self.conn.transport.call_async("Call", request, self.timeout, finished, self._unsent))
 
     def _after_failure(self, error: BaseException, force: bool) -> pb.CallRequest:
         """After a failed attempt (of `_call_sync` or `_send_async`): the request again, with
@@ -200,8 +199,8 @@ class Call:
     def start(self) -> CallFuture:
         """Queues the call behind this thread's earlier calls to the host; returns its future.
 
-        With a local link the call runs on one of the link's threads; otherwise it is an
-        asynchronous gRPC call.
+        With a local link the reply is read by the thread that waits for it (see `lanes`);
+        otherwise it is an asynchronous gRPC call.
         """
         conn = self.conn
         self._future = conn.lanes.submit(self._call_async, unsent=self._unsent)
@@ -250,11 +249,17 @@ class Call:
         future = self._future
         if future is not None:
             future.add_done_callback(lambda _: self.drop_reply())
+            future.detach()
 
     def result(self, timeout: float | None = None) -> Any:
         if self._reply is None:
-            assert self._future is not None
-            reply = self._future.result(timeout)
+            future = self._future
+            assert future is not None
+            if timeout is None:
+                future.wait_inline()
+            else:  # a wait with a limit reads nothing itself: the reply may come after it
+                future.detach()
+            reply = future.result(timeout)
             with self._claim_lock:
                 if self._reply is None:
                     self._reply = reply
@@ -310,14 +315,21 @@ class CallFuture:
             return e
         return None
 
-    def done(self) -> bool:
+    def _watched(self) -> LaneFuture | None:
+        """The call's lane future, its reply read in the background: it completes unwaited."""
         f = self._call._future
+        if f is not None:
+            f.detach()
+        return f
+
+    def done(self) -> bool:
+        f = self._watched()
         return f is None or f.done()
 
     def failure(self) -> BaseException | None:
         """Without waiting: the error the call ended with before any reply came (a lost host,
         its timeout, abandoned), else None (running, or a reply came: even one of an error)."""
-        f = self._call._future
+        f = self._watched()
         if f is None or not f.done() or f.cancelled():
             return None
         return f.exception()
@@ -335,7 +347,7 @@ class CallFuture:
             self._call.drop_reply()
 
     def add_done_callback(self, fn: Callable[[CallFuture], None]) -> None:
-        f = self._call._future
+        f = self._watched()
         if f is None:
             fn(self)
         else:

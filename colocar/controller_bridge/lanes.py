@@ -4,6 +4,11 @@ Each (thread, host) pair has a lane: a call is sent only when the lane's previou
 completed or was abandoned. A call cut short (an interrupt, a timeout, `future.cancel()`) is
 abandoned: its lane goes on at once, and its reply, if one still comes, goes to `discard`,
 never to another call.
+
+A call sent at once (its lane was idle) may have its reply read by the thread that waits for
+it (`LaneFuture.wait_inline`, over the local link). A call that nobody will wait for that way
+is `detach`ed: its reply is read in the background. A call queued behind another is detached
+when it is sent, and the call ahead of it at once: each lane's replies are always read.
 """
 
 from __future__ import annotations
@@ -13,39 +18,87 @@ import functools
 import threading
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future, InvalidStateError
-from typing import Any
+from typing import Any, Protocol
 
-from .transport import Done
 
-Send = Callable[[Done], None]  # starts a call; its `done(reply, error)` runs once it ends
+class Reader(Protocol):
+    """Reads a sent call's reply, once (see `transport.LinkReply`)."""
+
+    def wait(self) -> bool:
+        """Reads the reply in this thread; False if another thread has it."""
+        ...
+
+    def detach(self) -> None:
+        """Has the reply read in the background, unless a reader has it already."""
+        ...
+
+
+Send = Callable[["LaneFuture"], None]  # starts a call, which ends in the future's `finish`
 
 
 class LaneFuture(Future):
     """The future of a call in its lane (see `Lanes.submit`).
 
-    `abandon()` gives up on a call that was sent: the future raises CancelledError and the
-    lane's next call goes at once. The lane moves on once per call, whichever comes first.
+    `send(future)` starts the call: it ends in `finish`, and a reply read later comes through
+    the `Reader` given to `read_by`. `abandon()` gives up on a call that was sent: the future
+    raises CancelledError and the lane's next call goes at once. The lane moves on once per
+    call, whichever comes first.
     """
 
-    def __init__(self, send: Send, unsent: Callable[[], None] | None):
+    def __init__(self, send: Send, unsent: Callable[[], None] | None, discard: Callable[[Any], None]):
         super().__init__()
         self.send = send
         self.unsent = unsent  # runs if the call is cancelled before it was sent
         self.next: Callable[[], None] = lambda: None
+        self.reader: Reader | None = None
+        self.detached = False  # nobody waits inline: every reader reads in the background
+        self._discard = discard
         self._moved_on = threading.Lock()
+
+    def finish(self, reply: Any, error: BaseException | None) -> None:
+        """The call ended: its outcome (a late reply of an abandoned call is discarded)."""
+        if error is not None:
+            settle(self.set_exception, error)
+        elif not settle(self.set_result, reply):
+            self._discard(reply)
+        self.move_lane_on()
+
+    def read_by(self, reader: Reader | None) -> None:
+        """The reply comes through `reader` (a call sent again replaces it)."""
+        self.reader = reader
+        if reader is not None and self.detached:
+            reader.detach()
+
+    def detach(self) -> None:
+        """Nobody will wait for the reply inline: it is read in the background."""
+        self.detached = True
+        reader = self.reader
+        if reader is not None:
+            reader.detach()
+
+    def wait_inline(self) -> None:
+        """Reads the reply in this thread, unless it came or another thread reads it (then
+        `result()` waits as usual)."""
+        done: Reader | None = None
+        while not self.detached and not self.done():
+            reader = self.reader
+            if reader is None or reader is done or not reader.wait():
+                return
+            done = reader
 
     def move_lane_on(self) -> None:
         if self._moved_on.acquire(blocking=False):
             self.next()
 
     def abandon(self) -> bool:
-        """Cancels a queued call, or resolves a running one as cancelled and frees its lane;
-        False if it had finished."""
+        """Cancels a queued call, or resolves a running one as cancelled and frees its lane
+        (its reply is read in the background and discarded); False if it had finished."""
         if self.cancel():
             return True
         if not settle(self.set_exception, CancelledError("the call was abandoned")):
             return False
         self.move_lane_on()
+        self.detach()
         return True
 
 
@@ -59,11 +112,12 @@ def settle(set_outcome: Callable[[Any], None], value: Any) -> bool:
 
 
 class _Lane:
-    __slots__ = ("pending", "busy")
+    __slots__ = ("pending", "busy", "current")
 
     def __init__(self) -> None:
         self.pending: collections.deque[LaneFuture] = collections.deque()
         self.busy = False
+        self.current: LaneFuture | None = None  # the call last sent
 
 
 class Lanes:
@@ -75,21 +129,24 @@ class Lanes:
         self._lock = threading.Lock()
 
     def submit(self, send: Send, unsent: Callable[[], None] | None = None) -> LaneFuture:
-        """Runs `send(done)` (which starts a call) after this thread's earlier calls to this
-        host have completed or were abandoned; the returned future resolves to the reply.
+        """Runs `send(future)` (which starts the call) after this thread's earlier calls to
+        this host have completed or were abandoned; the returned future resolves to the reply.
         `unsent` runs if the call is cancelled while queued."""
-        future = LaneFuture(send, unsent)
+        future = LaneFuture(send, unsent, self._discard)
         key = threading.get_ident()
         with self._lock:
             lane = self._lanes.get(key)
             if lane is None:
                 lane = self._lanes[key] = _Lane()
-            future.next = functools.partial(self._pump, key, lane)
+            future.next = functools.partial(self._pump, key, lane, False)
             lane.pending.append(future)
-            if lane.busy:
-                return future
+            busy, ahead = lane.busy, lane.current
             lane.busy = True
-        self._pump(key, lane)
+        if busy:
+            if ahead is not None:
+                ahead.detach()  # this call waits for its reply: nobody may wait to read it inline
+            return future
+        self._pump(key, lane, True)
         return future
 
     def idle(self) -> bool:
@@ -97,30 +154,25 @@ class Lanes:
         lane = self._lanes.get(threading.get_ident())
         return lane is None or not lane.busy
 
-    def _pump(self, key: int, lane: _Lane) -> None:
-        """Sends the lane's next call; the lane moves on when it completes or is abandoned."""
+    def _pump(self, key: int, lane: _Lane, direct: bool) -> None:
+        """Sends the lane's next call (`direct`: from `submit`, its lane idle); the lane moves
+        on when it completes or is abandoned. A call that waited in the lane is detached."""
         while True:
             with self._lock:
                 if not lane.pending:
                     lane.busy = False
+                    lane.current = None
                     if self._lanes.get(key) is lane:
                         del self._lanes[key]
                     return
-                future = lane.pending.popleft()
+                future = lane.current = lane.pending.popleft()
             if future.set_running_or_notify_cancel():
                 break
             if future.unsent is not None:
                 future.unsent()
-
-        def done(reply: Any, error: BaseException | None) -> None:
-            if error is not None:
-                settle(future.set_exception, error)
-            elif not settle(future.set_result, reply):
-                self._discard(reply)
-            future.move_lane_on()
-
+        future.detached = future.detached or not direct
         try:
-            future.send(done)
+            future.send(future)
         except BaseException as e:
             settle(future.set_exception, e)
             future.move_lane_on()

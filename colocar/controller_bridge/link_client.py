@@ -1,10 +1,12 @@
 """The controller's end of the local link (see `colocar.protocol.link`).
 
-Each controller thread gets its own Unix socket to the sidecar, opened on first use, so a
-thread's synchronous calls keep their order and never wait on another thread's. A wait for a
+A call takes a Unix socket to the sidecar for itself, from the idle ones or opened anew, and
+gives it back once its whole reply was read: calls never wait on each other's replies. A call
+is sent (`send`) and its reply read (`PendingReply.read`) in two steps, so that a future's
+reply can be read by the thread that waits for it, with no thread in between. A wait for a
 reply wakes every `poll` seconds to see whether the heartbeat declared the host lost (a stopped
-sidecar never answers). A call cut short (an interrupt, its deadline) retires its socket: the
-next call opens a fresh one, so no reply can ever answer the wrong request.
+sidecar never answers). A call cut short (an interrupt, its deadline) retires its socket, so
+no reply can ever answer the wrong request.
 
 A socket is closed only by the thread using it, or while no thread does (under the client's
 lock): closing a descriptor another thread is reading would make it fail with EBADF, or,
@@ -64,7 +66,7 @@ class LinkClient:
         self._token = token.encode()
         self._lost = lost
         self._poll = poll
-        self._local = threading.local()  # .sock: this thread's idle socket
+        self._idle: list[socket.socket] = []  # open, and no call has them
         self._sockets: set[socket.socket] = set()  # open, idle or busy
         self._busy: set[socket.socket] = set()  # taken by a call (or the drain of one)
         self._lock = threading.Lock()  # guards the sets, and every close or shutdown
@@ -74,22 +76,19 @@ class LinkClient:
         self._forget(self._socket())  # fail now, not at the first call, if the link is unreachable
 
     def _socket(self, deadline: float | None = None) -> socket.socket:
-        """This thread's socket, taken for a call (busy until `_give_back` or `_forget`);
-        opened (and greeted with the token) on first use. Raises LinkGone once closed.
+        """An idle socket, taken for a call (busy until `_give_back` or `_forget`), or a new
+        one (greeted with the token). Raises LinkGone once closed.
 
         Opening waits like a call does: in `poll` slices while the host is not lost, until
         `deadline` or, without one, `hello_seconds` (longer than the heartbeat takes to find
-        a silent sidecar lost): a stopped sidecar is a lost host from a new thread too."""
-        sock = getattr(self._local, "sock", None)
-        if sock is not None:
-            self._local.sock = None
-            with self._lock:
-                if self._closed:  # close() closed it: never touch its descriptor again
-                    raise LinkGone()
+        a silent sidecar lost): a stopped sidecar is a lost host from a new socket too."""
+        with self._lock:
+            if self._closed:
+                raise LinkGone()
+            if self._idle:
+                sock = self._idle.pop()
                 self._busy.add(sock)
-            return sock
-        if self._closed:
-            raise LinkGone()
+                return sock
         hello = time.monotonic() + self.hello_seconds
         deadline = hello if deadline is None else min(deadline, hello)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -139,11 +138,11 @@ class LinkClient:
             sock.close()
 
     def _give_back(self, sock: socket.socket) -> None:
-        """Makes a socket whose call completed this thread's idle one (closes it once closed)."""
+        """Makes a socket whose call completed idle (closes it once closed)."""
         with self._lock:
             self._busy.discard(sock)
             if not self._closed:
-                self._local.sock = sock
+                self._idle.append(sock)
                 return
             self._sockets.discard(sock)
             sock.close()
@@ -158,26 +157,37 @@ class LinkClient:
         unsent: Callable[[], None] | None = None,
     ) -> Any:
         """One unary call; raises TransportError (the sidecar's status, or the link's failure).
+        `send`, then `PendingReply.read` in this thread."""
+        pending = self.send(method, request, reply_type, timeout, abandoned, unsent)
+        pending.claim()
+        return pending.read()
 
-        The thread's socket is taken for the call and given back only once the whole reply was
-        read: a call cut short by anything (an interrupt, any exception, its deadline) leaves
-        the thread without a socket, so the next call opens a fresh one and can never read
-        this call's reply. The reply is still read, in the background, and handed to
-        `abandoned` (which frees what it carries), unless the link broke. `unsent` runs if the
-        call fails before a byte of its request was sent: the sidecar never saw it.
+    def send(
+        self,
+        method: str,
+        request: Any,
+        reply_type: Any,
+        timeout: float | None,
+        abandoned: Callable[[Any], None] | None = None,
+        unsent: Callable[[], None] | None = None,
+    ) -> PendingReply:
+        """Sends one request on a socket taken for it; its reply is read by `PendingReply`.
+
+        The socket goes back only once the whole reply was read: a call cut short by anything
+        (an interrupt, any exception, its deadline) retires it, so no later call can read this
+        call's reply. The reply is still read, in the background, and handed to `abandoned`
+        (which frees what it carries), unless the link broke. `unsent` runs if the call fails
+        before a byte of its request was sent: the sidecar never saw it.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        frame = _Frame()
         sock = None
-        sending = sent = False
+        sending = False
         try:
             try:
                 sock = self._socket(deadline)  # taken: back only after a complete reply
                 data = request.SerializeToString()
                 sending = True
                 link.send_request(sock, method, data)
-                sent = True
-                self._read_frame(sock, frame, deadline)
             except TimeoutError:  # the request was not taken within a poll (a stopped sidecar)
                 self._give_up(sock, None)
                 raise TransportError(Status.DEADLINE_EXCEEDED, "no answer on the local link") from None
@@ -185,23 +195,17 @@ class LinkClient:
                 self._give_up(sock, None)
                 why = "was closed during the call" if self._woken else f"broke: {e}"  # woken: close()
                 raise TransportError(Status.UNAVAILABLE, f"local link {why}") from None
-            except TransportError as e:
-                timed_out = e.status == Status.DEADLINE_EXCEEDED
-                self._give_up(sock, (frame, reply_type, abandoned) if sent and timed_out else None)
+            except TransportError:  # could not open a socket: nothing was taken
                 raise
             except BaseException:  # an interrupt: the reply may still come (sendall checks for
                 # signals after sending: an interrupted send may have sent it all)
-                self._give_up(sock, (frame, reply_type, abandoned) if sending else None)
+                self._give_up(sock, (_Frame(), reply_type, abandoned) if sending else None)
                 raise
         except BaseException as e:
             if not sending and unsent is not None and not isinstance(e, LinkGone):
                 unsent()
             raise
-        self._give_back(sock)
-        status, body = link.parse_reply(frame.body())
-        if status != 0:
-            raise TransportError(Status.of(status), body.decode(errors="replace"))
-        return reply_type.FromString(body)
+        return PendingReply(self, sock, reply_type, deadline, abandoned)
 
     def _give_up(self, sock: socket.socket | None, drain: tuple[_Frame, Any, Any] | None) -> None:
         """Retires the socket of a call cut short; with `drain`, its reply is read first."""
@@ -295,6 +299,7 @@ class LinkClient:
         with self._lock:  # no socket changes hands meanwhile (see `_socket`, `_give_back`)
             self._closed = True
             self._woken = self._woken or wake
+            self._idle.clear()
             for sock in list(self._sockets):
                 if sock not in self._busy:
                     self._sockets.discard(sock)
@@ -304,3 +309,56 @@ class LinkClient:
                         sock.shutdown(socket.SHUT_RDWR)
                     except OSError:
                         pass
+
+
+class PendingReply:
+    """The reply of a request `send` sent, read once by whoever `claim`s it first: the thread
+    that waits for it, or a thread that reads it for nobody in particular. A claim is never
+    given up: the claimant reads (`read`) or retires the socket (`abandon`)."""
+
+    __slots__ = ("_client", "_sock", "_reply_type", "_deadline", "_abandoned", "_claim")
+
+    def __init__(
+        self,
+        client: LinkClient,
+        sock: socket.socket,
+        reply_type: Any,
+        deadline: float | None,
+        abandoned: Callable[[Any], None] | None,
+    ):
+        self._client, self._sock, self._reply_type = client, sock, reply_type
+        self._deadline, self._abandoned = deadline, abandoned
+        self._claim = threading.Lock()
+
+    def claim(self) -> bool:
+        """True for the first caller only: the reply is theirs to read or abandon."""
+        return self._claim.acquire(blocking=False)
+
+    def read(self) -> Any:
+        """The reply (after `claim`); raises TransportError as `LinkClient.call` does. Cut
+        short, the socket is retired: the reply is read in the background and handed to
+        `abandoned`, unless the link broke."""
+        client, sock, frame = self._client, self._sock, _Frame()
+        try:
+            client._read_frame(sock, frame, self._deadline)
+        except (OSError, link.LinkClosed) as e:
+            client._give_up(sock, None)
+            why = "was closed during the call" if client._woken else f"broke: {e}"  # woken: close()
+            raise TransportError(Status.UNAVAILABLE, f"local link {why}") from None
+        except TransportError as e:
+            timed_out = e.status == Status.DEADLINE_EXCEEDED
+            client._give_up(sock, (frame, self._reply_type, self._abandoned) if timed_out else None)
+            raise
+        except BaseException:  # an interrupt: the rest of the reply is drained
+            client._give_up(sock, (frame, self._reply_type, self._abandoned))
+            raise
+        client._give_back(sock)
+        status, body = link.parse_reply(frame.body())
+        if status != 0:
+            raise TransportError(Status.of(status), body.decode(errors="replace"))
+        return self._reply_type.FromString(body)
+
+    def abandon(self) -> None:
+        """(After `claim`) nobody will read the reply: it is drained in the background and
+        handed to `abandoned`."""
+        self._client._give_up(self._sock, (_Frame(), self._reply_type, self._abandoned))

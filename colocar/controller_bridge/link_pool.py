@@ -1,10 +1,10 @@
-"""The threads that run a host's futures over the local link (runs in the controller).
+"""How a future's reply comes back over the local link (runs in the controller).
 
-A future's call is a `LinkJob`: it runs once, on one of the pool's threads, or not at all once
-the pool closed (its `done` gets CancelledError). Lighter than a `ThreadPoolExecutor`, which
-made a second future per call (with its condition and lock) only to call `done` when it ended.
-(Running the job in the thread that waits for it, when no pool thread took it yet, saves
-nothing: the thread that `submit` woke still contends for the GIL.)
+A future's call is sent at once, by the thread that starts it, and its reply is read by the
+thread that waits for it (`LinkReply.wait`): no other thread takes part, which takes a thread
+hand-off each way, and their share of the GIL, off a future's round trip. A reply that nobody
+waits for that way (a callback, `done()`, a call queued behind it, an abandoned call) is
+`detach`ed: one of the pool's threads reads it.
 """
 
 from __future__ import annotations
@@ -14,36 +14,60 @@ import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import CancelledError
-from typing import Any
+from typing import Any, Protocol
+
+from .link_client import PendingReply
 
 Done = Callable[[Any, BaseException | None], None]  # (reply, None) or (None, error)
 
 
-class LinkJob:
-    """One call: `run()` gives the reply or raises; `done` hears how it ended, once (the claim
-    makes a cancel at close and a pool thread's run exclusive)."""
+class Job(Protocol):
+    def run_pooled(self) -> None: ...
 
-    __slots__ = ("_run", "_done", "_claim")
+    def cancel(self) -> None: ...
 
-    def __init__(self, run: Callable[[], Any], done: Done):
-        self._run, self._done = run, done
-        self._claim = threading.Lock()  # taken by whoever runs (or cancels) the job
 
-    def run_pooled(self) -> None:
-        """On a pool thread: runs the job unless it was cancelled."""
-        if not self._claim.acquire(blocking=False):
+class LinkReply:
+    """A call sent on the local link: its reply goes to `done` once read, by the thread that
+    waits for it (`wait`) or by a pool thread (`detach`), whichever claims it first."""
+
+    __slots__ = ("_pending", "_done", "_pool")
+
+    def __init__(self, pending: PendingReply, done: Done, pool: Callable[[], LinkPool]):
+        self._pending, self._done, self._pool = pending, done, pool
+
+    def wait(self) -> bool:
+        """Reads the reply in this thread and hands it to `done`; False if another thread
+        has it. Interrupted, the reply is drained and discarded (see `PendingReply.read`)."""
+        if not self._pending.claim():
+            return False
+        self._finish()
+        return True
+
+    def detach(self) -> None:
+        """A pool thread reads the reply, unless a reader has it already."""
+        if not self._pending.claim():
             return
         try:
-            reply = self._run()
-        except BaseException as e:  # noqa: BLE001 - the call's failure is its caller's
+            self._pool().submit(self)
+        except RuntimeError:  # the pool closed (the transport did), or the interpreter exits
+            self.cancel()
+
+    def run_pooled(self) -> None:
+        self._finish()
+
+    def cancel(self) -> None:
+        """(Claimed) the pool closed before reading the reply: it is drained and discarded."""
+        self._pending.abandon()
+        self._done(None, CancelledError())
+
+    def _finish(self) -> None:
+        try:
+            reply = self._pending.read()
+        except Exception as e:  # noqa: BLE001 - TransportError: the call's failure is its caller's
             self._done(None, e)
         else:
             self._done(reply, None)
-
-    def cancel(self) -> None:
-        """The pool closed before the job ran: it never will."""
-        if self._claim.acquire(blocking=False):
-            self._done(None, CancelledError())
 
 
 class LinkPool:
@@ -52,13 +76,13 @@ class LinkPool:
 
     def __init__(self, size: int, name: str):
         self._size, self._name = size, name
-        self._jobs: queue.SimpleQueue[LinkJob | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._threads = 0
         self._idle = 0  # threads waiting, less the jobs queued for them (below 0: a backlog)
         self._closed = False
 
-    def submit(self, job: LinkJob) -> None:
+    def submit(self, job: Job) -> None:
         """Hands `job` to a thread. Refused at the interpreter's shutdown (a finalizer's call):
         daemon threads no longer run then, so the job would never end and its waiter hang."""
         if sys.is_finalizing():

@@ -33,13 +33,14 @@ from colocar.protocol.status import ARENA_QUOTA_REACHED, QUOTA_REACHED, Status, 
 from colocar.protocol.tokens import TOKEN_METADATA_KEY
 from colocar.shm import ArenaFullError
 
+from .lanes import Reader
 from .link_client import LinkClient, LinkGone
-from .link_pool import LinkJob, LinkPool
+from .link_pool import LinkPool, LinkReply
 from .sigint import sigint_held
 
 MiB = 1 << 20
 LOST = (Status.UNAVAILABLE, Status.CANCELLED)
-LINK_THREADS = 16  # futures in flight at once over one host's local link
+LINK_THREADS = 16  # replies read in the background at once over one host's local link
 TOO_LARGE_HINT = (  # why a request can exceed MAX_REQUEST, and what to do
     "arguments travel through the arena, but what a function's closure or defaults capture "
     "travels inside its code: pass large values as arguments"
@@ -80,9 +81,10 @@ class Transport(Protocol):
 
     def call_async(
         self, method: str, request: Any, timeout: float | None, done: Done, unsent: Unsent
-    ) -> None:
+    ) -> Reader | None:
         """Starts one unary call; `done(reply, error)` runs once it ends (the error a
-        TransportError, or CancelledError). Raises, and arranges nothing, if it cannot start."""
+        TransportError, or CancelledError). Raises, and arranges nothing, if it cannot start.
+        A call whose reply is read on demand returns its `Reader` (`wait` or `detach` it)."""
         ...
 
 
@@ -200,8 +202,8 @@ class GrpcTransport:
     def call_async(
         self, method: str, request: Any, timeout: float | None, done: Done, unsent: Unsent
     ) -> None:
-        """Also raises a Ctrl-C that came while the call started, once `done` is arranged (as
-        an interrupt just after this returned would)."""
+        """The reply comes in gRPC's thread. Also raises a Ctrl-C that came while the call
+        started, once `done` is arranged (as an interrupt just after this returned would)."""
 
         def finished(f: Any) -> None:
             try:
@@ -255,8 +257,9 @@ def too_large(request: Any) -> TransportError | None:
 class LinkTransport:
     """The local link, when there is one (`attach`), for the methods it serves; gRPC otherwise.
 
-    Futures over the link run on a pool of threads (each keeps its own socket); the pool
-    lives as long as the transport, across the links of successive sessions."""
+    A future's reply over the link is read by the thread that waits for it, or by the pool's
+    threads (see `link_pool`); the pool lives as long as the transport, across the links of
+    successive sessions."""
 
     def __init__(self, grpc_transport: GrpcTransport, name: str, discard: Callable[[Any], None]):
         self.grpc = grpc_transport
@@ -265,6 +268,7 @@ class LinkTransport:
         self._discard = discard
         self._pool: LinkPool | None = None
         self._lock = threading.Lock()
+        self._closed = False
 
     def attach(self, link: LinkClient | None) -> None:
         """Replaces the link (None: every call goes through gRPC) and retires the one before:
@@ -292,23 +296,40 @@ class LinkTransport:
 
     def call_async(
         self, method: str, request: Any, timeout: float | None, done: Done, unsent: Unsent
-    ) -> None:
+    ) -> Reader | None:
+        """Over the local link the request is sent now, and its `LinkReply` returned; a
+        failure to send goes to `done`, as a failed call does."""
         if (error := too_large(request)) is not None:
             if unsent is not None:
                 unsent()
             done(None, error)
-            return
-        if self.link is None or method not in LINK_METHODS:
-            self.grpc.call_async(method, request, timeout, done, unsent)
-            return
-        job = LinkJob(lambda: self.call(method, request, timeout, unsent), done)  # done: a
-        self._threads().submit(job)  # TransportError, or CancelledError at close
+            return None
+        link = self.link
+        while link is not None and method in LINK_METHODS:
+            try:
+                pending = link.send(method, request, LINK_METHODS[method][1], timeout, self._discard, unsent)
+            except LinkGone as e:  # retired before the call sent anything: it goes on the new link
+                if self.link is link:  # closed, not replaced
+                    if unsent is not None:
+                        unsent()
+                    done(None, e)
+                    return None
+                link = self.link
+                continue
+            except TransportError as e:
+                done(None, e)
+                return None
+            return LinkReply(pending, done, self._threads)
+        self.grpc.call_async(method, request, timeout, done, unsent)
+        return None
 
     def _threads(self) -> LinkPool:
         pool = self._pool
         if pool is not None:
             return pool
         with self._lock:
+            if self._closed:
+                raise RuntimeError("cannot schedule new futures after shutdown")
             if self._pool is None:
                 self._pool = LinkPool(LINK_THREADS, self._name)
             return self._pool
@@ -316,6 +337,8 @@ class LinkTransport:
     def close(self) -> None:
         """Cancels the futures not started yet and closes the link (not the gRPC channel); a
         call after this fails as UNAVAILABLE."""
+        with self._lock:
+            self._closed = True
         if self._pool is not None:
             self._pool.close()
         if self.link is not None:

@@ -1,0 +1,105 @@
+"""A future's reply over the local link is read by the thread that waits for it.
+
+`submit()` sends the call at once; `result()` reads the reply in the waiting thread, with no
+thread in between. A reply nobody waits for that way (a callback, `done()`, a call queued
+behind it, a dropped future) is read in the background instead: each test here would hang,
+or get another call's value, if one of those were left unread or read twice.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+from typing import Any
+
+import numpy as np
+from helpers import wait_for
+from interrupts_helpers import DEADLINE, ident, settled, use_at_rest, wait_for_file
+
+import colocar
+
+
+def _reader_threads() -> set[threading.Thread]:
+    """The controller's background reader threads of the local link (not its drains)."""
+    return {t for t in threading.enumerate() if t.name.startswith("colocar-link-") and "drain" not in t.name}
+
+
+def _waited(future: Any) -> Any:
+    """future.result() without a limit (the inline read), in a thread that a hang cannot hold
+    past DEADLINE: a reply left unread fails the test instead of hanging it."""
+    out: dict[str, Any] = {}
+    reader = threading.Thread(target=lambda: out.setdefault("value", future.result()), daemon=True)
+    reader.start()
+    reader.join(DEADLINE)
+    assert "value" in out, "the future's reply was never read"
+    return out["value"]
+
+
+@colocar.colocated
+def doubled(x):
+    return x * 2
+
+
+def test_futures_are_read_by_their_waiters_with_no_thread_in_between(make_cluster):
+    """Futures on both hosts at once, waited for out of order, each get their own value, and
+    the controller starts no reader thread; a callback (nobody waits inline) starts one."""
+    c = make_cluster(hosts=2, processes=0)
+    readers = _reader_threads()  # other clusters' (the session's)
+    values = [np.arange(1000, dtype=np.int64) + i for i in range(6)]
+    for i in range(30):  # one call in flight per host (more would queue behind it)
+        futures = [doubled.on(h).submit(values[(i + k) % 6]) for k, h in enumerate(c.hosts)]
+        for k, future in reversed(list(enumerate(futures))):
+            np.testing.assert_array_equal(future.result(), values[(i + k) % 6] * 2)
+    assert _reader_threads() == readers
+    called = threading.Event()
+    doubled.on(c.hosts[0]).submit(values[0]).add_done_callback(lambda _: called.set())
+    assert called.wait(DEADLINE)
+    assert len(_reader_threads() - readers) == 1
+
+
+def test_a_call_queued_behind_an_unread_future_gets_its_own_reply(cluster, tmp_path):
+    """The first future's reply is read in the background once a second call queues behind
+    it, so waiting for the second (before or without reading the first) never hangs."""
+    host = cluster.hosts[0]
+    stop = tmp_path / "stop"
+    first = wait_for_file.on(host).submit(str(stop))
+    second = ident.on(host).submit("second")
+    stop.touch()
+    assert _waited(second) == "second"
+    assert ident.on(host)("third") == "third"  # a sync call on the same lane
+    assert _waited(first) == "wait_for_file(stop) result"
+
+
+def test_a_dropped_unread_future_frees_its_lane_and_its_reply(cluster):
+    """A future dropped before its reply was read: the next call on its lane goes, and the
+    arena blocks its reply held go back."""
+    host = cluster.hosts[0]
+    baseline = use_at_rest(cluster)
+    future = doubled.on(host).submit(np.ones(1 << 16, dtype=np.float32))
+    del future
+    gc.collect()
+    assert ident.on(host)("next") == "next"
+    settled(cluster, baseline)
+
+
+def test_done_and_callbacks_see_an_unread_future_complete(cluster):
+    host = cluster.hosts[0]
+    future = ident.on(host).submit("polled")
+    wait_for(future.done, "the polled future to complete")
+    assert future.result() == "polled"
+
+
+def test_a_future_sent_again_with_its_code_is_read_inline(make_cluster):
+    """A sidecar that lacks the code answers NOT_FOUND; the call goes again with the code,
+    and the waiting thread reads the second reply."""
+
+    @colocar.colocated
+    def tripled(x):
+        return x * 3
+
+    c = make_cluster(hosts=1, processes=0)
+    host = c.hosts[0]
+    code_hash, _ = tripled._code.pickled()
+    host.connection.session.known_code.add(code_hash)  # as after the sidecar forgot it
+    assert _waited(tripled.on(host).submit(7)) == 21
+    assert tripled.on(host).submit(5).result() == 15
