@@ -18,6 +18,7 @@ reconnect is `retire`d: calls in flight on it finish there, calls not yet sent r
 from __future__ import annotations
 
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -33,6 +34,17 @@ class LinkGone(TransportError):
 
     def __init__(self) -> None:
         super().__init__(Status.UNAVAILABLE, "the local link is closed")
+
+
+def _wait_in_slices(sock: socket.socket, seconds: float) -> None:
+    """Makes each send or receive on `sock` wait at most `seconds`, then fail with EAGAIN
+    (BlockingIOError). The kernel's limits (SO_RCVTIMEO, SO_SNDTIMEO) on a blocking socket,
+    not Python's timeout: that one polls before every receive, a second system call each."""
+    sock.settimeout(None)
+    seconds = max(seconds, 0.001)  # 0 would mean no limit
+    limit = struct.pack("ll", int(seconds), int(seconds % 1 * 1_000_000))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
 
 
 class _Frame:
@@ -119,6 +131,7 @@ class LinkClient:
         while True:
             try:
                 sock.connect(self.path)
+                _wait_in_slices(sock, self._poll)
                 return
             except BlockingIOError:  # EAGAIN: the listener's backlog is full
                 pass
@@ -188,7 +201,7 @@ class LinkClient:
                 data = request.SerializeToString()
                 sending = True
                 link.send_request(sock, method, data)
-            except TimeoutError:  # the request was not taken within a poll (a stopped sidecar)
+            except (TimeoutError, BlockingIOError):  # not taken within a poll (a stopped sidecar)
                 self._give_up(sock, None)
                 raise TransportError(Status.DEADLINE_EXCEEDED, "no answer on the local link") from None
             except (OSError, link.LinkClosed) as e:
@@ -271,19 +284,19 @@ class LinkClient:
         while True:
             try:
                 value = receive()
-            except TimeoutError:
+            except (TimeoutError, BlockingIOError):  # a slice passed (see `_wait_in_slices`)
                 if last_look:
                     why = "the local link was closed" if self._woken else "host lost"
                     raise TransportError(Status.UNAVAILABLE, f"{why} waiting for the reply") from None
                 if self._lost() or self._woken:
                     last_look = True  # the reply may have landed just before the sidecar went
-                    sock.settimeout(0.05)
+                    _wait_in_slices(sock, 0.05)
                     continue
                 if deadline is not None and time.monotonic() > deadline:
                     raise TransportError(Status.DEADLINE_EXCEEDED, "deadline exceeded") from None
                 continue
             if last_look:
-                sock.settimeout(self._poll)
+                _wait_in_slices(sock, self._poll)
             return value
 
     def retire(self) -> None:
