@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 
 class Reader(Protocol):
-    """Reads a sent call's reply, once (see `transport.LinkReply`)."""
+    """Reads a sent call's reply, once (see `link_pool.LinkReply`)."""
 
     def wait(self) -> bool:
         """Reads the reply in this thread; False if another thread has it."""
