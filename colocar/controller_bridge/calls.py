@@ -97,15 +97,14 @@ class Call:
                 session_id=conn.session.session_id,
                 kind=kind,
                 args=payload,
-                object_id=object_id,
-                method=method,
-                processes=processes,
                 name=label,
-                consume_blocks=consumed,
-                object_name=object_name,
-                object_ttl_seconds=object_ttl,
                 call_id=conn.session.next_call_id(),
             )
+            if object_id or method or processes or consumed or object_name or object_ttl:  # a
+                request.object_id, request.method = object_id, method  # plain call sets none
+                request.processes, request.object_name = processes, object_name
+                request.object_ttl_seconds = object_ttl
+                request.consume_blocks.extend(consumed)
             return cls(conn, request, code, timeout, keepalive)
         except BaseException:  # interrupted: no call will consume the blocks
             conn.releases.release_soon(consumed)

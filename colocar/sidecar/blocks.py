@@ -118,7 +118,8 @@ class SidecarArena:
     # --- payloads --------------------------------------------------------------------------
     def decode(self, payload_: pb.Payload, owner: str) -> Any:
         """Unpickles a payload; its blocks must be leased by `owner` (bounds check)."""
-        blocks = [self.check(desc, owner) for desc in payload_.blocks]
+        descs = payload_.blocks
+        blocks = [self.check(desc, owner) for desc in descs] if descs else ()
         return payload.decode(payload_.pickle, blocks, self.view)
 
     def check(self, desc: pb.BlockDesc, owner: str) -> Block:

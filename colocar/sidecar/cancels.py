@@ -57,19 +57,18 @@ class CallRegistry:
         self._abandoned = 0
         self._lock = threading.Lock()
 
-    def track(self, session_id: str, call_id: int) -> _Tracked:
-        """Registers the call while it runs (`with registry.track(...) as token:`); its token
-        is already set if it was cancelled early."""
-        return _Tracked(self, (session_id, call_id))
-
-    def _begin(self, key: tuple[str, int], token: CancelToken) -> None:
+    def begin(self, key: tuple[str, int]) -> CancelToken:
+        """Registers call `key` (session id, call id) while it runs, until `end`; its token is
+        already set if it was cancelled early."""
+        token = CancelToken()
         with self._lock:
             if key[1] and self._early.pop(key, 0) is None:
                 token.cancelled = True
             elif key[1]:
                 self._running[key] = token
+        return token
 
-    def _end(self, key: tuple[str, int], token: CancelToken) -> None:
+    def end(self, key: tuple[str, int], token: CancelToken) -> None:
         with self._lock:
             if self._running.get(key) is token:
                 del self._running[key]
@@ -94,36 +93,24 @@ class CallRegistry:
         return self._abandoned
 
 
-class _Tracked:
-    """A call's registration while it runs (a class, not a generator: it is on every call)."""
-
-    __slots__ = ("_registry", "_key", "_token", "_reset")
-
-    def __init__(self, registry: CallRegistry, key: tuple[str, int]):
-        self._registry, self._key, self._token = registry, key, CancelToken()
-
-    def __enter__(self) -> CancelToken:
-        self._registry._begin(self._key, self._token)
-        self._reset = _current.set(self._token)
-        return self._token
-
-    def __exit__(self, *exc: Any) -> None:
-        _current.reset(self._reset)
-        self._registry._end(self._key, self._token)
-
-
 def cancellable(handler: Callable[[Any, pb.CallRequest], pb.CallReply]) -> Callable[..., pb.CallReply]:
     """Wraps the servicer's `Call`: tracks the call by its id, and answers a cancelled one with
     an error, freeing its result (blocks, a new object) or, cancelled before it ran, its input blocks."""
 
     @functools.wraps(handler)
     def call(service: Any, request: pb.CallRequest) -> pb.CallReply:
-        with service.cancels.track(request.session_id, request.call_id) as token:
+        registry, key = service.cancels, (request.session_id, request.call_id)
+        token = registry.begin(key)
+        reset = _current.set(token)
+        try:
             if token.cancelled:  # cancelled before it arrived: it never runs
                 service.session(request.session_id)  # the session check first
                 _release(service, request.session_id, request.consume_blocks)
                 return _cancelled(request)
             reply = handler(service, request)
+        finally:
+            _current.reset(reset)
+            registry.end(key, token)
         if token.cancelled:
             _release(service, request.session_id, [b.id for b in reply.result.blocks])
             if reply.object_id:

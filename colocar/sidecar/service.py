@@ -132,7 +132,8 @@ class SidecarService(SessionHandlers):
                 f"cannot unpickle the arguments of {request.name} here: {type(e).__name__}: {e}",
             ) from None
         finally:
-            self._release(session, request.consume_blocks)
+            if request.consume_blocks:
+                self._release(session, request.consume_blocks)
 
     def _run(self, session: Session, request: pb.CallRequest) -> pb.CallReply:
         try:
