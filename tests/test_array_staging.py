@@ -81,18 +81,23 @@ def test_new_arrays_staged_on_two_threads_get_every_block(cluster):
 def test_a_broken_shard_list_kept_by_jax_is_an_error_not_a_missing_block(cluster):
     """JAX keeps the first shard list it builds for an array; a first read from two threads at
     once can leave a partial or doubled one (the plan reads it once, on the caller's thread,
-    so array calls never race on it). A broken list is refused before anything is staged."""
-    sharding = NamedSharding(cluster.mesh(("data",)), P("data"))
-    x = jax.device_put(np.arange(64.0).reshape(8, 8), sharding)
-    shards = list(x.addressable_shards)
-    for broken in (shards[:4], shards[:4] * 2, shards * 2):  # the lists JAX was seen to keep
-        x.__dict__["addressable_shards"] = broken
-        with pytest.raises(colocar.ArrayLayoutError, match=f"JAX lists {len(broken)} addressable shards"):
-            colocar.colocated(plus)(x, 1)
-    fresh = jax.device_put(np.arange(64.0).reshape(8, 8), sharding)
-    np.testing.assert_array_equal(
-        np.asarray(colocar.colocated(plus)(fresh, 1)), np.arange(64.0).reshape(8, 8) + 1
-    )
+    so array calls never race on it). A replicated input's shards are read from that list: a
+    broken one is refused before anything is staged. A sharded input's are read by index
+    (`addressable_data`), never from that list: its call gets the right values."""
+    mesh = cluster.mesh(("data",))
+    values = np.arange(64.0).reshape(8, 8)
+    for spec in (P(), P("data")):
+        x = jax.device_put(values, NamedSharding(mesh, spec))
+        shards = list(x.addressable_shards)
+        for broken in (shards[:4], shards[:4] * 2, shards * 2):  # the lists JAX was seen to keep
+            x.__dict__["addressable_shards"] = broken
+            if spec == P():
+                with pytest.raises(colocar.ArrayLayoutError, match=f"JAX lists {len(broken)} addressable"):
+                    colocar.colocated(plus)(x, 1)
+            else:
+                np.testing.assert_array_equal(np.asarray(colocar.colocated(plus)(x, 1)), values + 1)
+        fresh = jax.device_put(values, NamedSharding(mesh, spec))
+        np.testing.assert_array_equal(np.asarray(colocar.colocated(plus)(fresh, 1)), values + 1)
 
 
 def test_staged_calls_keep_the_callers_program_order(cluster):

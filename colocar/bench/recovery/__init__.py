@@ -16,8 +16,9 @@ built there) and starts a fresh cluster, then, before the kill:
   moment `save` returned until durable: `save_slowdown`; `slowdown_ratio` = replication / save
   slowdown, both floored at `SLOWDOWN_FLOOR` (the noise of this machine);
 * a take's fixed cost: a 1.1 MiB state (16 x {w: f32[8, 2048], b}: 144 shards, its own
-  `Snapshots`) taken 10 x `takes` times, each committed before the next
-  (`small_snapshot_blocked_s`), against one memcpy of it (`small_memcpy_state_s`);
+  `Snapshots`) taken 10 x `takes` times, each of new arrays (as a training step makes them)
+  and committed before the next (`small_snapshot_blocked_s`), against one memcpy of it
+  (`small_memcpy_state_s`);
   the goal: `small_blocked_goal_s` = 1 ms + 1.2 memcpies (`snapshot_blocked_goal_s` the same
   for the full state, from `memcpy_state_s`);
 * a warm-up (untimed): a tiny tree snapshotted and checkpointed by colocar, each restored onto

@@ -189,18 +189,21 @@ SMALL_ROWS = 8  # the small state: LAYERS x (f32[8, COLS] by rows + f32[COLS]): 
 def small_snapshot_costs(cluster: Any, devices: list[Any], pool: str, takes: int) -> dict[str, Any]:
     """The fixed cost of a take: a 1 MiB state (its own `Snapshots`) taken `takes` times, each
     committed before the next (idle caller, as the full state's timed takes), against one
-    memcpy of that state."""
+    memcpy of that state. Each take is of new arrays (a copy made before the timer starts), as
+    a training step makes them: JAX builds an array's per-device arrays at their first use."""
     import jax
 
     from colocar.elastic.snapshots import Snapshots
 
     state = make_state(SMALL_ROWS, devices)
     memcpy = memcpy_s([s for host in host_shards(state, devices) for s in host], 7)
+    renew = jax.jit(lambda tree: jax.tree.map(lambda x: x + 0, tree))
     blocked = []
     with Snapshots(cluster, replicas=1, pool=pool, name="bench-small") as snaps:
         assert snaps.take(0, state), "the small snapshot was skipped (pool too small)"
         snaps.wait(600)
         for k in range(1, takes + 1):
+            state = jax.block_until_ready(renew(state))
             t0 = time.perf_counter()
             assert snaps.take(k, state), f"small snapshot {k} was skipped (pool too small)"
             blocked.append(time.perf_counter() - t0)

@@ -24,7 +24,7 @@ import numpy as np
 
 from colocar.checkpoint.format import tree
 from colocar.checkpoint.saves import plan as save
-from colocar.controller_bridge.arrays import addressable_shards
+from colocar.controller_bridge.arrays import by_device
 from colocar.errors import HostLostError, SnapshotError
 from colocar.shm import ArenaFullError
 from colocar.shm.allocator import footprint
@@ -193,7 +193,7 @@ def _sources_of(leaf: Any) -> Callable[[Any], Any]:
     if data.is_fully_replicated:  # one copy serves: no shard list of every device to build
         one = data.addressable_data(0)
         return lambda _: one
-    return {s.device: s.data for s in addressable_shards(data)}.__getitem__
+    return by_device(data).__getitem__
 
 
 def _pickled(step: int, values: dict[str, Any]) -> bytes:
