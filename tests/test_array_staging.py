@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import colocar
+from colocar.checkpoint import CheckpointManager
 from colocar.shm import ArenaFullError
 
 MiB = 1 << 20
@@ -78,12 +79,11 @@ def test_new_arrays_staged_on_two_threads_get_every_block(cluster):
         sys.setswitchinterval(interval)
 
 
-def test_a_broken_shard_list_kept_by_jax_is_an_error_not_a_missing_block(cluster):
+def test_a_broken_shard_list_kept_by_jax_is_never_read_by_array_calls(cluster):
     """JAX keeps the first shard list it builds for an array; a first read from two threads at
-    once can leave a partial or doubled one (the plan reads it once, on the caller's thread,
-    so array calls never race on it). A replicated input's shards are read from that list: a
-    broken one is refused before anything is staged. A sharded input's are read by index
-    (`addressable_data`), never from that list: its call gets the right values."""
+    once can leave a partial or doubled one. Array calls read an input's shards by index
+    (`addressable_data`, checked to name each addressable device once), never from that list:
+    with a broken one kept, the call still gets the right values."""
     mesh = cluster.mesh(("data",))
     values = np.arange(64.0).reshape(8, 8)
     for spec in (P(), P("data")):
@@ -91,13 +91,19 @@ def test_a_broken_shard_list_kept_by_jax_is_an_error_not_a_missing_block(cluster
         shards = list(x.addressable_shards)
         for broken in (shards[:4], shards[:4] * 2, shards * 2):  # the lists JAX was seen to keep
             x.__dict__["addressable_shards"] = broken
-            if spec == P():
-                with pytest.raises(colocar.ArrayLayoutError, match=f"JAX lists {len(broken)} addressable"):
-                    colocar.colocated(plus)(x, 1)
-            else:
-                np.testing.assert_array_equal(np.asarray(colocar.colocated(plus)(x, 1)), values + 1)
-        fresh = jax.device_put(values, NamedSharding(mesh, spec))
-        np.testing.assert_array_equal(np.asarray(colocar.colocated(plus)(fresh, 1)), values + 1)
+            np.testing.assert_array_equal(np.asarray(colocar.colocated(plus)(x, 1)), values + 1)
+
+
+def test_a_broken_shard_list_kept_by_jax_is_an_error_for_a_checkpoint_save(cluster, tmp_path):
+    """A checkpoint save plans from the shard list (each shard's index): a broken one is
+    refused before anything is written, never saved with a missing or doubled piece."""
+    x = jax.device_put(np.arange(64.0).reshape(8, 8), NamedSharding(cluster.mesh(("data",)), P("data")))
+    shards = list(x.addressable_shards)
+    x.__dict__["addressable_shards"] = shards[:4] * 2
+    with CheckpointManager(str(tmp_path / "ckpt"), cluster) as manager:
+        with pytest.raises(colocar.ArrayLayoutError, match="JAX lists 8 addressable shards"):
+            manager.save(0, {"x": x})
+        assert manager.all_steps() == []
 
 
 def test_staged_calls_keep_the_callers_program_order(cluster):

@@ -107,11 +107,12 @@ def addressable_shards(x: jax.Array) -> list[Any]:
 
 def by_device(x: jax.Array) -> dict[Any, jax.Array]:
     """x's addressable shards' data (single-device arrays) by device, checked complete as
-    `addressable_shards` is. A sharded array's are read with `addressable_data`: through its
-    `Shard`s they cost twice as much on a new array (~75 against ~37 us for 8 devices here:
-    each shard asks its single-device array's sharding for the device)."""
-    if x.is_fully_replicated:  # `addressable_data` gives one device's copy, whatever the index
-        return {shard.device: shard.data for shard in addressable_shards(x)}
+    `addressable_shards` is. They are read with `addressable_data`: through x's `Shard`s they
+    cost twice as much on a new array (~75 against ~37 us for 8 devices here: each shard asks
+    its single-device array's sharding for the device). A replicated array's one copy stands
+    for every device's (the same bytes; ~7 us)."""
+    if x.is_fully_replicated:
+        return dict.fromkeys(x.sharding.addressable_devices, x.addressable_data(0))
     count = len(x.sharding.addressable_devices)
     with _shard_read:
         try:

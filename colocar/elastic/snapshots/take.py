@@ -190,9 +190,6 @@ def _sources_of(leaf: Any) -> Callable[[Any], Any]:
     if not isinstance(data, jax.Array):
         host = np.asarray(data)
         return lambda _: host
-    if data.is_fully_replicated:  # one copy serves: no shard list of every device to build
-        one = data.addressable_data(0)
-        return lambda _: one
     return by_device(data).__getitem__
 
 
