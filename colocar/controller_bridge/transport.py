@@ -282,17 +282,8 @@ class LinkTransport:
             if unsent is not None:
                 unsent()
             raise error
-        link = self.link
-        while link is not None and method in LINK_METHODS:
-            try:
-                return link.call(method, request, LINK_METHODS[method][1], timeout, self._discard, unsent)
-            except LinkGone:  # retired before the call sent anything: it goes on the new link
-                if self.link is link:  # closed, not replaced
-                    if unsent is not None:
-                        unsent()
-                    raise
-                link = self.link
-        return self.grpc.call(method, request, timeout, unsent)
+        linked, reply = self._on_link(LinkClient.call, method, request, timeout, unsent)
+        return reply if linked else self.grpc.call(method, request, timeout, unsent)
 
     def call_async(
         self, method: str, request: Any, timeout: float | None, done: Done, unsent: Unsent
@@ -304,24 +295,34 @@ class LinkTransport:
                 unsent()
             done(None, error)
             return None
-        link = self.link
-        while link is not None and method in LINK_METHODS:
-            try:
-                pending = link.send(method, request, LINK_METHODS[method][1], timeout, self._discard, unsent)
-            except LinkGone as e:  # retired before the call sent anything: it goes on the new link
-                if self.link is link:  # closed, not replaced
-                    if unsent is not None:
-                        unsent()
-                    done(None, e)
-                    return None
-                link = self.link
-                continue
-            except TransportError as e:
-                done(None, e)
-                return None
+        try:
+            linked, pending = self._on_link(LinkClient.send, method, request, timeout, unsent)
+        except TransportError as e:
+            done(None, e)
+            return None
+        if linked:
             return LinkReply(pending, done, self._threads)
         self.grpc.call_async(method, request, timeout, done, unsent)
         return None
+
+    def _on_link(
+        self, op: Callable[..., Any], method: str, request: Any, timeout: float | None, unsent: Unsent
+    ) -> tuple[bool, Any]:
+        """(True, `op(link, ...)`: `LinkClient.call` or `send`) on the local link when it serves
+        `method`, else (False, None): the call goes through gRPC. A link retired before the call
+        sent anything (LinkGone) hands it to the link that replaced it; a closed one raises
+        LinkGone, after `unsent`."""
+        link, reply_type = self.link, LINK_METHODS.get(method, (None, None))[1]
+        while link is not None and reply_type is not None:
+            try:
+                return True, op(link, method, request, reply_type, timeout, self._discard, unsent)
+            except LinkGone:
+                if self.link is link:  # closed, not replaced
+                    if unsent is not None:
+                        unsent()
+                    raise
+                link = self.link
+        return False, None
 
     def _threads(self) -> LinkPool:
         pool = self._pool
