@@ -79,12 +79,12 @@ class LaneFuture(Future):
     def wait_inline(self) -> None:
         """Reads the reply in this thread, unless it came or another thread reads it (then
         `result()` waits as usual)."""
-        done: Reader | None = None
+        last: Reader | None = None  # the reader this thread read last
         while not self.detached and not self.done():
             reader = self.reader
-            if reader is None or reader is done or not reader.wait():
+            if reader is None or reader is last or not reader.wait():
                 return
-            done = reader
+            last = reader
 
     def move_lane_on(self) -> None:
         if self._moved_on.acquire(blocking=False):
