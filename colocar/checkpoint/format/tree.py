@@ -30,7 +30,9 @@ def is_array(x: Any) -> bool:
 
 def is_prng_key(x: Any) -> bool:
     dtype = getattr(x, "dtype", None)
-    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+    if dtype is None or isinstance(dtype, np.dtype):  # a key's dtype is JAX's own, never numpy's
+        return False
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 _STRUCTURES: dict[Any, tuple[list[str], Any, dict[str, str]]] = {}  # see `flatten`

@@ -263,9 +263,7 @@ def place(
         return Placed(None, [])
     if block is None or block.nbytes != total:
         (block,) = host.connection.blocks.empty([((total,), np.dtype(np.uint8))], pool=pool, timeout=0.0)
-    views = [
-        block[o : o + p.nbytes].view(p.dtype).reshape(p.shape) for p, o in zip(pieces, offsets, strict=True)
-    ]
+    views = [np.ndarray(p.shape, p.dtype, block, o) for p, o in zip(pieces, offsets, strict=True)]
     save.copy_into(list(zip(views, sources, strict=True)), copiers)
     return Placed(block, offsets)
 
