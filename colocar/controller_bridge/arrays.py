@@ -119,8 +119,8 @@ def by_device(x: jax.Array) -> dict[Any, jax.Array]:
             data = [x.addressable_data(i) for i in range(count)]
         except IndexError:  # a partial list (see `addressable_shards`)
             data = []
-    out = {next(iter(d.devices())): d for d in data}
-    _check_complete(x, list(out) if len(out) == count else [*out, None])
+    out = {next(iter(d.devices())): d for d in data}  # a device read twice counts once
+    _check_complete(x, list(out))
     return out
 
 
@@ -128,9 +128,8 @@ def _check_complete(x: jax.Array, devices: list[Any]) -> None:
     """Raises unless `devices` (of x's shards as read) are x's addressable devices, once each."""
     expected: set[Any] = set(x.sharding.addressable_devices)
     if len(devices) != len(expected) or set(devices) != expected:
-        found = sorted(d.id for d in devices if d is not None)
         raise ArrayLayoutError(
-            f"JAX lists {len(devices)} addressable shards (on devices {found}) "
+            f"JAX lists {len(devices)} addressable shards (on devices {sorted(d.id for d in devices)}) "
             f"of an array whose sharding {x.sharding} puts one on each of devices "
             f"{sorted(d.id for d in expected)} of this process: its shard list was first read "
             "from two threads at once, which leaves JAX holding a broken one; read a new array's "
