@@ -93,21 +93,21 @@ def test_a_host_lost_mid_array_call_fails_it_at_once_and_cancels_the_others(sig,
             c.processes[1].kill()
 
 
-# --- 4. a stopped sidecar, seen from a thread without a local-link socket yet --------------------
+# --- 4. a stopped sidecar, seen from a new thread and from a new local-link socket ---------------
 def test_a_stopped_sidecar_is_a_lost_host_from_a_new_thread_too(make_cluster):
     c = make_cluster()
     host = c.hosts[0]
     assert host.connection.transport.link is not None  # calls go over the local link
-    assert echo.on(host)(1) == ((1,), {})  # this thread has its link socket
+    assert echo.on(host)(1) == ((1,), {})  # the link has one idle socket now
     process = c.processes[0]
     errors: dict[str, BaseException | None] = {}
     new_thread = threading.Thread(target=lambda: errors.update(new=in_thread(lambda: echo.on(host)(2))[1]))
     try:
         os.kill(process.pid, signal.SIGSTOP)
-        new_thread.start()  # its first call opens a socket: the stopped sidecar never says hello
-        future = echo.on(host).submit(6)  # so does a link pool thread's first call
+        new_thread.start()  # of this call and the next, one takes the idle socket (never
+        future = echo.on(host).submit(6)  # answered), the other opens one (never greeted)
         try:
-            echo.on(host)(3)  # on this thread's socket
+            echo.on(host)(3)  # queued behind the future on this thread's lane
         except BaseException as e:  # noqa: BLE001 - checked below
             errors["old"] = e
         new_thread.join(DEADLINE)
