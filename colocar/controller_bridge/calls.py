@@ -202,7 +202,12 @@ class Call:
         otherwise it is an asynchronous gRPC call.
         """
         conn = self.conn
-        self._future = conn.lanes.submit(self._call_async, unsent=self._unsent)
+        try:
+            self._future = conn.lanes.submit(self._call_async, unsent=self._unsent)
+        except BaseException as e:
+            if not isinstance(e, Exception):  # an interrupt as it was sent: the sidecar may run it
+                conn.releases.cancel_soon(self.request.call_id)
+            raise
         self._future.add_done_callback(self._release_keepalive)  # blocks held for the call only
         return CallFuture(self)
 
