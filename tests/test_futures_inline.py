@@ -13,6 +13,7 @@ import threading
 from typing import Any
 
 import numpy as np
+import pytest
 from helpers import wait_for
 from interrupts_helpers import DEADLINE, ident, settled, use_at_rest, wait_for_file
 
@@ -23,17 +24,6 @@ def _readers_started(c: Any) -> bool:
     """Whether any of the cluster's hosts started its background readers (its link's pool of
     threads, made at the first reply that nobody waits for inline)."""
     return any(h.connection.transport._pool is not None for h in c.hosts)
-
-
-def _waited(future: Any) -> Any:
-    """future.result() without a limit (the inline read), in a thread that a hang cannot hold
-    past DEADLINE: a reply left unread fails the test instead of hanging it."""
-    out: dict[str, Any] = {}
-    reader = threading.Thread(target=lambda: out.setdefault("value", future.result()), daemon=True)
-    reader.start()
-    reader.join(DEADLINE)
-    assert "value" in out, "the future's reply was never read"
-    return out["value"]
 
 
 @colocar.colocated
@@ -57,6 +47,7 @@ def test_futures_are_read_by_their_waiters_with_no_thread_in_between(make_cluste
     assert _readers_started(c)
 
 
+@pytest.mark.timeout(DEADLINE)  # a reply left unread hangs `result()`: the test fails instead
 def test_a_call_queued_behind_an_unread_future_gets_its_own_reply(cluster, tmp_path):
     """The first future's reply is read in the background once a second call queues behind
     it, so waiting for the second (before or without reading the first) never hangs."""
@@ -65,9 +56,9 @@ def test_a_call_queued_behind_an_unread_future_gets_its_own_reply(cluster, tmp_p
     first = wait_for_file.on(host).submit(str(stop))
     second = ident.on(host).submit("second")
     stop.touch()
-    assert _waited(second) == "second"
+    assert second.result() == "second"  # no limit: the inline read
     assert ident.on(host)("third") == "third"  # a sync call on the same lane
-    assert _waited(first) == "wait_for_file(stop) result"
+    assert first.result() == "wait_for_file(stop) result"
 
 
 def test_a_dropped_unread_future_frees_its_lane_and_its_reply(cluster):
@@ -89,6 +80,7 @@ def test_done_and_callbacks_see_an_unread_future_complete(cluster):
     assert future.result() == "polled"
 
 
+@pytest.mark.timeout(DEADLINE)
 def test_a_future_sent_again_with_its_code_is_read_inline(make_cluster):
     """A sidecar that lacks the code answers NOT_FOUND; the call goes again with the code,
     and the waiting thread reads the second reply."""
@@ -101,5 +93,5 @@ def test_a_future_sent_again_with_its_code_is_read_inline(make_cluster):
     host = c.hosts[0]
     code_hash, _ = tripled._code.pickled()
     host.connection.session.known_code.add(code_hash)  # as after the sidecar forgot it
-    assert _waited(tripled.on(host).submit(7)) == 21
+    assert tripled.on(host).submit(7).result() == 21
     assert tripled.on(host).submit(5).result() == 15

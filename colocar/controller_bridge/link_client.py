@@ -160,21 +160,6 @@ class LinkClient:
             self._sockets.discard(sock)
             sock.close()
 
-    def call(
-        self,
-        method: str,
-        request: Any,
-        reply_type: Any,
-        timeout: float | None,
-        abandoned: Callable[[Any], None] | None = None,
-        unsent: Callable[[], None] | None = None,
-    ) -> Any:
-        """One unary call; raises TransportError (the sidecar's status, or the link's failure).
-        `send`, then `PendingReply.read` in this thread."""
-        pending = self.send(method, request, reply_type, timeout, abandoned, unsent)
-        pending.claim()
-        return pending.read()
-
     def send(
         self,
         method: str,
@@ -347,10 +332,15 @@ class PendingReply:
         """True for the first caller only: the reply is theirs to read or abandon."""
         return self._claim.acquire(blocking=False)
 
+    def wait(self) -> Any:
+        """The reply, read in this thread (a synchronous call: nobody else can claim it yet)."""
+        self.claim()
+        return self.read()
+
     def read(self) -> Any:
-        """The reply (after `claim`); raises TransportError as `LinkClient.call` does. Cut
-        short, the socket is retired: the reply is read in the background and handed to
-        `abandoned`, unless the link broke."""
+        """The reply (after `claim`); raises TransportError (the sidecar's status, or the
+        link's failure). Cut short, the socket is retired: the reply is read in the background
+        and handed to `abandoned`, unless the link broke."""
         client, sock, frame = self._client, self._sock, _Frame()
         try:
             client._read_frame(sock, frame, self._deadline)

@@ -34,7 +34,7 @@ from colocar.protocol.tokens import TOKEN_METADATA_KEY
 from colocar.shm import ArenaFullError
 
 from .lanes import Reader
-from .link_client import LinkClient, LinkGone
+from .link_client import LinkClient, LinkGone, PendingReply
 from .link_pool import LinkPool, LinkReply
 from .sigint import sigint_held
 
@@ -282,8 +282,8 @@ class LinkTransport:
             if unsent is not None:
                 unsent()
             raise error
-        linked, reply = self._on_link(LinkClient.call, method, request, timeout, unsent)
-        return reply if linked else self.grpc.call(method, request, timeout, unsent)
+        pending = self._on_link(method, request, timeout, unsent)
+        return pending.wait() if pending is not None else self.grpc.call(method, request, timeout, unsent)
 
     def call_async(
         self, method: str, request: Any, timeout: float | None, done: Done, unsent: Unsent
@@ -296,33 +296,32 @@ class LinkTransport:
             done(None, error)
             return None
         try:
-            linked, pending = self._on_link(LinkClient.send, method, request, timeout, unsent)
+            pending = self._on_link(method, request, timeout, unsent)
         except TransportError as e:
             done(None, e)
             return None
-        if linked:
+        if pending is not None:
             return LinkReply(pending, done, self._threads)
         self.grpc.call_async(method, request, timeout, done, unsent)
         return None
 
     def _on_link(
-        self, op: Callable[..., Any], method: str, request: Any, timeout: float | None, unsent: Unsent
-    ) -> tuple[bool, Any]:
-        """(True, `op(link, ...)`: `LinkClient.call` or `send`) on the local link when it serves
-        `method`, else (False, None): the call goes through gRPC. A link retired before the call
-        sent anything (LinkGone) hands it to the link that replaced it; a closed one raises
-        LinkGone, after `unsent`."""
+        self, method: str, request: Any, timeout: float | None, unsent: Unsent
+    ) -> PendingReply | None:
+        """The call sent on the local link, when it serves `method`; else None: the call goes
+        through gRPC. A link retired before the call sent anything (LinkGone) hands it to the
+        link that replaced it; a closed one raises LinkGone, after `unsent`."""
         link, reply_type = self.link, LINK_METHODS.get(method, (None, None))[1]
         while link is not None and reply_type is not None:
             try:
-                return True, op(link, method, request, reply_type, timeout, self._discard, unsent)
+                return link.send(method, request, reply_type, timeout, self._discard, unsent)
             except LinkGone:
                 if self.link is link:  # closed, not replaced
                     if unsent is not None:
                         unsent()
                     raise
                 link = self.link
-        return False, None
+        return None
 
     def _threads(self) -> LinkPool:
         pool = self._pool
