@@ -67,9 +67,10 @@ class _Frame:
             raise link.LinkClosed(f"reply frame of {length} bytes exceeds {link.MAX_FRAME}")
         self.buffer = bytearray(4 + length)
 
-    def body(self) -> bytes:
+    def body(self) -> memoryview:
+        """The frame's content, in place (protobuf parses it without a copy)."""
         assert self.buffer is not None
-        return bytes(self.buffer[4:])
+        return memoryview(self.buffer)[4:]
 
 
 class LinkClient:
@@ -115,7 +116,7 @@ class LinkClient:
         status, body = link.parse_reply(frame.body())
         if status != 0:
             sock.close()
-            raise TransportError(Status.of(status), body.decode(errors="replace"))
+            raise TransportError(Status.of(status), bytes(body).decode(errors="replace"))
         with self._lock:
             if self._closed:  # closed while we connected: close() did not see this socket
                 sock.close()
@@ -358,7 +359,7 @@ class PendingReply:
         client._give_back(sock)
         status, body = link.parse_reply(frame.body())
         if status != 0:
-            raise TransportError(Status.of(status), body.decode(errors="replace"))
+            raise TransportError(Status.of(status), bytes(body).decode(errors="replace"))
         return self._reply_type.FromString(body)
 
     def abandon(self) -> None:

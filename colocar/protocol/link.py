@@ -131,7 +131,7 @@ def send_reply(sock: socket.socket, status: int, body: bytes) -> None:
     sock.sendall(LENGTH.pack(1 + len(body)) + bytes([status]) + body)
 
 
-def parse_reply(frame: bytes) -> tuple[int, bytes]:
+def parse_reply(frame: bytes | memoryview) -> tuple[int, bytes | memoryview]:
     if not frame:
         raise LinkClosed("empty reply frame")
     return frame[0], frame[1:]
