@@ -8,6 +8,8 @@ shardings; a restore whose slices lie within one block gets that block's bytes w
 
 from __future__ import annotations
 
+import gc
+
 import jax
 import numpy as np
 from checkpoint_helpers import assert_same
@@ -117,3 +119,20 @@ def test_a_controller_that_does_not_map_the_arena_restores_the_slices_it_asked_f
         restored = snaps.restore(1, finer)
         assert restored["w"].sharding == finer["w"].sharding
         assert_same(restored, state)
+
+
+def test_a_snapshot_keeps_no_device_buffer_of_the_state_it_took(cluster):
+    """A take copies the shards to the arenas and keeps none of them: once training drops a
+    state it does not donate, its device buffers are freed. The layout cached from the first
+    take and the last snapshot's follow-up once held the shards (a whole state's device
+    memory, for as long as they lived)."""
+    with Snapshots(cluster, replicas=1, keep=2) as snaps:
+        for step in (1, 2):  # the first take caches the layout; the second reuses it
+            gc.collect()
+            before = len(jax.live_arrays())
+            state = _state(cluster, step, P("data"))
+            assert snaps.take(step, state)
+            snaps.wait(60)
+            del state
+            gc.collect()
+            assert len(jax.live_arrays()) == before

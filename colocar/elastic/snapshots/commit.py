@@ -38,7 +38,7 @@ class Tracked:
     statuses: dict[int, dict[str, Any]] = field(default_factory=dict)
     seconds: float = 0.0
     hand_off: HandOff | None = None  # run first, then dropped (its blocks with it)
-    then: Callable[[], None] | None = None  # run once committed (before `done`)
+    then: Callable[[], None] | None = None  # run once committed (before `done`), then dropped
     handed: threading.Event = field(default_factory=threading.Event)  # the keepers hold the blocks
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -118,6 +118,7 @@ class Committer:
         except Exception as e:  # noqa: BLE001 - a background thread: the error is recorded
             self._abandon(tracked, f"{type(e).__name__}: {e}")
         finally:
+            tracked.then = None  # `last` outlives it
             tracked.seconds = time.monotonic() - started
             self._handed(tracked)
             tracked.done.set()

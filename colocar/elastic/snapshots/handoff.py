@@ -19,7 +19,7 @@ import numpy as np
 
 from .commit import POLL_SECONDS
 from .keepers.peers import Target
-from .take import Placed, Planned, layout_of, misfit, on_each, packed_offsets
+from .take import Placed, Planned, layout_of, misfit, on_each
 from .take import place as place_on
 from .take import send as send_to
 
@@ -132,15 +132,18 @@ class Spares:
         return found[1]
 
     def after(self, snaps: Any, planned: Planned) -> Any:
-        """What the committer runs once `planned` committed: a spare for every host."""
-        return lambda: self.fill(snaps, planned)
+        """What the committer runs once `planned` committed: a spare for every host (of the
+        sizes alone: what runs later must not hold the state's shards)."""
+        sizes = planned.packed
+        return lambda: self.fill(snaps, sizes)
 
-    def fill(self, snaps: Any, planned: Planned) -> None:
-        for h, pieces in planned.pieces.items():
+    def fill(self, snaps: Any, sizes: dict[int, int]) -> None:
+        """An empty block of `sizes[h]` bytes for every host h that holds pieces."""
+        for h, size in sizes.items():
             host = snaps.cluster.hosts[h]
-            if not pieces or not host.connection.blocks.mapped or h in self._blocks:
+            if not size or not host.connection.blocks.mapped or h in self._blocks:
                 continue
-            generation, size = host.connection.session.generation, packed_offsets(pieces)[1]
+            generation = host.connection.session.generation
             try:
                 spec = [((size,), np.dtype(np.uint8))]
                 (block,) = host.connection.blocks.empty(spec, pool=snaps.pool, timeout=0.0)

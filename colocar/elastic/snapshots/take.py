@@ -9,6 +9,7 @@ host's pool is skipped with a warning naming the sizes, before any block is take
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 import uuid
@@ -78,17 +79,20 @@ class Planned:
     record: dict[str, Any]
     own: dict[int, int] = field(default_factory=dict)  # host -> bytes of its shards
     need: dict[int, int] = field(default_factory=dict)  # host -> arena bytes incl. replicas received
+    packed: dict[int, int] = field(default_factory=dict)  # host -> bytes of its block (`packed_offsets`)
 
 
 @dataclass
 class _Layout:
     """What a plan derives from the state's shapes, dtypes and shardings alone: the leaves'
-    entries, each host's pieces (sources unbound: (piece, device)), their record entry and bytes."""
+    entries, each host's pieces (sources unbound: (piece, device)), their record entry, bytes
+    and block size. It holds no array: a cached layout must not keep a state's shards alive."""
 
     leaves: dict[str, dict[str, Any]]
     pieces: dict[int, list[tuple[save.Piece, Any]]]
     shards: dict[int, list[tuple[int, Any]]]
     own: dict[int, int]
+    packed: dict[int, int]
 
 
 def plan(
@@ -122,7 +126,7 @@ def plan(
         "replicas": targets,
         "jax_version": jax.__version__,
     }
-    result = Planned(step, pieces, targets, record, own=dict(layout.own))
+    result = Planned(step, pieces, targets, record, own=dict(layout.own), packed=dict(layout.packed))
     result.need = dict(result.own)
     for h, peers in targets.items():
         for t in peers:
@@ -155,14 +159,19 @@ def _layout(
     pieces = {h: planned.pieces.get(h, []) for h in hosts}
     layout = _Layout(
         planned.leaves,
-        {h: [(p, _device_of(p.source)) for p in ps] for h, ps in pieces.items()},
+        {h: [(_unbound(p), _device_of(p.source)) for p in ps] for h, ps in pieces.items()},
         {h: [(p.leaf, p.bounds) for p in ps] for h, ps in pieces.items()},
         {h: sum(footprint(p.nbytes) for p in ps) for h, ps in pieces.items()},
+        {h: packed_offsets(ps)[1] for h, ps in pieces.items()},
     )
     if len(cache) >= LAYOUTS_KEPT:
         cache.clear()
     cache[key] = layout
     return layout
+
+
+def _unbound(piece: save.Piece) -> save.Piece:
+    return dataclasses.replace(piece, source=None)
 
 
 def _device_of(source: Any) -> Any:
