@@ -35,7 +35,8 @@ def place(snaps: Any, planned: Planned) -> dict[int, Placed] | None:
     spares = {h: snaps._spares.pop(snaps.cluster.hosts[h]) for h in planned.pieces}
 
     def one(h: int) -> Placed:
-        return place_on(snaps.cluster.hosts[h], planned.pieces[h], snaps.pool, snaps._copiers, spares[h])
+        host, pieces = snaps.cluster.hosts[h], planned.pieces[h]
+        return place_on(host, pieces, snaps.pool, snaps._copiers, spares[h], planned.packed[h])
 
     try:  # with every block at hand, the copies alone: in this thread (they use the copiers)
         runner = None if all(b is not None for b in spares.values()) else snaps._senders
@@ -134,7 +135,7 @@ class Spares:
     def after(self, snaps: Any, planned: Planned) -> Any:
         """What the committer runs once `planned` committed: a spare for every host (of the
         sizes alone: what runs later must not hold the state's shards)."""
-        sizes = planned.packed
+        sizes = {h: total for h, (_, total) in planned.packed.items()}
         return lambda: self.fill(snaps, sizes)
 
     def fill(self, snaps: Any, sizes: dict[int, int]) -> None:

@@ -123,11 +123,16 @@ def save_to(snaps: Any, manager: Any, step: int, metadata: dict[str, Any] | None
 
 
 # --- the elastic storage tier: a snapshot of the very same arrays -----------------------------
-def remember(state: Any) -> list[Any]:
-    """What `same` compares: a weak reference per jax.Array leaf, False for a numpy leaf (it
-    may change in place: never matched), the value of a plain leaf."""
+def leaves(state: Any) -> list[Any]:
+    """The leaves of `state` in tree order, as a snapshot records them."""
+    return [leaf for _, leaf in tree.flatten(state)[0]]
+
+
+def remember(leaves: list[Any]) -> list[Any]:
+    """What `same` compares, of a state's `leaves`: a weak reference per jax.Array, False for a
+    numpy leaf (it may change in place: never matched), the value of a plain leaf."""
     out: list[Any] = []
-    for _, leaf in tree.flatten(state)[0]:
+    for leaf in leaves:
         if isinstance(leaf, jax.Array):
             out.append(weakref.ref(leaf))
         else:
@@ -136,10 +141,10 @@ def remember(state: Any) -> list[Any]:
 
 
 def same(kept: list[Any], state: Any) -> bool:
-    leaves = [leaf for _, leaf in tree.flatten(state)[0]]
-    if len(leaves) != len(kept):
+    now = leaves(state)
+    if len(now) != len(kept):
         return False
-    for was, leaf in zip(kept, leaves, strict=True):
+    for was, leaf in zip(kept, now, strict=True):
         if was is False or (isinstance(was, weakref.ref) and was() is not leaf):
             return False
         if isinstance(was, tuple) and (tree.is_array(leaf) or not _equal(was[1], leaf)):

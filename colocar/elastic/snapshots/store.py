@@ -201,7 +201,7 @@ class Snapshots:
                 return take.skip(reason)
             keep = self._kept(step)
             self._records = {s: r for s, r in self._records.items() if s in keep} | {step: planned.record}
-            self._taken = (step, save.remember(tree))
+            self._taken = (step, save.remember(planned.leaves))
             self._stats["taken"] += 1
             self._stats["last_take"] = {
                 "step": step,

@@ -79,7 +79,8 @@ class Planned:
     record: dict[str, Any]
     own: dict[int, int] = field(default_factory=dict)  # host -> bytes of its shards
     need: dict[int, int] = field(default_factory=dict)  # host -> arena bytes incl. replicas received
-    packed: dict[int, int] = field(default_factory=dict)  # host -> bytes of its block (`packed_offsets`)
+    packed: dict[int, tuple[list[int], int]] = field(default_factory=dict)  # host -> `packed_offsets`
+    leaves: list[Any] = field(default_factory=list)  # the state's leaves, in tree order
 
 
 @dataclass
@@ -92,7 +93,7 @@ class _Layout:
     pieces: dict[int, list[tuple[save.Piece, Any]]]
     shards: dict[int, list[tuple[int, Any]]]
     own: dict[int, int]
-    packed: dict[int, int]
+    packed: dict[int, tuple[list[int], int]]
 
 
 def plan(
@@ -126,7 +127,8 @@ def plan(
         "replicas": targets,
         "jax_version": jax.__version__,
     }
-    result = Planned(step, pieces, targets, record, own=dict(layout.own), packed=dict(layout.packed))
+    result = Planned(step, pieces, targets, record, dict(layout.own), packed=layout.packed)
+    result.leaves = [leaf for _, leaf in named]
     result.need = dict(result.own)
     for h, peers in targets.items():
         for t in peers:
@@ -162,7 +164,7 @@ def _layout(
         {h: [(_unbound(p), _device_of(p.source)) for p in ps] for h, ps in pieces.items()},
         {h: [(p.leaf, p.bounds) for p in ps] for h, ps in pieces.items()},
         {h: sum(footprint(p.nbytes) for p in ps) for h, ps in pieces.items()},
-        {h: packed_offsets(ps)[1] for h, ps in pieces.items()},
+        {h: packed_offsets(ps) for h, ps in pieces.items()},
     )
     if len(cache) >= LAYOUTS_KEPT:
         cache.clear()
@@ -171,7 +173,10 @@ def _layout(
 
 
 def _unbound(piece: save.Piece) -> save.Piece:
-    return dataclasses.replace(piece, source=None)
+    """The piece without its source; `local` () when it is all of its source (as a snapshot's
+    pieces are: whole shards), which `_on_host` then takes as it is."""
+    whole = all(s.start == 0 and s.stop == n for s, n in zip(piece.local, piece.shape, strict=True))
+    return dataclasses.replace(piece, source=None, local=() if whole else piece.local)
 
 
 def _device_of(source: Any) -> Any:
@@ -245,7 +250,7 @@ def _on_host(pieces: list[save.Piece]) -> list[np.ndarray]:
     if on_devices and next(iter(on_devices[0].devices())).platform != "cpu":  # a host's devices are one kind
         for source in on_devices:
             source.copy_to_host_async()
-    return [np.asarray(piece.source)[piece.local] for piece in pieces]
+    return [np.asarray(p.source)[p.local] if p.local else np.asarray(p.source) for p in pieces]
 
 
 ALIGN = 64  # bytes: where each piece starts in its host's block
@@ -261,13 +266,19 @@ def packed_offsets(pieces: list[save.Piece]) -> tuple[list[int], int]:
 
 
 def place(
-    host: Any, pieces: list[save.Piece], pool: str, copiers: Executor | None, block: np.ndarray | None = None
+    host: Any,
+    pieces: list[save.Piece],
+    pool: str,
+    copiers: Executor | None,
+    block: np.ndarray | None = None,
+    packed: tuple[list[int], int] | None = None,
 ) -> Placed:
     """`pieces` copied into `block` (an empty one of their packed size) or one new block of
     `host`'s arena pool (one Allocate, no waiting: a full pool raises ArenaFullError), each
-    at its offset; the block stays the controller's until handed on (`hand`)."""
+    at its offset (`packed`: their `packed_offsets`, known); the block stays the controller's
+    until handed on (`hand`)."""
     sources = _on_host(pieces)
-    offsets, total = packed_offsets(pieces)
+    offsets, total = packed or packed_offsets(pieces)
     if not pieces:
         return Placed(None, [])
     if block is None or block.nbytes != total:

@@ -98,10 +98,10 @@ class MultiSnapshotTier(SnapshotTier):
         return Snapshots(cluster, replicas=self.replicas, name=self.name)
 
     def take(self, step: int, tree: Any, meta: dict[str, Any]) -> bool:
-        from ..snapshots.save import remember
+        from ..snapshots.save import leaves, remember
 
         taken = super().take(step, {**tree, META_LEAF: json.dumps(meta)}, meta)
-        self._taken = (step, remember(tree)) if taken else None  # every process took it, or none
+        self._taken = (step, remember(leaves(tree))) if taken else None  # every process took it, or none
         return taken
 
     def save_taken(self, manager: Any, step: int, tree: Any, metadata: dict[str, Any]) -> bool | None:
