@@ -9,6 +9,7 @@ retention never frees blocks a save still writes (the fake GCS server is stopped
 
 from __future__ import annotations
 
+import concurrent.futures
 import signal
 import time
 
@@ -143,6 +144,54 @@ def test_the_storage_tier_saves_from_the_devices_once_the_snapshot_was_abandoned
         with CheckpointManager(str(tmp_path / "ckpt"), cluster) as mngr:
             assert snap_save.save_if_taken(mngr, 3, state, {}) is None  # None: from the devices
             assert mngr.all_steps() == []
+
+
+def test_the_storage_tier_saves_from_the_devices_when_the_snapshot_is_abandoned_in_the_hand_over(
+    make_cluster, tmp_path
+):
+    """The tier found the snapshot of step 2 replicating and chose it; its save then waited
+    for the save before (the storage server stopped meanwhile) while the replication ran out
+    of time and the keepers dropped the blocks. The hand-over to the writers fails, and the
+    tier saves step 2 from the devices instead: training goes on, and the step restores."""
+    server = FakeGcs(str(tmp_path))  # its own server: this test stops it
+    server.start()
+    try:
+        with server.environment():
+            server.create_bucket("colocar-snap-abandon")
+            cluster = _four(make_cluster, env=server.env)
+            _abandoned_in_the_hand_over(cluster, server, "gs://colocar-snap-abandon/run")
+    finally:
+        server.process.send_signal(signal.SIGCONT)
+        server.stop()
+
+
+def _abandoned_in_the_hand_over(cluster, server, url: str) -> None:
+    state = {k: v for k, v in _state(cluster, seed=9).items() if k != "table"}  # jax arrays only
+    snaps = Snapshots(cluster, replicas=1, pool=POOL, replication_timeout=1.0)
+    mngr = CheckpointManager(url, cluster, storage_timeout=120)
+    elastic = colocar.elastic.Manager(
+        cluster, checkpoints=mngr, snapshots=snaps, snapshot_every=2, save_every=2
+    )
+    try:
+        mngr.save(1, state, force=True)
+        server.process.send_signal(signal.SIGSTOP)  # step 1's writes hang: step 2's save waits
+        faults.hold_replication(cluster, 0)
+        stepped = concurrent.futures.ThreadPoolExecutor(1).submit(elastic.step, 1, {"state": state})
+        deadline = time.monotonic() + 60
+        while (snaps.stats()["replication"] or {}).get("state") != "failed":  # abandoned, blocks dropped
+            assert time.monotonic() < deadline and not stepped.done(), "the snapshot was not abandoned"
+            time.sleep(0.05)
+        server.process.send_signal(signal.SIGCONT)
+        stepped.result(timeout=120)
+        mngr.wait()
+        assert mngr.all_steps() == [1, 2]
+        assert elastic.stats()["checkpoints"]["saved_from"] == {"snapshot": 0, "devices": 1}
+        assert_same(state, mngr.restore(2, target={"state": _target(state, cluster, set())})["state"])
+    finally:
+        server.process.send_signal(signal.SIGCONT)
+        faults.hold_replication(cluster, 0, held=False)
+        elastic.close()
+        snaps.close()
 
 
 def test_retention_never_frees_blocks_a_save_still_writes(make_cluster, tmp_path):

@@ -15,6 +15,7 @@ change in place, is saved from the devices).
 
 from __future__ import annotations
 
+import logging
 import pickle
 import weakref
 from typing import Any
@@ -27,6 +28,7 @@ from colocar.checkpoint.saves import plan as save
 from colocar.checkpoint.saves.from_blocks import Held
 from colocar.errors import CheckpointError, SnapshotError
 
+log = logging.getLogger("colocar.elastic")
 _OPEN: weakref.WeakSet[Any] = weakref.WeakSet()  # every open Snapshots of this process
 
 
@@ -162,8 +164,9 @@ def _equal(a: Any, b: Any) -> bool:
 def save_if_taken(manager: Any, step: int, state: Any, metadata: dict[str, Any]) -> bool | None:
     """Saves `step` from an open `Snapshots` whose last take was `step` of these very arrays,
     over the manager's hosts; None when there is none (save from the devices), also when that
-    snapshot was abandoned (a failed replication dropped its blocks: the save does not fail
-    with it)."""
+    snapshot was abandoned (a failed replication dropped its blocks), before or while they
+    were handed to the writers (that attempt failed before it counted): the save does not
+    fail with the snapshot."""
     for snaps in list(_OPEN):
         taken = getattr(snaps, "_taken", None)
         if snaps._closed or taken is None or taken[0] != step or not same(taken[1], state):
@@ -174,5 +177,10 @@ def save_if_taken(manager: Any, step: int, state: Any, metadata: dict[str, Any])
         connections = {id(h.connection) for h in manager.cluster.hosts}
         if any(id(h.connection) not in connections for h in snaps.cluster.hosts if h.index in snaps._keepers):
             continue
-        return snaps.save_to(manager, step, metadata=metadata)
+        try:
+            return snaps.save_to(manager, step, metadata=metadata)
+        except CheckpointError as e:
+            if not snaps._committer.abandoned(step):
+                raise
+            log.warning("saving step %d from its snapshot: %s; it was abandoned: from the devices", step, e)
     return None
