@@ -17,6 +17,7 @@ reconnect is `retire`d: calls in flight on it finish there, calls not yet sent r
 
 from __future__ import annotations
 
+import functools
 import socket
 import struct
 import threading
@@ -184,17 +185,18 @@ class LinkClient:
         try:
             try:
                 sock = self._socket(deadline)  # taken: back only after a complete reply
-                data = request.SerializeToString()
+                frame = link.request_frame(method, request.SerializeToString())
                 sending = True
-                link.send_request(sock, method, data)
-            except (TimeoutError, BlockingIOError):  # not taken within a poll (a stopped sidecar)
+                self._send_frame(sock, frame, deadline)
+            except (TimeoutError, BlockingIOError):  # not connected within a poll (a stopped sidecar)
                 self._give_up(sock, None)
                 raise TransportError(Status.DEADLINE_EXCEEDED, "no answer on the local link") from None
             except (OSError, link.LinkClosed) as e:
                 self._give_up(sock, None)
                 why = "was closed during the call" if self._woken else f"broke: {e}"  # woken: close()
                 raise TransportError(Status.UNAVAILABLE, f"local link {why}") from None
-            except TransportError:  # could not open a socket: nothing was taken
+            except TransportError:  # no socket (nothing taken), or the host lost or the deadline
+                self._give_up(sock, None)  # passed mid-request: the sidecar never runs half of one
                 raise
             except BaseException:  # an interrupt: the reply may still come (sendall checks for
                 # signals after sending: an interrupted send may have sent it all)
@@ -205,6 +207,14 @@ class LinkClient:
                 unsent()
             raise
         return PendingReply(self, sock, reply_type, deadline, abandoned)
+
+    def _send_frame(self, sock: socket.socket, frame: bytes, deadline: float | None) -> None:
+        """Sends `frame` whole. A sidecar that stops reading for a while (its interpreter busy,
+        its process stopped) fills the socket's buffer: the rest waits, as a reply does, while
+        the host is alive and the deadline is ahead."""
+        view, sent = memoryview(frame), 0
+        while sent < len(view):
+            sent += self._patiently(sock, functools.partial(sock.send, view[sent:]), deadline)
 
     def _give_up(self, sock: socket.socket | None, drain: tuple[_Frame, Any, Any] | None) -> None:
         """Retires the socket of a call cut short; with `drain`, its reply is read first."""
@@ -273,7 +283,7 @@ class LinkClient:
             except (TimeoutError, BlockingIOError):  # a slice passed (see `_wait_in_slices`)
                 if last_look:
                     why = "the local link was closed" if self._woken else "host lost"
-                    raise TransportError(Status.UNAVAILABLE, f"{why} waiting for the reply") from None
+                    raise TransportError(Status.UNAVAILABLE, f"{why} waiting on the local link") from None
                 if self._lost() or self._woken:
                     last_look = True  # the reply may have landed just before the sidecar went
                     _wait_in_slices(sock, 0.05)

@@ -115,9 +115,13 @@ class FrameReader:
         return chunk
 
 
-def send_request(sock: socket.socket, method: str, message: bytes) -> None:
+def request_frame(method: str, message: bytes) -> bytes:
     name = method.encode()
-    sock.sendall(LENGTH.pack(1 + len(name) + len(message)) + bytes([len(name)]) + name + message)
+    return LENGTH.pack(1 + len(name) + len(message)) + bytes([len(name)]) + name + message
+
+
+def send_request(sock: socket.socket, method: str, message: bytes) -> None:
+    sock.sendall(request_frame(method, message))
 
 
 def parse_request(frame: bytes) -> tuple[str, bytes]:
