@@ -43,13 +43,34 @@ def plus(x, k):
     return x + k
 
 
+def _allocated(cluster) -> list[int]:
+    """Bytes every host's default pool ever carved (grows with each block allocated)."""
+    return [h.stats()["pools"]["default"]["allocated"] for h in cluster.hosts]
+
+
 def test_hosts_are_staged_at_once(cluster):
-    x = jax.device_put(np.arange(16.0), NamedSharding(cluster.mesh(("data",)), P("data")))
+    values = np.arange(32768.0)  # 128 KiB a host: blocks in the arenas
+    x = jax.device_put(values, NamedSharding(cluster.mesh(("data",)), P("data")))
     probe = Probe(threading.Barrier(len(cluster.hosts), timeout=20))
+    before = _allocated(cluster)
     y = colocar.colocated(plus)(x, probe)
-    np.testing.assert_array_equal(np.asarray(y), np.arange(16.0))
+    np.testing.assert_array_equal(np.asarray(y), values)
     assert len(probe.threads) == 2
     assert all(name.startswith("colocar-staging") for name in probe.threads), probe.threads
+    assert all(a > b for a, b in zip(_allocated(cluster), before, strict=True))
+
+
+def test_small_arguments_are_staged_on_the_callers_thread_without_a_block(cluster):
+    """A host's part under the pickling threshold travels in its request: no Allocate round
+    trip, no staging thread (either costs more than copying a few KiB)."""
+    values = np.arange(64.0).reshape(16, 4)
+    x = jax.device_put(values, NamedSharding(cluster.mesh(("data",)), P("data")))
+    probe = Probe()
+    before = _allocated(cluster)
+    y = colocar.colocated(plus)(x, probe)
+    np.testing.assert_array_equal(np.asarray(y), values)
+    assert probe.threads == [threading.current_thread().name] * len(cluster.hosts)
+    assert _allocated(cluster) == before
 
 
 def test_one_host_is_staged_on_the_callers_thread(cluster):

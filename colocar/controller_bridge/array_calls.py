@@ -3,18 +3,21 @@
 Runs in the controller. `ArrayCallFuture` takes an `ArrayTarget` (what `@colocated` functions
 and `colocated_class` methods tell it: a name, options, and how to build a host's call), plans
 the call (`planner.py`), stages each host's blocks and builds its call (device-to-host copies
-into the host's arena, or uploads without one), then starts the calls from the caller's thread
-in host order, so that they keep their place in its lanes.
+into the host's arena, or uploads without one; a part small enough to travel pickled in its
+request is staged in ordinary memory), then starts the calls from the caller's thread in host
+order, so that they keep their place in its lanes.
 
-Staging for several hosts runs concurrently on a small shared pool; for one host it runs
-inline. The first failure wins, and whatever was staged for the other hosts goes back; an
-interrupt returns at once and leaves the stagings still running to give back their blocks.
+Staging for several hosts runs concurrently on a small shared pool; for one host, or when
+every part is small, it runs inline. The first failure wins, and whatever was staged for the
+other hosts goes back; an interrupt returns at once and leaves the stagings still running to
+give back their blocks.
 Once started, a lost host fails the call at once, and the other hosts are told to drop theirs.
 Under multi-controller JAX the processes then check that their outputs agree (`processes.py`).
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
@@ -24,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from colocar.errors import HostLostError
+from colocar.protocol.serialization import ARRAY_THRESHOLD
 from colocar.shm import holds
 
 from . import planner
@@ -70,7 +74,7 @@ class ArrayCallFuture:
         tasks = [_staging(self._plan, h, b) for h, b in zip(self._plan.hosts, builders, strict=True)]
         calls: list[Call] = []
         try:
-            calls = stage(tasks)
+            calls = stage(tasks, inline=_small(self._plan))
             for host, call in zip(self._plan.hosts, calls, strict=True):
                 self._futures.append((host, call.start()))
         except BaseException:  # an interrupt, or a failure on a later host: none goes on
@@ -181,11 +185,33 @@ def _staging(plan: CallPlan, host: HostPlan, build: CallBuilder) -> Callable[[],
 
 
 def _blocks(host: Host, specs: list[tuple[tuple[int, ...], np.dtype]]) -> list[np.ndarray]:
-    """Empty host blocks, straight in the sidecar's arena when this controller maps it."""
-    # Object-like dtypes (StringDType) cannot live in the arena: ordinary memory, pickled.
-    in_arena = [i for i, (_, dtype) in enumerate(specs) if host.connection.blocks.mapped and holds(dtype)]
+    """Empty host blocks, straight in the sidecar's arena where `_in_arena`, else ordinary
+    memory (pickled into the call's request)."""
+    in_arena = [i for i, spec in enumerate(specs) if _in_arena(host, spec)]
     staged = iter(host.connection.blocks.empty([specs[i] for i in in_arena]) if in_arena else [])
     return [next(staged) if i in in_arena else np.empty(*spec) for i, spec in enumerate(specs)]
+
+
+def _small(plan: CallPlan) -> bool:
+    """Whether every host's staging is small enough to run in the caller's thread: each of
+    its blocks is pickled into its request (see `_in_arena`), so it neither allocates nor
+    uploads; a copy of a few KiB costs less than a hand-off to a staging thread."""
+    if plan.options.per_device_shards:
+        return False
+    return all(_nbytes(spec) < ARRAY_THRESHOLD for h in plan.hosts for spec in plan.block_specs(h))
+
+
+def _nbytes(spec: tuple[tuple[int, ...], np.dtype]) -> int:
+    shape, dtype = spec
+    return math.prod(shape) * np.dtype(dtype).itemsize
+
+
+def _in_arena(host: Host, spec: tuple[tuple[int, ...], np.dtype]) -> bool:
+    """Whether a host's block of an argument is staged in its sidecar's arena: when this
+    controller maps it, the dtype can live there (object-like ones, StringDType, cannot) and
+    the block is one the request would not carry pickled anyway (`ARRAY_THRESHOLD`). A small
+    one costs no Allocate round trip, nor a release later."""
+    return host.connection.blocks.mapped and holds(spec[1]) and _nbytes(spec) >= ARRAY_THRESHOLD
 
 
 _pool: ThreadPoolExecutor | None = None
@@ -200,15 +226,23 @@ def _staging_pool() -> ThreadPoolExecutor:
         return _pool
 
 
-def stage(tasks: Sequence[Callable[[], Call]]) -> list[Call]:
+def stage(tasks: Sequence[Callable[[], Call]], inline: bool = False) -> list[Call]:
     """Runs one staging per host and returns their calls, in order.
 
-    One runs inline (no hand-off between threads); several run at once. If one fails, the
-    first failure is raised once the others stopped, and their calls are discarded (their
-    blocks go back); an interrupt raises at once, and stagings still running discard theirs
-    when they end."""
-    if len(tasks) == 1:
-        return [tasks[0]()]
+    One, or `inline` ones (small: see `_small`), run in this thread one after the other (no
+    hand-off between threads); several run at once. If one fails, the first failure is raised
+    once the others stopped, and their calls are discarded (their blocks go back); an
+    interrupt raises at once, and stagings still running discard theirs when they end."""
+    if len(tasks) == 1 or inline:
+        calls: list[Call] = []
+        try:
+            for task in tasks:
+                calls.append(task())
+        except BaseException:
+            for call in calls:
+                call.discard()
+            raise
+        return calls
     pool = _staging_pool()
     futures: list[Future] = []
     try:
