@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from colocar import jax_compat
 from colocar.errors import ArrayLayoutError
 
 
@@ -44,13 +45,32 @@ class HostLayout:
         return tuple(slice(a - s, b - s) for (a, b), s in zip(bounds, self.start, strict=True))
 
 
+_LAYOUTS: dict[tuple[Any, ...], HostLayout | None] = {}  # see `host_layout`
+_LAYOUTS_KEPT = 1024
+
+
 def host_layout(
     sharding: Any, shape: tuple[int, ...], devices: Sequence[Any], what: str
 ) -> HostLayout | None:
     """The bounding box of the blocks that `devices` hold; None if they hold none.
 
-    Raises ArrayLayoutError when the distinct blocks do not fill their bounding box.
+    Raises ArrayLayoutError when the distinct blocks do not fill their bounding box. Computed
+    once per sharding, shape and devices (~30 us; an array call asks for every input and output
+    on every host, and a program repeats the same few): the layouts returned are shared, read them only.
     """
+    key = (sharding, tuple(shape), tuple(devices))
+    if key in _LAYOUTS:
+        return _LAYOUTS[key]
+    layout = _host_layout(sharding, shape, devices, what)
+    if len(_LAYOUTS) >= _LAYOUTS_KEPT:
+        _LAYOUTS.clear()
+    _LAYOUTS[key] = layout
+    return layout
+
+
+def _host_layout(
+    sharding: Any, shape: tuple[int, ...], devices: Sequence[Any], what: str
+) -> HostLayout | None:
     index_map = sharding.devices_indices_map(tuple(shape))
     blocks: dict[tuple[tuple[int, int], ...], list[Any]] = {}
     for device in devices:
@@ -197,8 +217,28 @@ def assemble(
             f"{sorted(d.id for d in missing)}, which no host of the call holds; shard outputs over "
             "the devices of the call's array inputs"
         )
+    return _put(tuple(shape), np.dtype(dtype), sharding, pieces, targets)
+
+
+def _put(
+    shape: tuple[int, ...], dtype: np.dtype, sharding: Any, pieces: list[Any], targets: list[Any]
+) -> jax.Array:
+    """The global array of one piece per device (aliased on CPU where aligned, as device_put
+    does): in one call of JAX's batched put when this JAX has it (for 8 small pieces ~65 us
+    against ~380 for device_put of each and make_array_from_single_device_arrays), else so."""
+    batched, order = jax_compat.batched_put(), jax_compat.sharding_device_order(sharding)
+    if (
+        batched is not None
+        and order is not None
+        and len(order) == len(targets)
+        and set(order) == set(targets)
+        and jax.dtypes.canonicalize_dtype(dtype) == dtype  # else device_put converts it
+    ):
+        piece_of = dict(zip(targets, pieces, strict=True))
+        views = [np.asarray(piece_of[d]) for d in order]  # a 0-d block's piece is a numpy scalar
+        return batched.put(batched.aval(shape, dtype), sharding, views, order)
     arrays = jax.device_put(pieces, targets)
-    return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays)
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
 def infer_output_shape(
