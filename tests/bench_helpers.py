@@ -215,6 +215,7 @@ def _check_rpc(r: dict) -> None:
         assert r[f"{name}_ratio_goal"] == goal
         assert r[f"{name}_goal_met"] is (r[f"{name}_ratio"] <= goal), (name, r)
     assert r["future_p50_us"] >= r["socket_p50_us"] and r["p50_us"] >= r["socket_p50_us"], r
+    assert r["array_call_ratio"] == round(r["array_call_p50_us"] / r["hosts_calls_p50_us"], 2), r
 
 
 def _check_pool(r: dict) -> None:

@@ -85,6 +85,9 @@ REQUIRED = {
         "future_p50_us",
         "socket_ratio",
         "future_socket_ratio",
+        "array_call_p50_us",
+        "hosts_calls_p50_us",
+        "array_call_ratio",
     ),
     "transfer": ("gbps", "memcpy_gbps", "ratio", "view_ms", "device_put_ms"),
     "pool": (

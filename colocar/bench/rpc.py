@@ -13,6 +13,12 @@ Goals (issue 34): a call's p50 within 4x the socket's (`socket_ratio`, `p50_us` 
 (`future_socket_ratio`, `future_p50_us` / `socket_p50_us`, against `future_socket_ratio_goal`);
 `socket_goal_met` and `future_socket_goal_met` say whether this run met them.
 
+An array call, apart (4 local sidecars, 2 of 8 CPU devices each): `array_call_p50_us` is
+`f(x) = x + 1` of a small f32[64, 64] sharded by rows over the 8 devices (planning, each
+host's block, the 4 calls, the global result), against `hosts_calls_p50_us`, the same blocks
+as numpy arrays sent with `f.on(host).submit` to each host and waited for (what a user would
+write by hand, without a global array); `array_call_ratio` is the first over the second.
+
 `python -m colocar.bench.rpc grpc-server|socket-server` runs a peer (it prints its port).
 """
 
@@ -150,6 +156,37 @@ def noop() -> None:
     return None
 
 
+def plus_one(x: Any) -> Any:
+    return x + 1
+
+
+ARRAY_HOSTS = 4
+ARRAY_DEVICES = 8  # CPU devices of this process: 2 per host
+ARRAY_SHAPE = (64, 64)
+
+
+def _array_clients(cluster: Any) -> dict[str, Callable[[], Any]]:
+    """An array call over every host, and the hand-written calls of the same blocks."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import colocar
+
+    add_one = colocar.colocated(plus_one)
+    x = jax.device_put(np.ones(ARRAY_SHAPE, np.float32), NamedSharding(cluster.mesh(("data",)), P("data")))
+    rows = ARRAY_SHAPE[0] // len(cluster.hosts)
+    blocks = [np.ones((rows, ARRAY_SHAPE[1]), np.float32) for _ in cluster.hosts]
+    per_host = [add_one.on(h) for h in cluster.hosts]
+
+    def hosts_calls() -> list[Any]:
+        futures = [call.submit(block) for call, block in zip(per_host, blocks, strict=True)]
+        return [future.result() for future in futures]
+
+    return {"array_call": lambda: add_one(x), "hosts_calls": hosts_calls}
+
+
 def _interleaved(
     clients: dict[str, Callable[[], Any]], rounds: int, calls: int
 ) -> dict[str, list[tuple[float, float]]]:
@@ -199,13 +236,22 @@ def _summary(
         result[f"{name}_ratio"] = round(result[key] / result["socket_p50_us"], 2)
         result[f"{name}_ratio_goal"] = goal
         result[f"{name}_goal_met"] = result[f"{name}_ratio"] <= goal
+    if "array_call" in per_round:
+        result["array_call_p50_us"] = median("array_call", 0)
+        result["array_call_p99_us"] = median("array_call", 1)
+        result["hosts_calls_p50_us"] = median("hosts_calls", 0)
+        result["array_call_ratio"] = round(result["array_call_p50_us"] / result["hosts_calls_p50_us"], 2)
     result["p50_us_per_round"] = [round(p[0], 1) for p in per_round["colocar"]]
     result["grpc_echo_p50_us_per_round"] = [round(p[0], 1) for p in per_round["grpc_echo"]]
     return result
 
 
 def run(quick: bool, repeats: int) -> dict:
-    """Starts the two peers and one local sidecar, then times the five clients interleaved."""
+    """Starts the two peers and one local sidecar, then times the five clients interleaved;
+    then 4 local sidecars, and the array call against the hand-written calls, interleaved."""
+    from colocar.bench import request_cpu_devices
+
+    request_cpu_devices(ARRAY_DEVICES)  # before JAX starts its backends
     import colocar
 
     rounds = max(3, repeats)
@@ -239,6 +285,11 @@ def run(quick: bool, repeats: int) -> dict:
             per_round = _interleaved(clients, rounds, calls)
             stats = host.stats()
             remote.close()
+        with colocar.local_cluster(hosts=ARRAY_HOSTS, processes=0) as cluster:
+            arrays = _array_clients(cluster)
+            for call in arrays.values():
+                _timed(call, warmup // 4)
+            per_round.update(_interleaved(arrays, rounds, calls // 4))
     finally:
         for close in closers:
             close()
