@@ -58,8 +58,15 @@ class _Pickler(cloudpickle.Pickler):
         self.persistent_id = _array_refs(sink)  # type: ignore[method-assign]
 
 
+# Types no array hides behind: the pickler asks `persistent_id` about every object it meets
+# (a small array's own reduction alone is some twenty), and these answer at once.
+_NEVER_ARRAYS = frozenset({int, float, complex, str, bytes, bool, type(None), tuple, list, dict, type})
+
+
 def _array_refs(sink: ArraySink | None) -> Callable[[Any], Any]:
     def persistent_id(obj: Any) -> Any:
+        if type(obj) in _NEVER_ARRAYS:
+            return None
         array = _as_numpy(obj)
         if array is None:
             return None
