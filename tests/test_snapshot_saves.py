@@ -153,16 +153,7 @@ def test_the_storage_tier_saves_from_the_devices_when_the_snapshot_is_abandoned_
     for the save before (the storage server stopped meanwhile) while the replication ran out
     of time and the keepers dropped the blocks. The hand-over to the writers fails, and the
     tier saves step 2 from the devices instead: training goes on, and the step restores."""
-    server = FakeGcs(str(tmp_path))  # its own server: this test stops it
-    server.start()
-    try:
-        with server.environment():
-            server.create_bucket("colocar-snap-abandon")
-            cluster = _four(make_cluster, env=server.env)
-            _abandoned_in_the_hand_over(cluster, server, "gs://colocar-snap-abandon/run")
-    finally:
-        server.process.send_signal(signal.SIGCONT)
-        server.stop()
+    _with_a_storage_server_to_stop(make_cluster, tmp_path, _abandoned_in_the_hand_over)
 
 
 def _abandoned_in_the_hand_over(cluster, server, url: str) -> None:
@@ -194,21 +185,26 @@ def _abandoned_in_the_hand_over(cluster, server, url: str) -> None:
         snaps.close()
 
 
-def test_retention_never_frees_blocks_a_save_still_writes(make_cluster, tmp_path):
-    server = FakeGcs(str(tmp_path))  # its own server: this test stops it
+def _with_a_storage_server_to_stop(make_cluster, tmp_path, body) -> None:
+    """body(cluster, server, url) with a fake GCS server of its own (the test stops it), on four
+    sidecars that reach it; the server is resumed and stopped whatever body does."""
+    server = FakeGcs(str(tmp_path))
     server.start()
     try:
         with server.environment():
-            server.create_bucket("colocar-snap-hold")
+            server.create_bucket("colocar-snap-stop")
             cluster = _four(make_cluster, env=server.env)
-            _hold_while_stopped(cluster, server)
+            body(cluster, server, "gs://colocar-snap-stop/run")
     finally:
         server.process.send_signal(signal.SIGCONT)
         server.stop()
 
 
-def _hold_while_stopped(cluster, server) -> None:
-    url = "gs://colocar-snap-hold/run"
+def test_retention_never_frees_blocks_a_save_still_writes(make_cluster, tmp_path):
+    _with_a_storage_server_to_stop(make_cluster, tmp_path, _hold_while_stopped)
+
+
+def _hold_while_stopped(cluster, server, url: str) -> None:
     states = {s: _state(cluster, seed=s, rows=ROWS) for s in (1, 2, 3, 4)}
     expected = _values(states[1])
     with (
