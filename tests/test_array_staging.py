@@ -73,6 +73,20 @@ def test_small_arguments_are_staged_on_the_callers_thread_without_a_block(cluste
     assert _allocated(cluster) == before
 
 
+def test_a_large_numpy_argument_beside_small_parts_is_staged_at_once(cluster):
+    """Its copy into each host's arena (an Allocate each) runs on every host at once."""
+    x = jax.device_put(np.arange(16.0), NamedSharding(cluster.mesh(("data",)), P("data")))
+    table = np.ones(1 << 16)  # 512 KiB: a block per host
+    probe = Probe(threading.Barrier(len(cluster.hosts), timeout=20))
+    y = colocar.colocated(plus_sum)(x, probe, table)
+    np.testing.assert_array_equal(np.asarray(y), np.arange(16.0) + table.sum())
+    assert all(name.startswith("colocar-staging") for name in probe.threads), probe.threads
+
+
+def plus_sum(x, k, table):
+    return x + k + table.sum()
+
+
 def test_one_host_is_staged_on_the_callers_thread(cluster):
     devices = cluster.hosts[0].devices
     mesh = jax.sharding.Mesh(np.array(devices, dtype=object), ("data",))

@@ -194,9 +194,13 @@ def _blocks(host: Host, specs: list[tuple[tuple[int, ...], np.dtype]]) -> list[n
 
 def _small(plan: CallPlan) -> bool:
     """Whether every host's staging is small enough to run in the caller's thread: each of
-    its blocks is pickled into its request (see `_in_arena`), so it neither allocates nor
-    uploads; a copy of a few KiB costs less than a hand-off to a staging thread."""
+    its blocks is pickled into its request (see `_in_arena`), and so is every other argument,
+    so it neither allocates nor uploads; a copy of a few KiB costs less than a hand-off to a
+    staging thread."""
     if plan.options.per_device_shards:
+        return False
+    others = (leaf for i, leaf in enumerate(plan.leaves) if i not in plan.positions)
+    if any(isinstance(leaf, np.ndarray) and leaf.nbytes >= ARRAY_THRESHOLD for leaf in others):
         return False
     return all(_nbytes(spec) < ARRAY_THRESHOLD for h in plan.hosts for spec in plan.block_specs(h))
 
