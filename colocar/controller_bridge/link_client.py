@@ -212,7 +212,11 @@ class LinkClient:
         """Sends `frame` whole. A sidecar that stops reading for a while (its interpreter busy,
         its process stopped) fills the socket's buffer: the rest waits, as a reply does, while
         the host is alive and the deadline is ahead."""
-        view, sent = memoryview(frame), 0
+        try:
+            sent = sock.send(frame)  # the whole of a frame that fits the buffer: one system call
+        except (TimeoutError, BlockingIOError):  # a slice passed with the buffer full
+            sent = 0
+        view = memoryview(frame)
         while sent < len(view):
             sent += self._patiently(sock, functools.partial(sock.send, view[sent:]), deadline)
 
