@@ -136,6 +136,16 @@ def test_outputs_split_by_columns_come_back_whole(cluster):
         np.testing.assert_array_equal(np.asarray(shard.data), values[shard.index] * 2)
 
 
+def test_a_float64_result_comes_back_as_jax_makes_it(cluster):
+    """A dtype JAX converts (float64 without x64) takes device_put's path, not the batched put:
+    the values arrive, in JAX's dtype."""
+    values = np.arange(16.0)
+    x = jax.device_put(values, NamedSharding(cluster.mesh(("data",)), P("data")))
+    y = colocar.colocated(lambda x: np.asarray(x, np.float64) * 2)(x)
+    assert y.dtype == jax.dtypes.canonicalize_dtype(np.float64)
+    np.testing.assert_array_equal(np.asarray(y), values * 2)
+
+
 def test_function_without_array_inputs_needs_devices(cluster):
     @colocar.colocated
     def make():
