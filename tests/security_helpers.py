@@ -49,6 +49,11 @@ class Sidecar:
     def port(self) -> int:
         return int(self.address.rsplit(":", 1)[1])
 
+    @property
+    def token_file(self) -> pathlib.Path:
+        """The file the sidecar reads its token from (when started with one)."""
+        return self.log.with_suffix(".token")
+
     def alive(self) -> bool:
         return self.process.poll() is None
 

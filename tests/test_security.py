@@ -40,7 +40,7 @@ import colocar
 from colocar.protocol import colocar_pb2 as pb
 from colocar.protocol import colocar_pb2_grpc as pb_grpc
 from colocar.protocol import versions
-from colocar.protocol.tokens import new_token
+from colocar.protocol.tokens import new_token, write_token_file
 
 # --- 1. tokens ---------------------------------------------------------------------------------
 
@@ -178,6 +178,28 @@ def test_hostile_pickle_never_runs_without_the_right_token(sidecar, stub, sessio
 
 
 # --- 5. version skew ---------------------------------------------------------------------------
+def test_a_rotated_token_is_refused_and_no_host_is_lost(tmp_path):
+    """A token rotated on the sidecar refuses the old one's calls as AuthError, whichever
+    meets the rotation first: a call or the heartbeat's keepalive (a refusal is not a lost
+    host, and the link connection the sidecar closes after it is not reused)."""
+    with running_sidecar(tmp_path, token=new_token()) as sc:
+        with colocar.connect([sc.address], token=sc.token, heartbeat_seconds=3600) as cluster:
+            host, session = cluster.hosts[0], cluster.hosts[0].connection.session
+            echo = colocar.colocated(lambda x: x).on(host)
+            assert echo(1) == 1
+            rotated, fresh = new_token(), str(sc.token_file) + ".new"
+            write_token_file(fresh, rotated)
+            os.replace(fresh, sc.token_file)
+            with colocar.connect([sc.address], token=rotated):  # the sidecar re-reads the file
+                pass
+            session.heartbeat()  # the keepalive meets the rotation first
+            assert session.lost is None
+            for _ in range(3):
+                with pytest.raises(colocar.AuthError):
+                    echo(2)
+            assert session.lost is None
+
+
 @pytest.mark.parametrize(
     "field, value, named",
     [("python_version", "2.7", "python"), ("cloudpickle_version", "0.0.1", "cloudpickle")],

@@ -370,8 +370,11 @@ class PendingReply:
         except BaseException:  # an interrupt: the rest of the reply is drained
             client._give_up(sock, (frame, self._reply_type, self._abandoned))
             raise
-        client._give_back(sock)
         status, body = link.parse_reply(frame.body())
+        if status == Status.UNAUTHENTICATED:  # the sidecar closes a connection it refused
+            client._forget(sock)
+        else:
+            client._give_back(sock)
         if status != 0:
             raise TransportError(Status.of(status), bytes(body).decode(errors="replace"))
         return self._reply_type.FromString(body)

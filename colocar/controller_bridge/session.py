@@ -201,6 +201,8 @@ class Session:
             if e.status == Status.ABORTED:  # taken over, or closed from elsewhere
                 self.mark_ended(e.details)
                 return
+            if e.status == Status.UNAUTHENTICATED:  # a rotated token: calls raise AuthError,
+                return  # the host is not lost
             silent = e.status == Status.DEADLINE_EXCEEDED
             why = f"no answer to keepalive ({e.status.name}: {e.details})"
             if silent:
