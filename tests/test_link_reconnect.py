@@ -65,7 +65,7 @@ def test_a_late_call_on_a_replaced_link_fails_cleanly_and_the_next_takes_the_new
     old = conn.transport.link
     _reconnect(conn)
     with pytest.raises(TransportError) as failed:  # (a thread that took the link just before)
-        old.send("Stats", pb.Empty(), pb.StatsReply, 5).wait()
+        old.send("Stats", pb.Empty().SerializeToString(), pb.StatsReply, 5).wait()
     assert failed.value.status == Status.UNAVAILABLE
     assert "Bad file descriptor" not in failed.value.details, failed.value.details
     assert failed.value.details == "the local link is closed"

@@ -123,15 +123,16 @@ class ArenaClient(payload.BlockSpace):
         return payload.all_or_none(arrays, self.upload, self.release)  # no arena here: uploads
 
     # --- payloads --------------------------------------------------------------------------
-    def encode(self, value: Any, what: str) -> tuple[pb.Payload, list[int], list[np.ndarray]]:
-        """Pickles call arguments; large arrays go to arena blocks (or uploads).
+    def encode(self, value: Any, what: str, into: pb.Payload) -> tuple[list[int], list[np.ndarray]]:
+        """Pickles call arguments into `into` (a request's payload field); large arrays go to
+        arena blocks (or uploads).
 
-        Returns the payload, the block ids the call consumes (allocated for it here), and the
-        arrays it references, which the caller keeps alive until the call completed (so that
-        a Release of a block we hold cannot overtake the call).
+        Returns the block ids the call consumes (allocated for it here), and the arrays it
+        references, which the caller keeps alive until the call completed (so that a Release
+        of a block we hold cannot overtake the call).
         """
-        encoded = payload.encode(self, value, what, keep=True)
-        return encoded.payload, encoded.fresh_ids(), encoded.arrays
+        encoded = payload.encode(self, value, what, keep=True, into=into)
+        return encoded.fresh_ids(), encoded.arrays
 
     def decode(self, reply: pb.Payload) -> Any:
         """Unpickles a result; arrays become views of the arena (or downloads, unmapped)."""

@@ -61,6 +61,7 @@ class Call:
         code: ShippedCode | None,
         timeout: float | None,
         keepalive: list[Any],
+        consumed: list[int],
     ):
         self.conn = conn
         self.request = request
@@ -68,7 +69,7 @@ class Call:
         self.timeout = timeout
         self._keepalive = keepalive
         self._future: LaneFuture | None = None
-        self._consumed = list(request.consume_blocks)  # ours to free until the request is sent
+        self._consumed = consumed  # the blocks the request consumes: ours to free until it is sent
         self._claim_lock = threading.Lock()
         self._reply: pb.CallReply | None = None
 
@@ -91,21 +92,18 @@ class Call:
     ) -> Call:
         conn.session.check_alive()
         label = name or (code.name if code else method)
-        payload, consumed, keepalive = conn.blocks.encode((args, kwargs), what=f"the arguments of {label}")
+        session = conn.session
+        request = pb.CallRequest(
+            session_id=session.session_id, kind=kind, name=label, call_id=session.next_call_id()
+        )
+        consumed, keepalive = conn.blocks.encode((args, kwargs), f"the arguments of {label}", request.args)
         try:
-            request = pb.CallRequest(
-                session_id=conn.session.session_id,
-                kind=kind,
-                args=payload,
-                name=label,
-                call_id=conn.session.next_call_id(),
-            )
             if object_id or method or processes or consumed or object_name or object_ttl:  # a
                 request.object_id, request.method = object_id, method  # plain call sets none
                 request.processes, request.object_name = processes, object_name
                 request.object_ttl_seconds = object_ttl
                 request.consume_blocks.extend(consumed)
-            return cls(conn, request, code, timeout, keepalive)
+            return cls(conn, request, code, timeout, keepalive, consumed)
         except BaseException:  # interrupted: no call will consume the blocks
             conn.releases.release_soon(consumed)
             raise

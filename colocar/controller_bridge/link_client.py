@@ -17,7 +17,6 @@ reconnect is `retire`d: calls in flight on it finish there, calls not yet sent r
 
 from __future__ import annotations
 
-import functools
 import socket
 import struct
 import threading
@@ -165,13 +164,14 @@ class LinkClient:
     def send(
         self,
         method: str,
-        request: Any,
+        message: bytes,
         reply_type: Any,
         timeout: float | None,
         abandoned: Callable[[Any], None] | None = None,
         unsent: Callable[[], None] | None = None,
     ) -> PendingReply:
-        """Sends one request on a socket taken for it; its reply is read by `PendingReply`.
+        """Sends one request (`message`, serialized) on a socket taken for it; its reply is
+        read by `PendingReply`.
 
         The socket goes back only once the whole reply was read: a call cut short by anything
         (an interrupt, any exception, its deadline) retires it, so no later call can read this
@@ -185,7 +185,7 @@ class LinkClient:
         try:
             try:
                 sock = self._socket(deadline)  # taken: back only after a complete reply
-                frame = link.request_frame(method, request.SerializeToString())
+                frame = link.request_frame(method, message)
                 sending = True
                 self._send_frame(sock, frame, deadline)
             except (TimeoutError, BlockingIOError):  # not connected within a poll (a stopped sidecar)
@@ -218,7 +218,7 @@ class LinkClient:
             sent = 0
         view = memoryview(frame)
         while sent < len(view):
-            sent += self._patiently(sock, functools.partial(sock.send, view[sent:]), deadline)
+            sent += self._patiently(sock, deadline, sock.send, view[sent:])
 
     def _give_up(self, sock: socket.socket | None, drain: tuple[_Frame, Any, Any] | None) -> None:
         """Retires the socket of a call cut short; with `drain`, its reply is read first."""
@@ -243,7 +243,7 @@ class LinkClient:
             while frame.buffer is None:
                 self._peek_header(sock, frame, None)
             rest = bytearray()
-            while chunk := self._patiently(sock, lambda: sock.recv(1 << 20), None):
+            while chunk := self._patiently(sock, None, sock.recv, 1 << 20):
                 rest += chunk
             uncounted = len(frame.buffer) - frame.taken - len(rest)
             if uncounted < 0:
@@ -263,14 +263,14 @@ class LinkClient:
             self._peek_header(sock, frame, deadline)
         view = memoryview(frame.buffer)
         while frame.taken < len(view):
-            n = self._patiently(sock, lambda: sock.recv_into(view[frame.taken :]), deadline)
+            n = self._patiently(sock, deadline, sock.recv_into, view[frame.taken :])
             if not n:
                 raise link.LinkClosed("link closed by the sidecar")
             frame.taken += n
 
     def _peek_header(self, sock: socket.socket, frame: _Frame, deadline: float | None) -> None:
         """Opens the frame once its whole header is there (peeked: nothing is consumed)."""
-        header = self._patiently(sock, lambda: sock.recv(4, socket.MSG_PEEK), deadline)
+        header = self._patiently(sock, deadline, sock.recv, 4, socket.MSG_PEEK)
         if not header:
             raise link.LinkClosed("link closed by the sidecar")
         if len(header) < 4:
@@ -278,12 +278,15 @@ class LinkClient:
             return
         frame.open(header)
 
-    def _patiently(self, sock: socket.socket, receive: Callable[[], Any], deadline: float | None) -> Any:
-        """receive(), retried in `poll` slices while the host is alive and the deadline is ahead."""
+    def _patiently(
+        self, sock: socket.socket, deadline: float | None, io: Callable[..., Any], *args: Any
+    ) -> Any:
+        """io(*args) (a receive or send on `sock`), retried in `poll` slices while the host is
+        alive and the deadline is ahead."""
         last_look = False
         while True:
             try:
-                value = receive()
+                value = io(*args)
             except (TimeoutError, BlockingIOError):  # a slice passed (see `_wait_in_slices`)
                 if last_look:
                     why = "the local link was closed" if self._woken else "host lost"

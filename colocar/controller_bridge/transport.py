@@ -242,12 +242,14 @@ class GrpcTransport:
         self.channel.close()
 
 
-def too_large(request: Any) -> TransportError | None:
-    """The error for a request over what a sidecar accepts (`MAX_REQUEST`), before sending it."""
-    size = request.ByteSize()
+def check_size(size: int, unsent: Unsent = None) -> None:
+    """Raises, after `unsent`, for a request of `size` bytes over what a sidecar accepts
+    (`MAX_REQUEST`): it is refused before it is sent."""
     if size <= MAX_REQUEST:
-        return None
-    return TransportError(
+        return
+    if unsent is not None:
+        unsent()
+    raise TransportError(
         Status.INVALID_ARGUMENT,
         f"the request is {size / MiB:.1f} MiB, over the {MAX_REQUEST // MiB} MiB a message to a "
         f"sidecar may carry; {TOO_LARGE_HINT}",
@@ -278,25 +280,21 @@ class LinkTransport:
             old.retire()
 
     def call(self, method: str, request: Any, timeout: float | None = None, unsent: Unsent = None) -> Any:
-        if (error := too_large(request)) is not None:
-            if unsent is not None:
-                unsent()
-            raise error
         pending = self._on_link(method, request, timeout, unsent)
-        return pending.wait() if pending is not None else self.grpc.call(method, request, timeout, unsent)
+        if pending is not None:
+            return pending.wait()
+        check_size(request.ByteSize(), unsent)
+        return self.grpc.call(method, request, timeout, unsent)
 
     def call_async(
         self, method: str, request: Any, timeout: float | None, done: Done, unsent: Unsent
     ) -> Reader | None:
         """Over the local link the request is sent now, and its `LinkReply` returned; a
         failure to send goes to `done`, as a failed call does."""
-        if (error := too_large(request)) is not None:
-            if unsent is not None:
-                unsent()
-            done(None, error)
-            return None
         try:
             pending = self._on_link(method, request, timeout, unsent)
+            if pending is None:
+                check_size(request.ByteSize(), unsent)
         except TransportError as e:
             done(None, e)
             return None
@@ -310,11 +308,16 @@ class LinkTransport:
     ) -> PendingReply | None:
         """The call sent on the local link, when it serves `method`; else None: the call goes
         through gRPC. A link retired before the call sent anything (LinkGone) hands it to the
-        link that replaced it; a closed one raises LinkGone, after `unsent`."""
+        link that replaced it; a closed one raises LinkGone, after `unsent`. A request too
+        large is refused here, serialized once."""
         link, reply_type = self.link, LINK_METHODS.get(method, (None, None))[1]
-        while link is not None and reply_type is not None:
+        if link is None or reply_type is None:
+            return None
+        message = request.SerializeToString()
+        check_size(len(message), unsent)
+        while link is not None:
             try:
-                return link.send(method, request, reply_type, timeout, self._discard, unsent)
+                return link.send(method, message, reply_type, timeout, self._discard, unsent)
             except LinkGone:
                 if self.link is link:  # closed, not replaced
                     if unsent is not None:

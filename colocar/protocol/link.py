@@ -52,6 +52,7 @@ METHODS: dict[str, tuple[Any, Any]] = {
     for name in _SERVED
 }  # method -> (request type, reply type)
 LENGTH = struct.Struct("!I")
+_REPLY_HEAD = struct.Struct("!IB")  # a reply's length and status
 READ_BYTES = 64 << 10  # what a serving end reads at once: most requests, whole
 
 
@@ -132,7 +133,7 @@ def parse_request(frame: bytes) -> tuple[str, bytes]:
 
 
 def send_reply(sock: socket.socket, status: int, body: bytes) -> None:
-    sock.sendall(LENGTH.pack(1 + len(body)) + bytes([status]) + body)
+    sock.sendall(_REPLY_HEAD.pack(1 + len(body), status) + body)
 
 
 def parse_reply(frame: bytes | memoryview) -> tuple[int, bytes | memoryview]:

@@ -104,15 +104,20 @@ class Encoded:
         self.arrays: list[np.ndarray] = []
 
     def fresh_ids(self) -> list[int]:
+        if not self.fresh:
+            return []
         blocks = self.payload.blocks
         return [blocks[i].id for i in self.fresh]
 
 
-def encode(space: BlockSpace, value: Any, what: str, keep: bool = False) -> Encoded:
+def encode(
+    space: BlockSpace, value: Any, what: str, keep: bool = False, into: pb.Payload | None = None
+) -> Encoded:
     """Pickles `value`; its large arrays end up in blocks (one copy at most, one `allocate`).
 
     Sharing is only known to be safe once the caller dropped `value`: a sender that gives
-    blocks away finishes with `hand_over`. `keep` returns the referenced arrays too.
+    blocks away finishes with `hand_over`. `keep` returns the referenced arrays too. `into`
+    is the (empty) payload field of the message that will carry it: filled in place, not copied.
     """
     arrays: list[np.ndarray] = []
 
@@ -120,7 +125,12 @@ def encode(space: BlockSpace, value: Any, what: str, keep: bool = False) -> Enco
         arrays.append(array)
         return len(arrays) - 1
 
-    encoded = Encoded(pb.Payload(pickle=serialization.dumps(value, sink, what=what)))
+    pickled = serialization.dumps(value, sink, what=what)
+    if into is None:
+        into = pb.Payload(pickle=pickled)
+    else:
+        into.pickle = pickled
+    encoded = Encoded(into)
     if not arrays:
         return encoded
     descs: list[pb.BlockDesc | None] = [None] * len(arrays)

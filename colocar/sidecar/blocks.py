@@ -134,13 +134,21 @@ class SidecarArena:
             )
         return block
 
-    def encode(self, value: Any, owner: str, what: str = "result", timeout: float = 0.0) -> Encoded:
-        """Pickles a value; its large arrays end up in blocks leased to `owner` (one copy at most).
+    def encode(
+        self,
+        value: Any,
+        owner: str,
+        what: str = "result",
+        timeout: float = 0.0,
+        into: pb.Payload | None = None,
+    ) -> Encoded:
+        """Pickles a value (into the reply's payload field `into`, if given); its large arrays
+        end up in blocks leased to `owner` (one copy at most).
 
         An array that is already a whole local view shares its block. Whether that is safe is
         only known once the caller has dropped `value`: finish with `hand_over`.
         """
-        return payload.encode(_Leases(self, owner, timeout), value, what)
+        return payload.encode(_Leases(self, owner, timeout), value, what, into=into)
 
     def hand_over(self, encoded: Encoded, owner: str, timeout: float = 0.0) -> pb.Payload:
         """The payload to send, once the caller dropped its references to the encoded value

@@ -159,10 +159,11 @@ class SidecarService(SessionHandlers):
                     value, session.id, request.object_name, request.object_ttl_seconds, session.name
                 )
                 return pb.CallReply(object_id=object_id)
-            timeout = self.config.alloc_timeout_seconds
-            encoded = self.arena.encode(value, session.id, f"result of {request.name}", timeout)
+            timeout, reply = self.config.alloc_timeout_seconds, pb.CallReply()
+            encoded = self.arena.encode(value, session.id, f"result of {request.name}", timeout, reply.result)
             del value  # what still reaches a shared block now is the sidecar's: see hand_over
-            return pb.CallReply(result=self.arena.hand_over(encoded, session.id, timeout))
+            self.arena.hand_over(encoded, session.id, timeout)  # in place, in reply.result
+            return reply
         except Exception as e:  # noqa: BLE001 - the caller gets it, with its traceback
             return pb.CallReply(error=remote_error(e))
 
