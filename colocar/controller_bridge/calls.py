@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
 from typing import Any
 
 from colocar.errors import ColocarError, RemoteError, RemoteTraceback
@@ -206,7 +205,8 @@ class Call:
             if not isinstance(e, Exception):  # an interrupt as it was sent: the sidecar may run it
                 conn.releases.cancel_soon(self.request.call_id)
             raise
-        self._future.add_done_callback(self._release_keepalive)  # blocks held for the call only
+        if self._keepalive:  # blocks held for the call only
+            self._future.add_done_callback(self._release_keepalive)
         return CallFuture(self)
 
     def discard(self) -> None:
@@ -214,7 +214,7 @@ class Call:
         self._unsent()
         self._keepalive = []
 
-    def _release_keepalive(self, _: Future) -> None:
+    def _release_keepalive(self, _: LaneFuture) -> None:
         self._keepalive = []
 
     def _unsent(self) -> None:

@@ -17,8 +17,10 @@ import collections
 import functools
 import threading
 from collections.abc import Callable
-from concurrent.futures import CancelledError, Future, InvalidStateError
+from concurrent.futures import CancelledError, InvalidStateError
 from typing import Any, Protocol
+
+from .lean_future import LeanFuture
 
 
 class Reader(Protocol):
@@ -36,7 +38,7 @@ class Reader(Protocol):
 Send = Callable[["LaneFuture"], None]  # starts a call, which ends in the future's `finish`
 
 
-class LaneFuture(Future):
+class LaneFuture(LeanFuture):
     """The future of a call in its lane (see `Lanes.submit`).
 
     `send(future)` starts the call: it ends in `finish`, and a reply read later comes through
@@ -45,11 +47,13 @@ class LaneFuture(Future):
     call, whichever comes first.
     """
 
+    __slots__ = ("send", "unsent", "next", "reader", "detached", "_discard", "_moved_on")
+
     def __init__(self, send: Send, unsent: Callable[[], None] | None, discard: Callable[[Any], None]):
         super().__init__()
         self.send = send
         self.unsent = unsent  # runs if the call is cancelled before it was sent
-        self.next: Callable[[], None] = lambda: None
+        self.next: Callable[[], None] = _nothing
         self.reader: Reader | None = None
         self.detached = False  # nobody waits inline: every reader reads in the background
         self._discard = discard
@@ -100,6 +104,10 @@ class LaneFuture(Future):
         self.move_lane_on()
         self.detach()
         return True
+
+
+def _nothing() -> None:
+    pass
 
 
 def settle(set_outcome: Callable[[Any], None], value: Any) -> bool:
