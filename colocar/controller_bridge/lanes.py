@@ -66,6 +66,14 @@ class LaneFuture(LeanFuture):
         elif not settle(self.set_result, reply):
             self._discard(reply)
         self.move_lane_on()
+        self.reader = None  # the call ended: no cycle through its reply's reader is left
+
+    def take(self) -> tuple[Send, Callable[[], None] | None]:
+        """`send` and `unsent`, once (see `Lanes._pump`): the future then keeps no reference to
+        its call, which holds the future (a cycle only the garbage collector would free)."""
+        taken = self.send, self.unsent
+        self.send, self.unsent = _sent, None
+        return taken
 
     def read_by(self, reader: Reader | None) -> None:
         """The reply comes through `reader` (a call sent again replaces it)."""
@@ -108,6 +116,10 @@ class LaneFuture(LeanFuture):
 
 def _nothing() -> None:
     pass
+
+
+def _sent(_: LaneFuture) -> None:
+    raise AssertionError("a call is sent once")
 
 
 def settle(set_outcome: Callable[[Any], None], value: Any) -> bool:
@@ -174,13 +186,15 @@ class Lanes:
                         del self._lanes[key]
                     return
                 future = lane.current = lane.pending.popleft()
-            if future.set_running_or_notify_cancel():
+            running = future.set_running_or_notify_cancel()
+            send, unsent = future.take()
+            if running:
                 break
-            if future.unsent is not None:
-                future.unsent()
+            if unsent is not None:
+                unsent()
         future.detached = future.detached or not direct
         try:
-            future.send(future)
+            send(future)
         except BaseException as e:
             settle(future.set_exception, e)
             future.move_lane_on()
