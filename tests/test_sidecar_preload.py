@@ -7,6 +7,7 @@ sidecar serves (`colocar.sidecar.preload`); a sidecar that never checkpoints nev
 from __future__ import annotations
 
 import threading
+import time
 
 import jax
 import numpy as np
@@ -55,11 +56,28 @@ def test_a_sidecar_started_with_preload_serves_with_the_module_imported(tmp_path
 
 def test_calls_and_keepalives_go_on_through_a_first_save_and_restore(make_cluster, tmp_path):
     """Fresh sidecars with the suite's quick keepalives (a 0.5 s heartbeat, a 2 s lease): while
-    their first checkpoint save and restore run, calls made to them meanwhile all return and no
-    keepalive goes unanswered (a sidecar busy holding its GIL would count a busy spell). The
-    manager was made before: its making imported tensorstore."""
+    their first checkpoint save and restore run, calls made to them meanwhile all return, none
+    waits `STALL` seconds or more, and no keepalive goes unanswered (a sidecar busy holding its
+    GIL would count a busy spell). The manager was made before: its making imported tensorstore.
+    Without that, the slowest call here waits 1.0-1.5 s (the import); with it, ~10 ms.
+
+    The import's stall comes with every first save; a call late because the whole machine is
+    overloaded (the suite's other worker) is rare. So a run with a stall is tried once more, on
+    fresh sidecars, and only two in a row fail."""
+    first = _stalls_through_a_first_save(make_cluster, tmp_path / "first")
+    if first is not None:
+        again = _stalls_through_a_first_save(make_cluster, tmp_path / "again")
+        assert again is None, f"{first}; again, on fresh sidecars: {again}"
+
+
+STALL = 0.5  # seconds a call may wait on a sidecar during its first save
+
+
+def _stalls_through_a_first_save(make_cluster, folder) -> str | None:
+    """What stalled while a first save and restore ran, with calls going on meanwhile (each
+    must return, and no host may be lost): the slowest call or the busy spells; None if none."""
     c = make_cluster(hosts=2, processes=0, arena_size=32 * MiB).make_current()
-    m = CheckpointManager(str(tmp_path / "ckpt"), c)
+    m = CheckpointManager(str(folder / "ckpt"), c)
     busy = [host.connection.session.busy_spells for host in c.hosts]
     value = np.arange(64 * 256, dtype=np.float32).reshape(64, 256)
     x = jax.device_put(value, NamedSharding(c.mesh(("d",)), P("d")))
@@ -82,12 +100,18 @@ def test_calls_and_keepalives_go_on_through_a_first_save_and_restore(make_cluste
 
     worker = threading.Thread(target=save_and_restore)
     worker.start()
-    answered = 0
+    answered, slowest = 0, 0.0
     while answered == 0 or not done.wait(0.01):
+        started = time.monotonic()
         assert _ping.on(c.hosts)(answered) == [answered, answered]
+        slowest = max(slowest, time.monotonic() - started)
         answered += 1
     worker.join()
     assert not errors, errors
     for host in c.hosts:
         assert host.connection.session.lost is None
-    assert [host.connection.session.busy_spells for host in c.hosts] == busy
+    sessions = [host.connection.session for host in c.hosts]
+    spells = [session.busy_spells - before for session, before in zip(sessions, busy, strict=True)]
+    if slowest < STALL and not any(spells):
+        return None
+    return f"the slowest of {answered} calls took {slowest:.2f} s; busy spells per host {spells}"
