@@ -90,10 +90,12 @@ def test_plain_values_take_the_fast_paths_and_round_trip() -> None:
         sent.append(array)
         return len(sent) - 1
 
-    plain = ((1, 2.5, "PQ", b"QP", None, True), {"k": [1, {"n": 2}]})
+    plain = ((1, 2.5, "PQ", b"QP", None, True, np.float32(1.5)), {"k": [1, {"n": np.int64(2)}]})
     data = serialization.dumps(plain, sink)
     assert data == pickle.dumps(plain, protocol=pickle.HIGHEST_PROTOCOL) and not sent
     assert serialization.loads(data) == plain and serialization.loads(memoryview(data)) == plain
+    assert type(serialization.loads(data)[0][6]) is np.float32
+    assert serialization._is_plain(np.float32(1.5), [1, 0])  # the fast path: numpy scalars too
     big = np.arange(serialization.ARRAY_THRESHOLD, dtype=np.uint8)
     data = serialization.dumps(((big, 3), {}), sink)
     assert len(sent) == 1 and len(data) < 1000

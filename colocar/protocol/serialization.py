@@ -58,9 +58,10 @@ class _Pickler(cloudpickle.Pickler):
         self.persistent_id = _array_refs(sink)  # type: ignore[method-assign]
 
 
+_BUILTIN_SCALARS = (int, float, complex, str, bytes, bool, type(None))
 # Types no array hides behind: the pickler asks `persistent_id` about every object it meets
 # (a small array's own reduction alone is some twenty), and these answer at once.
-_NEVER_ARRAYS = frozenset({int, float, complex, str, bytes, bool, type(None), tuple, list, dict, type})
+_NEVER_ARRAYS = frozenset({*_BUILTIN_SCALARS, tuple, list, dict, type})
 
 
 def _array_refs(sink: ArraySink | None) -> Callable[[Any], Any]:
@@ -88,13 +89,13 @@ def _array_refs(sink: ArraySink | None) -> Callable[[Any], Any]:
     return persistent_id
 
 
-_PLAIN_SCALARS = (int, float, str, bytes, bool, type(None), complex, np.generic)
+_PLAIN_SCALARS = frozenset(_BUILTIN_SCALARS)
 _PLAIN_LIMIT = 256
 _NONE = pickle.dumps(None, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _is_plain(obj: Any, budget: list[int]) -> bool:
-    """Builtin data and numpy arrays only: the stdlib pickler handles these, fast and by value.
+    """Builtin data, numpy arrays and scalars only: the stdlib pickler handles these, fast and by value.
     `budget` is [nodes left, arrays seen]: a value without arrays needs no `persistent_id`."""
     budget[0] -= 1
     if budget[0] < 0:
@@ -115,7 +116,7 @@ def _is_plain(obj: Any, budget: list[int]) -> bool:
             if type(k) not in _PLAIN_SCALARS or not _is_plain(v, budget):
                 return False
         return True
-    return False
+    return issubclass(kind, np.generic)  # a numpy scalar (np.float32(1.5), np.int64(3))
 
 
 def dumps(obj: Any, sink: ArraySink | None = None, what: str = "value") -> bytes:
