@@ -83,6 +83,7 @@ REQUIRED = {
         "ratio",
         "socket_p50_us",
         "future_p50_us",
+        "future_timeout_p50_us",
         "socket_ratio",
         "future_socket_ratio",
         "array_call_p50_us",

@@ -12,6 +12,8 @@ Goals (issue 34): a call's p50 within 4x the socket's (`socket_ratio`, `p50_us` 
 `socket_p50_us`, against `socket_ratio_goal`) and `submit().result()` within 6x
 (`future_socket_ratio`, `future_p50_us` / `socket_p50_us`, against `future_socket_ratio_goal`);
 `socket_goal_met` and `future_socket_goal_met` say whether this run met them.
+`future_timeout_p50_us` is `submit().result(timeout=60)`: a wait with a limit (no goal; it
+shows what a bounded wait costs over `future_p50_us`).
 
 An array call, apart (4 local sidecars, 2 of 8 CPU devices each): `array_call_p50_us` is
 `f(x) = x + 1` of a small f32[64, 64] sharded by rows over the 8 devices (planning, each
@@ -219,6 +221,7 @@ def _summary(
         "p99_us": median("colocar", 1),
         "future_p50_us": median("colocar_future", 0),
         "future_p99_us": median("colocar_future", 1),
+        "future_timeout_p50_us": median("colocar_future_timeout", 0),
         "grpc_path_p50_us": median("colocar_grpc", 0),
         "grpc_path_p99_us": median("colocar_grpc", 1),
         "grpc_echo_p50_us": median("grpc_echo", 0),
@@ -247,7 +250,7 @@ def _summary(
 
 
 def run(quick: bool, repeats: int) -> dict:
-    """Starts the two peers and one local sidecar, then times the five clients interleaved;
+    """Starts the two peers and one local sidecar, then times the six clients interleaved;
     then 4 local sidecars, and the array call against the hand-written calls, interleaved."""
     from colocar.bench import request_cpu_devices
 
@@ -276,6 +279,7 @@ def run(quick: bool, repeats: int) -> dict:
             clients = {
                 "colocar": colocar_call,  # sync call, same host: the local link
                 "colocar_future": lambda: colocar_call.submit().result(),  # a future, same host
+                "colocar_future_timeout": lambda: colocar_call.submit().result(timeout=60),
                 "colocar_grpc": grpc_call,  # sync call without shared memory: gRPC
                 "grpc_echo": grpc_ping,
                 "socket": socket_ping,
