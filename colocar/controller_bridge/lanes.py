@@ -49,11 +49,17 @@ class LaneFuture(LeanFuture):
 
     __slots__ = ("send", "unsent", "next", "reader", "detached", "_discard", "_moved_on")
 
-    def __init__(self, send: Send, unsent: Callable[[], None] | None, discard: Callable[[Any], None]):
+    def __init__(
+        self,
+        send: Send,
+        unsent: Callable[[], None] | None,
+        discard: Callable[[Any], None],
+        next_in_lane: Callable[[], None],
+    ):
         super().__init__()
         self.send = send
         self.unsent = unsent  # runs if the call is cancelled before it was sent
-        self.next: Callable[[], None] = _nothing
+        self.next = next_in_lane  # sends the lane's next call
         self.reader: Reader | None = None
         self.detached = False  # nobody waits inline: every reader reads in the background
         self._discard = discard
@@ -114,10 +120,6 @@ class LaneFuture(LeanFuture):
         return True
 
 
-def _nothing() -> None:
-    pass
-
-
 def _sent(_: LaneFuture) -> None:
     raise AssertionError("a call is sent once")
 
@@ -152,13 +154,12 @@ class Lanes:
         """Runs `send(future)` (which starts the call) after this thread's earlier calls to
         this host have completed or were abandoned; the returned future resolves to the reply.
         `unsent` runs if the call is cancelled while queued."""
-        future = LaneFuture(send, unsent, self._discard)
         key = threading.get_ident()
         with self._lock:
             lane = self._lanes.get(key)
             if lane is None:
                 lane = self._lanes[key] = _Lane()
-            future.next = functools.partial(self._pump, key, lane, False)
+            future = LaneFuture(send, unsent, self._discard, functools.partial(self._pump, key, lane, False))
             lane.pending.append(future)
             busy, ahead = lane.busy, lane.current
             lane.busy = True
