@@ -1,18 +1,25 @@
 """A future's reply over the local link is read by the thread that waits for it.
 
 `submit()` sends the call at once; `result()` reads the reply in the waiting thread, with no
-thread in between. A reply nobody waits for that way (a callback, `done()`, a call queued
-behind it, a dropped future) is read in the background instead: each test here would hang,
-or get another call's value, if one of those were left unread or read twice.
+thread in between (`result(timeout)` too, up to its limit). A reply nobody waits for that way
+(a callback, `done()`, a call queued behind it, a dropped future) is read in the background
+instead: each test here would hang, or get another call's value, if one of those were left
+unread or read twice.
 """
 
 from __future__ import annotations
 
+import array
+import fcntl
 import gc
+import signal
+import socket
+import termios
 import threading
 from typing import Any
 
 import numpy as np
+import psutil
 import pytest
 from helpers import wait_for
 from interrupts_helpers import DEADLINE, ident, settled, use_at_rest, wait_for_file
@@ -39,7 +46,8 @@ def test_futures_are_read_by_their_waiters_with_no_thread_in_between(make_cluste
     for i in range(30):  # one call in flight per host (more would queue behind it)
         futures = [doubled.on(h).submit(values[(i + k) % 6]) for k, h in enumerate(c.hosts)]
         for k, future in reversed(list(enumerate(futures))):
-            np.testing.assert_array_equal(future.result(), values[(i + k) % 6] * 2)
+            value = future.result(timeout=DEADLINE) if i % 2 else future.result()  # a bounded wait too
+            np.testing.assert_array_equal(value, values[(i + k) % 6] * 2)
     assert not _readers_started(c)
     called = threading.Event()
     doubled.on(c.hosts[0]).submit(values[0]).add_done_callback(lambda _: called.set())
@@ -59,6 +67,56 @@ def test_a_call_queued_behind_an_unread_future_gets_its_own_reply(cluster, tmp_p
     assert second.result() == "second"  # no limit: the inline read
     assert ident.on(host)("third") == "third"  # a sync call on the same lane
     assert first.result() == "wait_for_file(stop) result"
+
+
+@pytest.mark.timeout(DEADLINE)
+def test_a_bounded_wait_that_times_out_leaves_the_call_to_a_later_wait(cluster, tmp_path):
+    host = cluster.hosts[0]
+    stop = tmp_path / "stop"
+    future = wait_for_file.on(host).submit(str(stop))
+    with pytest.raises(TimeoutError):
+        future.result(timeout=0.05)
+    stop.touch()
+    assert future.result(timeout=DEADLINE) == "wait_for_file(stop) result"
+    assert ident.on(host)("next") == "next"  # its own reply, on the same lane
+
+
+REPLY_BYTES = 900_000  # over a Unix socket's buffer (~200 KiB), under a pickle sent in the reply (1 MiB)
+
+
+@colocar.colocated
+def random_bytes(n, seed):
+    return np.random.default_rng(seed).bytes(n)
+
+
+def _queued(sock: socket.socket) -> int:
+    """Bytes waiting in a socket's receive queue."""
+    count = array.array("i", [0])
+    fcntl.ioctl(sock.fileno(), termios.FIONREAD, count)
+    return count[0]
+
+
+@pytest.mark.timeout(120)
+def test_a_bounded_wait_that_ends_mid_reply_leaves_the_rest_to_a_later_wait(make_cluster):
+    """The waiting thread reads the reply until its limit; one that passes with half the reply
+    read (the sidecar stopped as it sent) raises TimeoutError, and the rest is read on from
+    there: a later wait gets the whole value, and the lane's next call its own."""
+    c = make_cluster(hosts=1, processes=0, heartbeat_seconds=1.0)  # a short stop is no loss
+    host, sidecar = c.hosts[0], c.processes[0]
+    future = random_bytes.on(host).submit(REPLY_BYTES, 7)
+    pending = future._call._future.reader._pending  # the reply's socket and what was read of it
+    wait_for(lambda: _queued(pending._sock) > 100_000, "the reply to fill the socket's buffer")
+    sidecar.send_signal(signal.SIGSTOP)
+    try:
+        wait_for(lambda: psutil.Process(sidecar.pid).status() == psutil.STATUS_STOPPED, "the stop")
+        with pytest.raises(TimeoutError):
+            future.result(timeout=0.2)
+        frame = pending._frame
+        assert frame.buffer is not None and 0 < frame.taken < len(frame.buffer)  # mid-reply
+    finally:
+        sidecar.send_signal(signal.SIGCONT)
+    assert future.result(timeout=DEADLINE) == np.random.default_rng(7).bytes(REPLY_BYTES)
+    assert ident.on(host)("next") == "next"
 
 
 def test_a_dropped_unread_future_frees_its_lane_and_its_reply(cluster):

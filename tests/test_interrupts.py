@@ -174,7 +174,7 @@ def test_an_interrupted_generator_is_closed_and_frees_its_items(cluster):
 
 
 # --- signals at random points -------------------------------------------------------------------
-KINDS = ("sync", "submit", "worker", "generator", "array", "stats")
+KINDS = ("sync", "submit", "bounded", "worker", "generator", "array", "stats")
 
 
 def _one_call(kind: str, c: Any, host: Any, x: np.ndarray, k: int, seconds: float) -> Any:
@@ -183,6 +183,12 @@ def _one_call(kind: str, c: Any, host: Any, x: np.ndarray, k: int, seconds: floa
         return shifted.on(host)(x, k, seconds)
     if kind == "submit":
         return shifted.on(host).submit(x, k, seconds).result()
+    if kind == "bounded":  # a wait whose limit may pass first: the reply is read on, then waited for
+        future = shifted.on(host).submit(x, k, seconds)
+        try:
+            return future.result(timeout=seconds / 2)
+        except TimeoutError:
+            return future.result(timeout=QUICK)
     if kind == "worker":
         return shifted_in_worker.on(host)(x, k, seconds)
     if kind == "generator":

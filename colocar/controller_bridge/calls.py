@@ -13,6 +13,7 @@ abandoned: it raises, its lane moves on, and the sidecar is told to cancel it (s
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -257,11 +258,9 @@ class Call:
         if self._reply is None:
             future = self._future
             assert future is not None
-            if timeout is None:
-                future.wait_inline()
-            else:  # a wait with a limit reads nothing itself: the reply may come after it
-                future.detach()
-            reply = future.result(timeout)
+            until = None if timeout is None else time.monotonic() + timeout
+            future.wait_inline(until)  # the rest of a reply late for `until` is read in the background
+            reply = future.result(None if until is None else max(0.0, until - time.monotonic()))
             with self._claim_lock:
                 if self._reply is None:
                     self._reply = reply

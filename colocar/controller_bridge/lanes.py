@@ -26,8 +26,9 @@ from .lean_future import LeanFuture
 class Reader(Protocol):
     """Reads a sent call's reply, once (see `link_pool.LinkReply`)."""
 
-    def wait(self) -> bool:
-        """Reads the reply in this thread; False if another thread has it."""
+    def wait(self, until: float | None = None) -> bool:
+        """Reads the reply in this thread; False if another thread has it. Past `until` (a
+        monotonic time) the rest is read in the background."""
         ...
 
     def detach(self) -> None:
@@ -94,13 +95,14 @@ class LaneFuture(LeanFuture):
         if reader is not None:
             reader.detach()
 
-    def wait_inline(self) -> None:
+    def wait_inline(self, until: float | None = None) -> None:
         """Reads the reply in this thread, unless it came or another thread reads it (then
-        `result()` waits as usual)."""
+        `result()` waits as usual); until `until` (a monotonic time), if given: a reply not
+        read by then is read on in the background."""
         last: Reader | None = None  # the reader this thread read last
         while not self.detached and not self.done():
             reader = self.reader
-            if reader is None or reader is last or not reader.wait():
+            if reader is None or reader is last or not reader.wait(until):
                 return
             last = reader
 

@@ -6,7 +6,8 @@ is sent (`send`) and its reply read (`PendingReply.read`) in two steps, so that 
 reply can be read by the thread that waits for it, with no thread in between. A wait for a
 reply wakes every `poll` seconds to see whether the heartbeat declared the host lost (a stopped
 sidecar never answers). A call cut short (an interrupt, its deadline) retires its socket, so
-no reply can ever answer the wrong request.
+no reply can ever answer the wrong request; a wait with a limit of its own (`result(timeout)`)
+that passes stops reading, and the reply is read on later from where it stopped.
 
 A socket is closed only by the thread using it, or while no thread does (under the client's
 lock): closing a descriptor another thread is reading would make it fail with EBADF, or,
@@ -28,6 +29,11 @@ from colocar.protocol import link
 from colocar.protocol.status import Status, TransportError
 
 
+class NotYet(Exception):
+    """A wait's own limit passed before the whole reply was read: nothing of it was lost, and
+    a later `PendingReply.read` goes on where this one stopped (the call itself goes on)."""
+
+
 class LinkGone(TransportError):
     """The link was retired or closed before the call sent anything: it never reached the
     sidecar (the transport sends it on the link that replaced this one, if any)."""
@@ -36,41 +42,15 @@ class LinkGone(TransportError):
         super().__init__(Status.UNAVAILABLE, "the local link is closed")
 
 
-def _wait_in_slices(sock: socket.socket, seconds: float) -> None:
-    """Makes each send or receive on `sock` wait at most `seconds`, then fail with EAGAIN
-    (BlockingIOError). The kernel's limits (SO_RCVTIMEO, SO_SNDTIMEO) on a blocking socket,
-    not Python's timeout: that one polls before every receive, a second system call each."""
-    sock.settimeout(None)
+def _wait_in_slices(sock: socket.socket, seconds: float, receives_only: bool = False) -> None:
+    """Makes each send or receive on `sock` (a blocking one) wait at most `seconds`, then fail
+    with EAGAIN (BlockingIOError). The kernel's limits (SO_RCVTIMEO, SO_SNDTIMEO), not
+    Python's timeout: that one polls before every receive, a second system call each."""
     seconds = max(seconds, 0.001)  # 0 would mean no limit
     limit = struct.pack("ll", int(seconds), int(seconds % 1 * 1_000_000))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
-
-
-class _Frame:
-    """A reply frame being read, so that a drain can finish a read an interrupt cut short.
-
-    Bytes are only ever consumed by `recv_into` this frame's buffer, once the header was
-    peeked: an interrupt after a `recv_into` returned loses its count, never its bytes, and the
-    drain recovers the count from what is left before the end of the stream.
-    """
-
-    __slots__ = ("buffer", "taken")
-
-    def __init__(self) -> None:
-        self.buffer: bytearray | None = None  # header and body, allocated once the header is seen
-        self.taken = 0  # bytes of `buffer` known to be received
-
-    def open(self, header: bytes) -> None:
-        (length,) = link.LENGTH.unpack(header)
-        if length > link.MAX_FRAME:
-            raise link.LinkClosed(f"reply frame of {length} bytes exceeds {link.MAX_FRAME}")
-        self.buffer = bytearray(4 + length)
-
-    def body(self) -> memoryview:
-        """The frame's content, in place (protobuf parses it without a copy)."""
-        assert self.buffer is not None
-        return memoryview(self.buffer)[4:]
+    if not receives_only:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
 
 
 class LinkClient:
@@ -105,7 +85,7 @@ class LinkClient:
         hello = time.monotonic() + self.hello_seconds
         deadline = hello if deadline is None else min(deadline, hello)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        frame = _Frame()
+        frame = link.ReplyFrame()
         try:
             self._connect(sock, deadline)
             link.send_request(sock, link.HELLO, self._token)
@@ -132,6 +112,7 @@ class LinkClient:
         while True:
             try:
                 sock.connect(self.path)
+                sock.settimeout(None)
                 _wait_in_slices(sock, self._poll)
                 return
             except BlockingIOError:  # EAGAIN: the listener's backlog is full
@@ -200,7 +181,7 @@ class LinkClient:
                 raise
             except BaseException:  # an interrupt: the reply may still come (sendall checks for
                 # signals after sending: an interrupted send may have sent it all)
-                self._give_up(sock, (_Frame(), reply_type, abandoned) if sending else None)
+                self._give_up(sock, (link.ReplyFrame(), reply_type, abandoned) if sending else None)
                 raise
         except BaseException as e:
             if not sending and unsent is not None and not isinstance(e, LinkGone):
@@ -220,7 +201,7 @@ class LinkClient:
         while sent < len(view):
             sent += self._patiently(sock, deadline, sock.send, view[sent:])
 
-    def _give_up(self, sock: socket.socket | None, drain: tuple[_Frame, Any, Any] | None) -> None:
+    def _give_up(self, sock: socket.socket | None, drain: tuple[link.ReplyFrame, Any, Any] | None) -> None:
         """Retires the socket of a call cut short; with `drain`, its reply is read first."""
         if sock is None:
             return
@@ -231,7 +212,7 @@ class LinkClient:
             target=self._drain, args=(sock, *drain), name="colocar-link-drain", daemon=True
         ).start()
 
-    def _drain(self, sock: socket.socket, frame: _Frame, reply_type: Any, abandoned: Any) -> None:
+    def _drain(self, sock: socket.socket, frame: link.ReplyFrame, reply_type: Any, abandoned: Any) -> None:
         """Background: reads the reply of an abandoned call and hands it over, then closes.
 
         Our end stops sending first: the sidecar answers a request it received whole, then
@@ -257,20 +238,32 @@ class LinkClient:
         finally:
             self._forget(sock)
 
-    def _read_frame(self, sock: socket.socket, frame: _Frame, deadline: float | None) -> None:
-        """Reads the rest of `frame`, giving up when the host is lost or the deadline passed."""
-        while frame.buffer is None:
-            self._peek_header(sock, frame, deadline)
-        view = memoryview(frame.buffer)
-        while frame.taken < len(view):
-            n = self._patiently(sock, deadline, sock.recv_into, view[frame.taken :])
-            if not n:
-                raise link.LinkClosed("link closed by the sidecar")
-            frame.taken += n
+    def _read_frame(
+        self, sock: socket.socket, frame: link.ReplyFrame, deadline: float | None, until: float | None = None
+    ) -> None:
+        """Reads the rest of `frame`, giving up when the host is lost or the deadline passed;
+        raises NotYet once `until` (a wait's own limit, sooner than a `poll`) passed."""
+        shortened = until is not None and (left := until - time.monotonic()) < self._poll
+        if shortened:  # the socket's slices end at the limit (see `_wait_in_slices`)
+            _wait_in_slices(sock, max(0.0, left), receives_only=True)
+        try:
+            while frame.buffer is None:
+                self._peek_header(sock, frame, deadline, until)
+            view = memoryview(frame.buffer)
+            while frame.taken < len(view):
+                n = self._patiently(sock, deadline, sock.recv_into, view[frame.taken :], until=until)
+                if not n:
+                    raise link.LinkClosed("link closed by the sidecar")
+                frame.taken += n
+        finally:
+            if shortened:
+                _wait_in_slices(sock, self._poll, receives_only=True)
 
-    def _peek_header(self, sock: socket.socket, frame: _Frame, deadline: float | None) -> None:
+    def _peek_header(
+        self, sock: socket.socket, frame: link.ReplyFrame, deadline: float | None, until: float | None = None
+    ) -> None:
         """Opens the frame once its whole header is there (peeked: nothing is consumed)."""
-        header = self._patiently(sock, deadline, sock.recv, 4, socket.MSG_PEEK)
+        header = self._patiently(sock, deadline, sock.recv, 4, socket.MSG_PEEK, until=until)
         if not header:
             raise link.LinkClosed("link closed by the sidecar")
         if len(header) < 4:
@@ -279,15 +272,23 @@ class LinkClient:
         frame.open(header)
 
     def _patiently(
-        self, sock: socket.socket, deadline: float | None, io: Callable[..., Any], *args: Any
+        self,
+        sock: socket.socket,
+        deadline: float | None,
+        io: Callable[..., Any],
+        *args: Any,
+        until: float | None = None,
     ) -> Any:
         """io(*args) (a receive or send on `sock`), retried in `poll` slices while the host is
-        alive and the deadline is ahead."""
+        alive and the deadline is ahead; NotYet once `until` passed (a slice that timed out
+        consumed nothing)."""
         last_look = False
         while True:
             try:
                 value = io(*args)
             except (TimeoutError, BlockingIOError):  # a slice passed (see `_wait_in_slices`)
+                if until is not None and not last_look and time.monotonic() >= until:
+                    raise NotYet from None
                 if last_look:
                     why = "the local link was closed" if self._woken else "host lost"
                     raise TransportError(Status.UNAVAILABLE, f"{why} waiting on the local link") from None
@@ -332,7 +333,7 @@ class PendingReply:
     that waits for it, or a thread that reads it for nobody in particular. A claim is never
     given up: the claimant reads (`read`) or retires the socket (`abandon`)."""
 
-    __slots__ = ("_client", "_sock", "_reply_type", "_deadline", "_abandoned", "_claim")
+    __slots__ = ("_client", "_sock", "_reply_type", "_deadline", "_abandoned", "_claim", "_frame")
 
     def __init__(
         self,
@@ -345,6 +346,7 @@ class PendingReply:
         self._client, self._sock, self._reply_type = client, sock, reply_type
         self._deadline, self._abandoned = deadline, abandoned
         self._claim = threading.Lock()
+        self._frame = link.ReplyFrame()  # what was read of the reply (a read cut short by NotYet goes on)
 
     def claim(self) -> bool:
         """True for the first caller only: the reply is theirs to read or abandon."""
@@ -355,13 +357,16 @@ class PendingReply:
         self.claim()
         return self.read()
 
-    def read(self) -> Any:
+    def read(self, until: float | None = None) -> Any:
         """The reply (after `claim`); raises TransportError (the sidecar's status, or the
         link's failure). Cut short, the socket is retired: the reply is read in the background
-        and handed to `abandoned`, unless the link broke."""
-        client, sock, frame = self._client, self._sock, _Frame()
+        and handed to `abandoned`, unless the link broke. Past `until` (a monotonic time) it
+        raises NotYet: the claimant reads on later, from where this read stopped."""
+        client, sock, frame = self._client, self._sock, self._frame
         try:
-            client._read_frame(sock, frame, self._deadline)
+            client._read_frame(sock, frame, self._deadline, until)
+        except NotYet:
+            raise
         except (OSError, link.LinkClosed) as e:
             client._give_up(sock, None)
             why = "was closed during the call" if client._woken else f"broke: {e}"  # woken: close()
@@ -385,4 +390,4 @@ class PendingReply:
     def abandon(self) -> None:
         """(After `claim`) nobody will read the reply: it is drained in the background and
         handed to `abandoned`."""
-        self._client._give_up(self._sock, (_Frame(), self._reply_type, self._abandoned))
+        self._client._give_up(self._sock, (self._frame, self._reply_type, self._abandoned))

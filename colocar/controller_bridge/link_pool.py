@@ -16,7 +16,8 @@ from collections.abc import Callable
 from concurrent.futures import CancelledError
 from typing import Any, Protocol
 
-from .link_client import PendingReply
+from .link_client import NotYet, PendingReply
+from .sigint import sigint_held
 
 Done = Callable[[Any, BaseException | None], None]  # (reply, None) or (None, error)
 
@@ -36,34 +37,45 @@ class LinkReply:
     def __init__(self, pending: PendingReply, done: Done, pool: Callable[[], LinkPool]):
         self._pending, self._done, self._pool = pending, done, pool
 
-    def wait(self) -> bool:
+    def wait(self, until: float | None = None) -> bool:
         """Reads the reply in this thread and hands it to `done`; False if another thread
-        has it. Interrupted, the reply is drained and discarded (see `PendingReply.read`)."""
+        has it. Interrupted, the reply is drained and discarded (see `PendingReply.read`).
+        Past `until` (a monotonic time) a pool thread reads the rest."""
         if not self._pending.claim():
             return False
-        self._finish()
+        try:
+            self._finish(until)
+        except NotYet:
+            self._to_pool()
         return True
 
     def detach(self) -> None:
         """A pool thread reads the reply, unless a reader has it already."""
-        if not self._pending.claim():
-            return
-        try:
-            self._pool().submit(self)
-        except RuntimeError:  # the pool closed (the transport did), or the interpreter exits
-            self.cancel()
+        if self._pending.claim():
+            self._to_pool()
+
+    def _to_pool(self) -> None:
+        """(Claimed) a pool thread reads the reply. Ctrl-C is held back meanwhile: a claimed
+        reply that no thread reads would keep its socket, and its blocks, to the session's end."""
+        with sigint_held():
+            try:
+                self._pool().submit(self)
+            except RuntimeError:  # the pool closed (the transport did), or the interpreter exits
+                self.cancel()
 
     def run_pooled(self) -> None:
-        self._finish()
+        self._finish(None)
 
     def cancel(self) -> None:
         """(Claimed) the pool closed before reading the reply: it is drained and discarded."""
         self._pending.abandon()
         self._done(None, CancelledError())
 
-    def _finish(self) -> None:
+    def _finish(self, until: float | None) -> None:
         try:
-            reply = self._pending.read()
+            reply = self._pending.read(until)
+        except NotYet:
+            raise
         except Exception as e:  # noqa: BLE001 - TransportError: the call's failure is its caller's
             self._done(None, e)
         else:

@@ -35,8 +35,8 @@ class sigint_held:  # noqa: N801 - used like a function: `with sigint_held():`
         handler = _signal.signal(signal.SIGINT.value, self._hold)
         if callable(handler):
             self._handler = handler
-        else:  # ignored, or the default action (no Python code runs): leave it so
-            _signal.signal(signal.SIGINT.value, handler)
+        else:  # ignored, the default action (no Python code runs), or none left (at exit): leave it so
+            _signal.signal(signal.SIGINT.value, signal.SIG_DFL if handler is None else handler)
 
     def _hold(self, _signum: int, frame: FrameType | None) -> None:
         self._came.append(frame)

@@ -116,6 +116,33 @@ class FrameReader:
         return chunk
 
 
+class ReplyFrame:
+    """A reply frame being read (by the controller), so that a read cut short (an interrupt, a
+    wait's limit) can be finished: by the drain of an abandoned call, or by a later read.
+
+    Bytes are only ever consumed by `recv_into` this frame's buffer, once the header was
+    peeked: an interrupt after a `recv_into` returned loses its count, never its bytes, and the
+    drain recovers the count from what is left before the end of the stream.
+    """
+
+    __slots__ = ("buffer", "taken")
+
+    def __init__(self) -> None:
+        self.buffer: bytearray | None = None  # header and body, allocated once the header is seen
+        self.taken = 0  # bytes of `buffer` known to be received
+
+    def open(self, header: bytes) -> None:
+        (length,) = LENGTH.unpack(header)
+        if length > MAX_FRAME:
+            raise LinkClosed(f"reply frame of {length} bytes exceeds {MAX_FRAME}")
+        self.buffer = bytearray(4 + length)
+
+    def body(self) -> memoryview:
+        """The frame's content, in place (protobuf parses it without a copy)."""
+        assert self.buffer is not None
+        return memoryview(self.buffer)[4:]
+
+
 def request_frame(method: str, message: bytes) -> bytes:
     name = method.encode()
     return LENGTH.pack(1 + len(name) + len(message)) + bytes([len(name)]) + name + message
