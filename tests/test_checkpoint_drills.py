@@ -16,7 +16,8 @@ the end, each committed step must restore bit-exactly to the state one trainer s
 Each run also asserts that it exercised what it is about: in at least `MID_SAVE_SHARE` of its
 kills, the kill landed mid-save (a step the trainer had saved was not committed right after the
 kill; a commit between the kill and that listing only undercounts), and in at least
-`STOP_SHARE` of its rounds, the restart stopped a stale writer (it fenced a job in progress;
+`STOP_SHARE` of its rounds (`SPARE_TRIALS` more run while a share is unmet), the restart
+stopped a stale writer (it fenced a job in progress;
 elsewhere, the lease check refused a dead trainer's writer its commit). The sidecar drill has
 no stale writer to stop: it asserts the first only.
 """
@@ -44,6 +45,10 @@ ROWS = 8192  # 2 MiB of int32 in 16 KiB chunks: the dead trainer's writers run f
 MID_SAVE_SHARE = 0.75  # of a run's kills that must land mid-save (all 239 of 56 runs did)
 STOP_SHARE = 0.5  # of a run's restarts that must stop a stale writer (166 of 170; 2 of 3 at worst)
 FENCED = "restarts that fenced a stale writer"
+# A run whose trials left a share unmet runs up to this many more, and its shares are over all
+# of them: on a loaded machine a dead trainer's writers can finish before the restart's save
+# begins, leaving it nothing to stop (a single-trial run then failed: 1 of 4 full suites).
+SPARE_TRIALS = 1
 REFUSED = "restarts whose lease check refused a stale writer"
 
 
@@ -140,7 +145,10 @@ def _drill(
     savers: dict[int, set[int]] = defaultdict(set)  # step -> generations that started saving it
     counts: Counter = Counter()
     refused: set = set()  # the dead trainers' jobs the lease check refused (elsewhere)
-    for trial in range(trials):
+    stops = REFUSED if elsewhere else FENCED
+    for trial in range(trials + SPARE_TRIALS):
+        if trial >= trials and _shares_met(counts, stops):
+            break
         # the restarted trainer, up and waiting for the kill: its save begins at once after it
         m = CheckpointManager(url, restarts, max_chunk_bytes=16 * 1024, layout=layout)
         for dead in range(3 * trial + 1, 3 * trial + 1 + rnd.choice([1, 1, 2])):  # the 2nd: at once
@@ -163,8 +171,15 @@ def _drill(
     if not elsewhere:  # the restart fenced them: none commits once the restart's save began
         assert not counts["steps a dead trainer's writer committed first"]
     _assert_share(counts, "kills mid-save", "trainers killed", MID_SAVE_SHARE)
-    _assert_share(counts, REFUSED if elsewhere else FENCED, "trials", STOP_SHARE)
+    _assert_share(counts, stops, "trials", STOP_SHARE)
     return counts
+
+
+def _shares_met(counts: Counter, stops: str) -> bool:
+    return (
+        counts["kills mid-save"] >= MID_SAVE_SHARE * counts["trainers killed"]
+        and counts[stops] >= STOP_SHARE * counts["trials"]
+    )
 
 
 def _check_all(url: str, cluster, savers: dict, counts: Counter, layout: str | None = None) -> None:
