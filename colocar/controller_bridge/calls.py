@@ -12,6 +12,7 @@ abandoned: it raises, its lane moves on, and the sidecar is told to cancel it (s
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -305,8 +306,10 @@ class CallFuture:
                 self._decoded = True
             return self._value
 
-    def __del__(self) -> None:
-        if not self._decoded:  # dropped unread: nobody can take the reply any more
+    def __del__(self, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
+        # Dropped unread: nobody can take the reply any more. At exit there is nothing to free
+        # (the session ends), and the modules it would need may be torn down already.
+        if not self._decoded and not _finalizing():
             self._call.drop_when_unread()
 
     def exception(self, timeout: float | None = None) -> BaseException | None:

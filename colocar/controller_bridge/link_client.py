@@ -242,10 +242,9 @@ class LinkClient:
         self, sock: socket.socket, frame: link.ReplyFrame, deadline: float | None, until: float | None = None
     ) -> None:
         """Reads the rest of `frame`, giving up when the host is lost or the deadline passed;
-        raises NotYet once `until` (a wait's own limit, sooner than a `poll`) passed."""
-        shortened = until is not None and (left := until - time.monotonic()) < self._poll
-        if shortened:  # the socket's slices end at the limit (see `_wait_in_slices`)
-            _wait_in_slices(sock, max(0.0, left), receives_only=True)
+        NotYet once `until` (a wait's own limit) passed (within a slice, if a reply trickles)."""
+        if until is not None:
+            self._slices_until(sock, until)
         try:
             while frame.buffer is None:
                 self._peek_header(sock, frame, deadline, until)
@@ -256,8 +255,14 @@ class LinkClient:
                     raise link.LinkClosed("link closed by the sidecar")
                 frame.taken += n
         finally:
-            if shortened:
+            if until is not None and until - time.monotonic() < self._poll:  # (it may have shortened them)
                 _wait_in_slices(sock, self._poll, receives_only=True)
+
+    def _slices_until(self, sock: socket.socket, until: float) -> None:
+        """Makes the socket's receive slices end at `until` when it comes sooner than a poll."""
+        left = until - time.monotonic()
+        if left < self._poll:
+            _wait_in_slices(sock, max(left, 0.0), receives_only=True)
 
     def _peek_header(
         self, sock: socket.socket, frame: link.ReplyFrame, deadline: float | None, until: float | None = None
@@ -287,8 +292,10 @@ class LinkClient:
             try:
                 value = io(*args)
             except (TimeoutError, BlockingIOError):  # a slice passed (see `_wait_in_slices`)
-                if until is not None and not last_look and time.monotonic() >= until:
-                    raise NotYet from None
+                if until is not None and not last_look:
+                    if time.monotonic() >= until:
+                        raise NotYet from None
+                    self._slices_until(sock, until)
                 if last_look:
                     why = "the local link was closed" if self._woken else "host lost"
                     raise TransportError(Status.UNAVAILABLE, f"{why} waiting on the local link") from None

@@ -1,6 +1,6 @@
 """A controller that starts a one-host local cluster, prints its sidecar's pid, arena path and
 work folder, and waits for the end of stdin (the test kills it, or closes stdin: it then ends
-without closing the cluster).
+without closing the cluster, a call's future still unread in a global).
 
 Run by test_cluster.py; no arguments.
 """
@@ -18,4 +18,5 @@ print(
     os.path.dirname(c.token_file),
     flush=True,
 )
+unread = colocar.colocated(os.getpid).on(c.hosts[0]).submit()  # dropped as the interpreter exits
 sys.stdin.read()
