@@ -4,7 +4,8 @@ A future's call is sent at once, by the thread that starts it, and its reply is 
 thread that waits for it (`LinkReply.wait`): no other thread takes part, which takes a thread
 hand-off each way, and their share of the GIL, off a future's round trip. A reply that nobody
 waits for that way (a callback, `done()`, a call queued behind it, an abandoned call) is
-`detach`ed: one of the pool's threads reads it.
+`detach`ed: one of the pool's threads reads it, as it reads on a reply that a wait with a
+limit (`result(timeout)`) left unfinished.
 """
 
 from __future__ import annotations
