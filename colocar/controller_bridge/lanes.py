@@ -48,7 +48,7 @@ class LaneFuture(LeanFuture):
     call, whichever comes first.
     """
 
-    __slots__ = ("send", "unsent", "next", "reader", "detached", "_discard", "_moved_on")
+    __slots__ = ("send", "unsent", "next", "reader", "detached", "_discard")
 
     def __init__(
         self,
@@ -64,7 +64,6 @@ class LaneFuture(LeanFuture):
         self.reader: Reader | None = None
         self.detached = False  # nobody waits inline: every reader reads in the background
         self._discard = discard
-        self._moved_on = threading.Lock()
 
     def finish(self, reply: Any, error: BaseException | None) -> None:
         """The call ended: its outcome (a late reply of an abandoned call is discarded)."""
@@ -107,8 +106,10 @@ class LaneFuture(LeanFuture):
             last = reader
 
     def move_lane_on(self) -> None:
-        if self._moved_on.acquire(blocking=False):
-            self.next()
+        """Sends the lane's next call, the first time only (the future's own lock decides)."""
+        with self._lock:
+            step, self.next = self.next, _moved_on
+        step()
 
     def abandon(self) -> bool:
         """Cancels a queued call, or resolves a running one as cancelled and frees its lane
@@ -120,6 +121,10 @@ class LaneFuture(LeanFuture):
         self.move_lane_on()
         self.detach()
         return True
+
+
+def _moved_on() -> None:
+    """A lane future's `next` once its lane moved on."""
 
 
 def _sent(_: LaneFuture) -> None:
