@@ -77,3 +77,27 @@ def test_ctrl_c_inside_grpcs_call_set_up_still_lets_the_cluster_close(kind, make
     closing.start()
     closing.join(DEADLINE)
     assert not closing.is_alive(), "cluster.close() hangs: a call stranded in gRPC's channel"
+
+
+_HELD_AT_EXIT = """
+from colocar.controller_bridge.sigint import sigint_held
+
+class Late:
+    def __del__(self):  # runs as the interpreter tears its modules down
+        with sigint_held():
+            pass
+        print("held at exit", flush=True)
+
+late = Late()
+"""
+
+
+def test_a_hold_at_exit_does_nothing_and_says_nothing():
+    """A finalizer's call at exit (a gRPC call made as a dropped object goes) holds nothing
+    back: Python's SIGINT handler and the signal module are gone then, and swapping them
+    raised a TypeError, printed as the script ended."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", _HELD_AT_EXIT], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert done.stdout == "held at exit\n"

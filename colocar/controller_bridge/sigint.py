@@ -13,7 +13,9 @@ from __future__ import annotations
 # exception: 5-13 us a swap against under 1 us here, paid on every gRPC call of the main thread.
 import _signal  # type: ignore[import-not-found]
 import signal
+import sys
 import threading
+from collections.abc import Callable
 from types import FrameType, TracebackType
 from typing import Any
 
@@ -27,16 +29,17 @@ class sigint_held:  # noqa: N801 - used like a function: `with sigint_held():`
 
     __slots__ = ("_handler", "_came")
 
-    def __enter__(self) -> None:
+    def __enter__(self, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
         self._handler: Any = None
-        if threading.current_thread() is not _MAIN:
+        # At exit (a finalizer's call) no handler is left to hold, and the modules are torn down.
+        if _finalizing() or threading.current_thread() is not _MAIN:
             return
         self._came: list[FrameType | None] = []
         handler = _signal.signal(signal.SIGINT.value, self._hold)
         if callable(handler):
             self._handler = handler
-        else:  # ignored, the default action (no Python code runs), or none left (at exit): leave it so
-            _signal.signal(signal.SIGINT.value, signal.SIG_DFL if handler is None else handler)
+        else:  # ignored, or the default action (no Python code runs): leave it so
+            _signal.signal(signal.SIGINT.value, handler)
 
     def _hold(self, _signum: int, frame: FrameType | None) -> None:
         self._came.append(frame)
