@@ -19,6 +19,7 @@ from pool_helpers import LivePool
 
 import colocar
 from colocar.errors import AuthError, PoolFullError
+from colocar.pool.tenant_sidecars import sidecar_stats
 
 DEADLINE = 60.0
 ONE_AT_A_TIME = {  # each needs the whole pool's 16 MiB per host: one tenant is served at a time
@@ -173,8 +174,10 @@ def test_a_killed_job_frees_what_it_held_without_a_pool_restart(tmp_path, shm_di
     try:
         _killed_job(pool, "fay")
 
-        def freed() -> bool:
-            hosts = pool.status()["tenants"]["fay"]["hosts"]
+        addresses, token = pool.status()["tenants"]["fay"]["addresses"], pool.token("fay")
+
+        def freed() -> bool:  # asked now: the pool's status says what its last look (each 1 s) saw
+            hosts = sidecar_stats(addresses, token)
             return bool(hosts) and all(h.get("sessions") == 0 and h.get("arena_used") == 0 for h in hosts)
 
         wait_for(freed, "the killed job's session, blocks and object to be freed", DEADLINE)
