@@ -27,6 +27,10 @@ def explode_on_seven(record):
     return record
 
 
+def decode_int(record: bytes):
+    return {"value": np.frombuffer(record, np.int64)[0]}
+
+
 def config(**overrides):
     base = {
         "source": {"kind": "range", "n": N},

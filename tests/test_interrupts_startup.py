@@ -21,17 +21,12 @@ from interrupts_helpers import (
 )
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from loaders_helpers import features  # jax-free: the pipeline workers import its module
 
 from colocar import loaders
 from colocar.loaders.sampler import IndexSampler
 
-
 # --- loader start-up and checkpoint saves -------------------------------------------------------
-def features(record):
-    i = int(record["index"])
-    return {"x": np.full((3,), i, np.float32), "label": np.int32(i)}
-
-
 PIPELINE = {
     "source": {"kind": "range", "n": 64},
     "global_batch_size": 8,

@@ -20,6 +20,7 @@ from loaders_helpers import (
     B,
     N,
     config,
+    decode_int,
     expected_labels,
     explode_on_seven,
     features,
@@ -346,10 +347,6 @@ def test_array_record_source(two_hosts, tmp_path):
     with loaders.load(cfg, c) as it:
         values = [np.asarray(b["value"]).tolist() for b in it]
     assert sum(values, []) == list(range(80))
-
-
-def decode_int(record: bytes):
-    return {"value": np.frombuffer(record, np.int64)[0]}
 
 
 def test_progress_line_and_stats(two_hosts, capsys):

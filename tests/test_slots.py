@@ -10,17 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from loaders_helpers import features  # jax-free: the pipeline workers import its module
 
 from colocar import jax_compat, loaders
 from colocar.loaders.sampler import IndexSampler
 
 N = 100
 B = 16
-
-
-def features(record):
-    i = int(record["index"])
-    return {"x": np.full((3,), i, np.float32), "label": np.int32(i)}
 
 
 def config(**overrides):
