@@ -87,7 +87,7 @@ class Writers:
 
     def import_storage(self) -> None:
         """Has this process's hosts import tensorstore now, as the manager is made, all at once:
-        its first import holds a sidecar's GIL for a second, which no save or restore, nor the
+        its first import holds a sidecar's GIL for ~0.3 s, which no save or restore, nor the
         calls in flight beside it, should wait on (see `colocar.sidecar.preload`). A host that
         cannot be reached is skipped: its first save says so."""
         futures = [_import_storage.on(h).submit() for h in self.topology.cluster.hosts]
