@@ -2,14 +2,14 @@
 
 tensorstore's first import holds the sidecar's GIL for ~0.3 s (over a second with ml_dtypes
 0.7.0, whose extension registers its dtypes' numpy loops that slowly: pyproject caps it; C code
-that never lets the GIL go either way), stalling every other thread of the sidecar: its keepalive and health replies and every call in
-flight. A checkpoint manager therefore has it imported on its sidecars as it is made
-(`checkpoint.saves.writers`), before any save or restore. A sidecar that should never stall once it
-serves (one shared by several jobs) imports it at start instead, on a thread that overlaps the
-rest of its start-up (the arena's pre-faulting releases the GIL), joined before its servers
-start. Not by default: it costs every sidecar start that CPU, and most never write a
-checkpoint (a local cluster's sidecars, a notebook's). JAX and grain come only with the shipped
-code that uses them.
+that never lets the GIL go either way), stalling every other thread of the sidecar: its
+keepalive and health replies and every call in flight. A checkpoint manager therefore has it
+imported on its sidecars as it is made (`checkpoint.saves.writers`), before any save or
+restore. A sidecar that should never stall once it serves (one shared by several jobs) imports
+it at start instead, on a thread that overlaps the rest of its start-up (the arena's
+pre-faulting releases the GIL), joined before its servers start. Not by default: it costs every
+sidecar start that CPU, and most never write a checkpoint (a local cluster's sidecars, a
+notebook's). JAX and grain come only with the shipped code that uses them.
 """
 
 from __future__ import annotations
