@@ -9,7 +9,7 @@ import contextlib
 import jax
 import jax.numpy as jnp
 import numpy as np
-from elastic_records import DIM, W_TRUE, B, MiB, N, config, features  # noqa: F401 (the helpers' names)
+from elastic_records import DIM, B, MiB, N, config, features
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
