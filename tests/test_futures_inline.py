@@ -100,23 +100,42 @@ def _queued(sock: socket.socket) -> int:
 def test_a_bounded_wait_that_ends_mid_reply_leaves_the_rest_to_a_later_wait(make_cluster):
     """The waiting thread reads the reply until its limit; one that passes with half the reply
     read (the sidecar stopped as it sent) raises TimeoutError, and the rest is read on from
-    there: a later wait gets the whole value, and the lane's next call its own."""
+    there: a later wait gets the whole value, and the lane's next call its own. A stop that
+    came after the whole reply was sent (once in ~15 suites) gives the value at once: that try
+    is checked and made again, and the case must come up in one of three."""
     c = make_cluster(hosts=1, processes=0, heartbeat_seconds=1.0)  # a short stop is no loss
     host, sidecar = c.hosts[0], c.processes[0]
-    future = random_bytes.on(host).submit(REPLY_BYTES, 7)
+    outcomes = []
+    for seed in range(3):
+        outcomes.append(_stop_mid_reply(host, sidecar, seed))
+        if outcomes[-1] == "mid-reply":
+            break
+    assert outcomes[-1] == "mid-reply", outcomes
+    assert ident.on(host)("next") == "next"
+
+
+def _stop_mid_reply(host, sidecar, seed: int) -> str:
+    """One try: "mid-reply" when the bounded wait ended with part of the reply read, "whole"
+    when the reply was all there; the value must be right either way."""
+    future = random_bytes.on(host).submit(REPLY_BYTES, seed)
     pending = future._call._future.reader._pending  # the reply's socket and what was read of it
     wait_for(lambda: _queued(pending._sock) > 100_000, "the reply to fill the socket's buffer")
     sidecar.send_signal(signal.SIGSTOP)
+    outcome = "whole"
     try:
         wait_for(lambda: psutil.Process(sidecar.pid).status() == psutil.STATUS_STOPPED, "the stop")
-        with pytest.raises(TimeoutError):
-            future.result(timeout=0.2)
-        frame = pending._frame
-        assert frame.buffer is not None and 0 < frame.taken < len(frame.buffer)  # mid-reply
+        try:
+            value = future.result(timeout=0.2)
+        except TimeoutError:
+            frame = pending._frame
+            assert frame.buffer is not None and 0 < frame.taken < len(frame.buffer)  # mid-reply
+            outcome = "mid-reply"
     finally:
         sidecar.send_signal(signal.SIGCONT)
-    assert future.result(timeout=DEADLINE) == np.random.default_rng(7).bytes(REPLY_BYTES)
-    assert ident.on(host)("next") == "next"
+    if outcome == "mid-reply":
+        value = future.result(timeout=DEADLINE)
+    assert value == np.random.default_rng(seed).bytes(REPLY_BYTES)
+    return outcome
 
 
 def test_a_dropped_unread_future_frees_its_lane_and_its_reply(cluster):
