@@ -10,27 +10,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from loaders_helpers import features  # jax-free: the pipeline workers import its module
+from loaders_helpers import B, N, features  # jax-free: the pipeline workers import its module
+from loaders_helpers import config as loader_config
 
 from colocar import jax_compat, loaders
 from colocar.loaders.sampler import IndexSampler
 
-N = 100
-B = 16
-
 
 def config(**overrides):
-    base = {
-        "source": {"kind": "range", "n": N},
-        "global_batch_size": B,
-        "transforms": [{"kind": "map", "fn": features}],
-        "seed": 5,
-        "num_epochs": None,
-        "prefetch": 2,  # a 2-slot ring per host: a slot not given back starves it at once
-        "workers_per_host": 1,
-    }
-    base.update(overrides)
-    return base
+    """The loader tests' range pipeline with one plain transform, endless, and a 2-slot ring
+    per host: a slot not given back starves it at once."""
+    plain = {"transforms": [{"kind": "map", "fn": features}], "seed": 5, "num_epochs": None, "prefetch": 2}
+    return loader_config(**{**plain, **overrides})
 
 
 def expected(k):
