@@ -100,6 +100,7 @@ class Peer(Protocol):
     address: str
 
     ended: SessionEndedError | None
+    closed: bool  # by this controller (`close()`)
 
     def mark_lost(self, reason: str) -> None: ...
 
@@ -111,8 +112,12 @@ class ArenaQuotaError(QuotaExceededError, ArenaFullError):
 
 
 def translate(e: TransportError, what: str, peer: Peer) -> Exception:
-    """A failed call as the error a user should see (a lost host is marked lost)."""
+    """A failed call as the error a user should see (a lost host is marked lost). A call cut
+    off by this controller's own `close()` (in another thread) is no host loss: code that
+    recovers from a HostLostError must not take a shutdown for one."""
     status, details, name = e.status, e.details, peer.name
+    if peer.closed:
+        return ColocarError(f"{what} on {name}: the connection to the sidecar was closed during the call")
     if status in LOST:
         peer.mark_lost(f"{what}: {details}")
         return HostLostError(f"sidecar {name} at {peer.address} is lost ({what}: {details})")
