@@ -99,3 +99,34 @@ def test_a_peer_keeper_made_anew_under_its_name_gets_the_next_replica(four_hosts
                 keeper.delete()
     finally:
         links.close()
+
+
+def test_small_pieces_sent_in_one_call_share_one_block_and_keep_their_bytes():
+    """A peer sends small pieces several to a call (`receive_many`): the keeper keeps them in
+    one new block (one allocation, not one each: a replica of a small state has dozens of
+    pieces), each with its own bytes, dtype and shape; a larger piece's chunks in the same
+    call make a block of their own, which counts once its last chunk came."""
+    from colocar.elastic.snapshots.keepers.keeper import SnapshotKeeper
+
+    keeper = SnapshotKeeper(1, POOL, PeerOptions(), 600.0)  # in this process: plain numpy blocks
+    rng = np.random.default_rng(7)
+    small = [rng.standard_normal(n).astype(t) for n, t in ((5, np.float32), (3, np.int64), (7, np.float16))]
+    large = rng.standard_normal(64).astype(np.float32)
+    half = large.nbytes // 2
+    parts = [(i, [[0, a.size]], a.dtype, a.shape, 0, a.tobytes()) for i, a in enumerate(small)]
+    parts.append((9, [[0, 64]], large.dtype, large.shape, 0, large.tobytes()[:half]))
+    try:
+        keeper.begin(4, "a", [], [])
+        assert keeper.receive_many(4, "a", 2, parts) == sum(a.nbytes for a in small) + half
+        held = keeper._snaps[4].replicas[2]
+        views = [held[(i, ((0, a.size),))] for i, a in enumerate(small)]
+        assert all(np.shares_memory(views[0].base, view) for view in views), "one block for the small pieces"
+        assert (9, ((0, 64),)) not in held  # half of its bytes came
+        rest = [(9, [[0, 64]], large.dtype, large.shape, half, large.tobytes()[half:])]
+        assert keeper.receive_many(4, "a", 2, rest) == half
+        wanted = [(i, a.dtype.name, [[0, a.size]]) for i, a in enumerate(small)] + [(9, "float32", [[0, 64]])]
+        for want, got in zip([*small, large], keeper.read(4, "a", wanted), strict=True):
+            assert got.dtype == want.dtype and got.shape == want.shape
+            np.testing.assert_array_equal(got, want)
+    finally:
+        keeper.close()

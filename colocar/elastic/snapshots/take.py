@@ -30,6 +30,7 @@ from colocar.errors import HostLostError, SnapshotError
 from colocar.shm import ArenaFullError
 from colocar.shm.allocator import footprint
 
+from .keepers import stitch
 from .keepers.peers import send_chunks
 
 WHOLE_SHARD = 1 << 62  # plan's chunk limit: one piece per shard
@@ -253,16 +254,9 @@ def _on_host(pieces: list[save.Piece]) -> list[np.ndarray]:
     return [np.asarray(p.source)[p.local] if p.local else np.asarray(p.source) for p in pieces]
 
 
-ALIGN = 64  # bytes: where each piece starts in its host's block
-
-
 def packed_offsets(pieces: list[save.Piece]) -> tuple[list[int], int]:
     """Where each piece starts in its host's block, and the block's size."""
-    offsets, total = [], 0
-    for piece in pieces:
-        offsets.append(total)
-        total += -(-piece.nbytes // ALIGN) * ALIGN
-    return offsets, total
+    return stitch.packed_offsets([piece.nbytes for piece in pieces])
 
 
 def place(

@@ -23,7 +23,7 @@ import numpy as np
 from .held import ENDED, Snap, key_of
 from .lifetime import flush_dropped, preimport, watch_idle
 from .peers import PeerLinks, PeerOptions, Target, lower_priority
-from .stitch import Bounds, allocate, by_leaf, stitch, unpack, within
+from .stitch import Bounds, allocate, by_leaf, nbytes_of, packed_block, stitch, unpack, within
 
 
 class SnapshotKeeper:
@@ -207,9 +207,23 @@ class SnapshotKeeper:
         return len(data)
 
     def receive_many(self, step: int, attempt: str, source: int, parts: list[tuple[Any, ...]]) -> int:
-        """Several chunks (leaf, bounds, dtype, shape, offset, data) in one call (`receive`
-        each); returns the bytes taken."""
-        return sum(self.receive(step, attempt, source, *part) for part in parts)
+        """Several chunks (leaf, bounds, dtype, shape, offset, data) in one call; returns the
+        bytes taken. Pieces that came whole (small ones, several to a call) go into one new
+        block (`packed_block`: one allocation, not one each), chunks of larger ones to `receive`."""
+        whole, chunks = [], []
+        for leaf, bounds, dtype, shape, offset, data in parts:
+            if offset == 0 and len(data) == nbytes_of(shape, dtype):
+                whole.append((leaf, bounds, dtype, shape, data))
+            else:
+                chunks.append((leaf, bounds, dtype, shape, offset, data))
+        if whole:
+            self._await_begin(step, attempt)
+            views = packed_block(whole, self.pool)
+            with self._lock:
+                snap = self._snap(step, attempt)
+                held = snap.own if source == self.host else snap.replicas.setdefault(source, {})
+                held.update((key_of(leaf, bounds), view) for leaf, bounds, view in views)
+        return sum(len(p[-1]) for p in whole) + sum(self.receive(step, attempt, source, *c) for c in chunks)
 
     def status(self, step: int, attempt: str, timeout: float = 0.0) -> dict[str, Any]:
         """The step's state here once replication ended (or after `timeout` s)."""

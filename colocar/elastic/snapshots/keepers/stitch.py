@@ -3,8 +3,9 @@
 A keeper holds each leaf as blocks at their bounds in the global array (its own shards and
 replicas of its peers'); a read asks for a slice: a contiguous part of one block is handed
 out as it is (`within`), any other is filled by `stitch` into a new arena array from every
-block that overlaps it. `unpack` cuts a take's packed block into its pieces, `allocate` gives
-a replica its block. Shared by the single- and multi-controller keepers.
+block that overlaps it. `unpack` cuts a packed block (a take's, or the pieces a peer sent
+in one call) into its pieces, `allocate` gives a replica its block. Shared by the single-
+and multi-controller keepers.
 """
 
 from __future__ import annotations
@@ -14,6 +15,17 @@ from typing import Any
 import numpy as np
 
 Bounds = tuple[tuple[int, int], ...]  # ((start, stop), ...) in the global array
+ALIGN = 64  # bytes: where each piece starts in a packed block
+
+
+def packed_offsets(sizes: list[int]) -> tuple[list[int], int]:
+    """Where pieces of `sizes` bytes start in one packed block (each at an ALIGN multiple),
+    and the block's size."""
+    offsets, total = [], 0
+    for size in sizes:
+        offsets.append(total)
+        total += -(-size // ALIGN) * ALIGN
+    return offsets, total
 
 
 def by_leaf(held: list[dict[tuple[int, Bounds], np.ndarray]]) -> dict[int, list[tuple[np.ndarray, Bounds]]]:
@@ -73,16 +85,41 @@ def unpack(block: np.ndarray, layout: list[tuple[Any, ...]]) -> list[tuple[Any, 
     flat = block.reshape(-1).view(np.uint8)
     pieces = []
     for leaf, bounds, offset, shape, dtype in layout:
-        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        nbytes = nbytes_of(shape, dtype)
         pieces.append((leaf, bounds, flat[offset : offset + nbytes].view(dtype).reshape(shape)))
     return pieces
 
 
+def packed_block(
+    pieces: list[tuple[Any, Any, Any, Any, bytes]], pool: str
+) -> list[tuple[Any, Any, np.ndarray]]:
+    """Pieces (leaf, bounds, dtype, shape, their bytes) copied into one new block of `pool`,
+    each at its packed offset: (leaf, bounds, view) of each (`unpack`)."""
+    offsets, total = packed_offsets([len(data) for *_, data in pieces])
+    block = allocate((total,), np.dtype(np.uint8), pool)
+    for (*_, data), at in zip(pieces, offsets, strict=True):
+        block[at : at + len(data)] = np.frombuffer(data, np.uint8)
+    layout = [
+        (leaf, bounds, at, shape, dtype)
+        for (leaf, bounds, dtype, shape, _), at in zip(pieces, offsets, strict=True)
+    ]
+    return unpack(block, layout)
+
+
+def nbytes_of(shape: Any, dtype: Any) -> int:
+    """The bytes of an array of `shape` and `dtype`."""
+    return int(np.prod(shape, dtype=np.int64)) * as_dtype(dtype).itemsize
+
+
+def as_dtype(dtype: Any) -> np.dtype:
+    if not isinstance(dtype, np.dtype):  # a name ("bfloat16"): numpy learns it from ml_dtypes,
+        import ml_dtypes  # noqa: F401 - whose import holds the GIL ~0.3 s, so only when needed
+    return np.dtype(dtype)
+
+
 def allocate(shape: tuple[int, ...], dtype: Any, pool: str) -> np.ndarray:
     """A block of the snapshot pool, at once or ArenaFullError (a snapshot never waits)."""
-    if not isinstance(dtype, np.dtype):  # a name ("bfloat16"): numpy learns it from ml_dtypes,
-        import ml_dtypes  # noqa: F401 - whose import holds the GIL ~1 s, so only when needed
-    dtype = np.dtype(dtype)
+    dtype = as_dtype(dtype)
 
     from colocar.shm.context import sidecar_runtime
 
