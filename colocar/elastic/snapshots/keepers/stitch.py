@@ -112,6 +112,7 @@ def nbytes_of(shape: Any, dtype: Any) -> int:
 
 
 def as_dtype(dtype: Any) -> np.dtype:
+    """numpy's dtype for `dtype` (a dtype, or a name such as "bfloat16")."""
     if not isinstance(dtype, np.dtype):  # a name ("bfloat16"): numpy learns it from ml_dtypes,
         import ml_dtypes  # noqa: F401 - whose import holds the GIL ~0.3 s, so only when needed
     return np.dtype(dtype)
