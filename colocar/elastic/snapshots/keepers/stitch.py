@@ -10,6 +10,7 @@ and multi-controller keepers.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -107,8 +108,9 @@ def packed_block(
 
 
 def nbytes_of(shape: Any, dtype: Any) -> int:
-    """The bytes of an array of `shape` and `dtype`."""
-    return int(np.prod(shape, dtype=np.int64)) * as_dtype(dtype).itemsize
+    """The bytes of an array of `shape` and `dtype` (math.prod: np.prod costs ~7 us, paid per
+    piece of every replica received)."""
+    return math.prod(shape) * as_dtype(dtype).itemsize
 
 
 def as_dtype(dtype: Any) -> np.dtype:
