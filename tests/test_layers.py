@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 # Bottom up. A package is `colocar.NAME` (`colocar` alone: the public API, colocar/__init__.py).
 LAYERS: list[tuple[str, ...]] = [
-    ("shm", "jax_compat", "errors", "sizes", "cli_help"),  # depend on nothing of ours
+    ("shm", "jax_compat", "errors", "sizes", "cli_help", "pids"),  # depend on nothing of ours
     ("protocol",),
     ("sidecar", "controller_bridge"),
     ("loaders", "checkpoint"),

@@ -22,6 +22,7 @@ from helpers import running, wait_for
 from notebook_helpers import REPO
 
 import colocar
+from colocar import pids
 
 
 def _colocar(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -138,7 +139,9 @@ def test_a_stale_record_never_signals_a_process_that_took_its_sidecars_number(tm
     try:
         workdir = tmp_path / "work"
         workdir.mkdir()
-        host = {"pid": bystander.pid, "started": records.started(bystander.pid) - 3600, "address": "x"}
+        start = pids.start_of(bystander.pid)
+        earlier = {"started": start["started"] - 3600, "since_boot": start["since_boot"] - 3600}
+        host = {"pid": bystander.pid, **start, **earlier, "address": "x"}
         records.save(
             str(workdir), "stale", {"workdir": str(workdir), "argv": [], "arena_bytes": 0, "hosts": [host]}
         )

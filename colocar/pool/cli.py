@@ -17,6 +17,7 @@ from typing import Any
 
 import psutil
 
+from colocar import pids
 from colocar.cli_help import HelpFormatter
 from colocar.controller_bridge import pool_client as client
 from colocar.controller_bridge.local.sidecars import Sidecar, wait_ready
@@ -105,7 +106,7 @@ def pool_record(info: dict, admin_token_file: str, hosts: int, shm_dir: str, log
     the arenas are, the agent's log; `extra` for what a launcher adds (Slurm: the job id)."""
     return {
         **info,
-        "create_time": psutil.Process(info["pid"]).create_time(),
+        **pids.start_of(info["pid"]),
         "admin_token_file": admin_token_file,
         "hosts": hosts,
         "shm_dir": shm_dir,
@@ -134,10 +135,9 @@ def _agent(pool_file: str) -> psutil.Process | None:
     try:
         with open(pool_file) as f:
             record = json.load(f)
-        process = psutil.Process(int(record["pid"]))
-        return process if abs(process.create_time() - float(record["create_time"])) < 1.0 else None
-    except (OSError, ValueError, KeyError, psutil.Error):
+    except (OSError, ValueError):
         return None
+    return pids.process_with(record.get("pid", -1), record) if isinstance(record, dict) else None
 
 
 def _token(args: argparse.Namespace) -> str:

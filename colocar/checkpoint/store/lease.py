@@ -38,13 +38,15 @@ def _pid_namespace() -> str:
         return ""
 
 
-def _started(pid: int) -> float:
+def _start_of_this_process() -> dict[str, Any]:
     import psutil  # here, not at the top: the controller imports this module at start
 
+    from colocar import pids
+
     try:
-        return psutil.Process(pid).create_time()
-    except (psutil.Error, OSError):
-        return 0.0
+        return pids.start_of(os.getpid())
+    except (psutil.Error, OSError):  # nothing to read it from: never taken for dead, then
+        return {}
 
 
 def is_dead(holder: dict[str, Any]) -> bool:
@@ -57,10 +59,11 @@ def is_dead(holder: dict[str, Any]) -> bool:
         return False  # another container with the same host name: its PIDs are not ours
     import psutil
 
+    from colocar import pids
+
     if not psutil.pid_exists(pid):
         return True
-    started = holder.get("started")
-    return isinstance(started, int | float) and abs(_started(pid) - started) > 1.0
+    return isinstance(holder.get("started"), int | float) and pids.process_with(pid, holder) is None
 
 
 _ask_session = colocated(sessions.seconds_left)  # runs in the sidecar (a module without JAX)
@@ -83,7 +86,7 @@ class WriterLease:
             "hostname": socket.gethostname(),
             "pid": os.getpid(),
             "pidns": _pid_namespace(),
-            "started": _started(os.getpid()),
+            **_start_of_this_process(),
             "time": time.time(),
             "released": released,
         }

@@ -21,6 +21,7 @@ from typing import Any
 
 import psutil
 
+from colocar import pids
 from colocar.errors import ColocarError
 
 from ..cluster import Cluster, Host
@@ -48,10 +49,10 @@ class Sidecars:
         hosts = []
         for sidecar in self.sidecars:
             try:
-                started = records.started(sidecar.process.pid)
+                start = pids.start_of(sidecar.process.pid)
             except psutil.Error:  # it ended already: nothing of it to find again
-                started = 0.0
-            hosts.append({**(sidecar.info or {}), "pid": sidecar.process.pid, "started": started})
+                start = {"started": 0.0}
+            hosts.append({**(sidecar.info or {}), "pid": sidecar.process.pid, **start})
         record = {"workdir": self.workdir, "argv": self.argv, "arena_bytes": self.arena_bytes, "hosts": hosts}
         records.save(self.workdir, self.session, record)
 

@@ -21,6 +21,8 @@ from typing import Any
 
 import psutil
 
+from colocar import pids
+
 SUFFIX = ".json"
 WORKDIR_RECORD = "cluster.json"
 
@@ -92,12 +94,8 @@ def left_over() -> list[dict[str, Any]]:
 
 
 def process_of(host: dict[str, Any]) -> psutil.Process | None:
-    """The process of a record's host, if its pid still names it (started when recorded)."""
-    try:
-        process = psutil.Process(int(host["pid"]))
-        return process if abs(process.create_time() - float(host["started"])) < 1.0 else None
-    except (psutil.Error, KeyError, TypeError, ValueError):
-        return None
+    """The process of a record's host, if its pid still names it (the one `start_of` saw)."""
+    return pids.process_with(host.get("pid", -1), host)
 
 
 def alive(process: psutil.Process | None) -> bool:
@@ -111,8 +109,3 @@ def alive(process: psutil.Process | None) -> bool:
 def running(host: dict[str, Any]) -> bool:
     """Whether the sidecar of a record's host still runs."""
     return alive(process_of(host))
-
-
-def started(pid: int) -> float:
-    """A process's start time, as `running` compares it."""
-    return psutil.Process(pid).create_time()

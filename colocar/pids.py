@@ -1,0 +1,52 @@
+"""Which process a pid names: a pid kept with its process's start, as records and leases keep it.
+
+A pid alone names some later process once its own has ended, so a record keeps the start too.
+psutil's `create_time()` is wall-clock time (the boot time plus the ticks since boot), and the
+boot time it adds moves whenever the clock is set: NTP stepping a fresh VM's clock, a VM
+migrated or resumed. Compared across such a step, every live process looked gone: `colocar
+clean` removed the work folder of a live cluster, and a live writer's lease could be taken.
+So the start is kept as seconds since boot, with the boot's id, which no clock change moves;
+the wall-clock `started` stays beside them for people and for records older versions wrote.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from typing import Any
+
+import psutil
+
+_SAME_START = 0.1  # seconds; starts are counted in clock ticks (10 ms)
+_SAME_WALL_START = 1.0  # an older record's wall-clock start, as it was compared before
+
+
+def boot_id() -> str:
+    """This boot's id (Linux), or "" where the system has none to read."""
+    with contextlib.suppress(OSError):
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    return ""
+
+
+def start_of(pid: int) -> dict[str, Any]:
+    """What tells `pid`'s process from a later one with the same pid: to keep in a record and
+    compare with `process_with`. Raises psutil.Error when no process has that pid."""
+    process = psutil.Process(pid)
+    started = process.create_time()
+    return {"started": started, "since_boot": started - psutil.boot_time(), "boot": boot_id()}
+
+
+def process_with(pid: int, start: Mapping[str, Any]) -> psutil.Process | None:
+    """The process `pid` names if it is the one whose `start_of` is `start`; else None (it
+    ended, and the pid is free or names another process)."""
+    try:
+        process = psutil.Process(int(pid))
+        if "since_boot" in start:
+            since_boot = process.create_time() - psutil.boot_time()
+            same = start.get("boot") == boot_id() and abs(since_boot - start["since_boot"]) < _SAME_START
+        else:  # written by an older version: its wall-clock start is all there is
+            same = abs(process.create_time() - float(start["started"])) < _SAME_WALL_START
+    except (psutil.Error, KeyError, TypeError, ValueError):
+        return None
+    return process if same else None
