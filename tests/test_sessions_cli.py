@@ -22,7 +22,7 @@ from helpers import running, wait_for
 from notebook_helpers import REPO
 
 import colocar
-from colocar import pids
+from colocar.pids import start_of
 
 
 def _colocar(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -59,7 +59,7 @@ def test_sessions_ls_and_close(make_cluster):
     assert wrong.returncode == 1 and "UNAUTHENTICATED" in wrong.stderr and "Traceback" not in wrong.stderr
 
 
-def _started_in_a_child(session: str, env: dict[str, str], persist: bool = True) -> dict:
+def _started_in_a_child(session: str | None, env: dict[str, str], persist: bool = True) -> dict:
     """A local cluster that a child process starts and leaves (it is killed: nothing closed it);
     its record (sidecar pids and arenas, the work folder)."""
     code = (
@@ -111,7 +111,9 @@ def test_sessions_stop_ends_a_persistent_named_local_cluster(tmp_path, shm_dir, 
 
 def test_clean_removes_what_killed_sidecars_and_their_controller_left(tmp_path, shm_dir, make_cluster):
     folder = tempfile.mkdtemp(dir=shm_dir)
+    (tmp_path / "tmp").mkdir()  # the killed controller's own: local clusters other tests start look in /tmp
     env = {"COLOCAR_STATE_DIR": str(tmp_path / "state"), "COLOCAR_SHM_DIR": folder}
+    env["TMPDIR"] = str(tmp_path / "tmp")
     live = make_cluster(shm_dir=folder)  # a live sidecar in the same folder (started first: a
     live_arena = live.hosts[0].connection.session.info.arena_path  # sidecar starting sweeps it)
     record = _started_in_a_child("left", env)
@@ -130,6 +132,34 @@ def test_clean_removes_what_killed_sidecars_and_their_controller_left(tmp_path, 
     os.rmdir(folder)
 
 
+def test_a_cluster_starting_removes_what_a_killed_controller_left_and_only_that(
+    tmp_path, shm_dir, make_cluster
+):
+    """A restarted kernel: its sidecars end with it, and its work folder (logs, token) stays
+    until the next local cluster starts. A live controller's folder stays, even when its
+    sidecars were killed: their logs are there. (The killed controllers use a temporary folder
+    of their own: local clusters other tests start look in /tmp.)"""
+    (tmp_path / "tmp").mkdir()
+    env = {
+        "COLOCAR_STATE_DIR": str(tmp_path / "state"),
+        "COLOCAR_SHM_DIR": tempfile.mkdtemp(dir=shm_dir),
+        "TMPDIR": str(tmp_path / "tmp"),
+    }
+    killed = _started_in_a_child(None, env, persist=False)
+    wait_for(lambda: not running([h["pid"] for h in killed["hosts"]]), "the sidecars to end with it")
+    assert os.path.isdir(killed["workdir"])
+    later = _started_in_a_child(None, env, persist=False)  # killed too, once started
+    assert not os.path.exists(killed["workdir"])
+    wait_for(lambda: not running([h["pid"] for h in later["hosts"]]), "the sidecars to end with it")
+
+    mine = make_cluster()
+    os.kill(mine.processes[0].pid, signal.SIGKILL)
+    wait_for(lambda: not running([mine.processes[0].pid]), "the sidecar to die")
+    make_cluster()
+    assert os.path.exists(mine.log_files[0]) and os.path.exists(mine.token_file)
+    os.rmdir(env["COLOCAR_SHM_DIR"])
+
+
 def test_a_stale_record_never_signals_a_process_that_took_its_sidecars_number(tmp_path, monkeypatch):
     """A record whose sidecars died long ago: their pids may name other processes by now."""
     from colocar.controller_bridge.local import records
@@ -139,7 +169,7 @@ def test_a_stale_record_never_signals_a_process_that_took_its_sidecars_number(tm
     try:
         workdir = tmp_path / "work"
         workdir.mkdir()
-        start = pids.start_of(bystander.pid)
+        start = start_of(bystander.pid)
         earlier = {"started": start["started"] - 3600, "since_boot": start["since_boot"] - 3600}
         host = {"pid": bystander.pid, **start, **earlier, "address": "x"}
         records.save(

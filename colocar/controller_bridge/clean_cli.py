@@ -6,16 +6,15 @@ together (an OOM kill of both, `kill -9` of a controller whose sidecars were kil
 can. A sidecar removes what dead sidecars left in its shm folder when it starts; `colocar
 clean` does it now: arenas of dead sidecars (nobody holds their lock), the sockets beside them
 and half-made arenas, in /dev/shm, `COLOCAR_SHM_DIR` and each `--shm-dir`, and in the shm
-folders the records name; and the records and work folders of local clusters none of whose
-sidecars runs any more. Nothing a live sidecar uses is touched. Prints each path it removed.
+folders the records name; and the records and work folders of local clusters whose controller
+and sidecars all ended (a local cluster starting removes those too). Nothing a live sidecar or
+controller uses is touched. Prints each path it removed.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import shutil
 
 from colocar.cli_help import HelpFormatter
 from colocar.shm import remove_stale_arenas
@@ -29,14 +28,7 @@ def clean(shm_dirs: list[str]) -> list[str]:
     folders = set(shm_dirs)
     for record in records.left_over():
         folders |= {os.path.dirname(h["arena"]) for h in record["hosts"] if h.get("arena")}
-        for path in (record["path"], record.get("workdir")):
-            if path and os.path.isdir(path):
-                shutil.rmtree(path, ignore_errors=True)
-                removed.append(path)
-            elif path and os.path.exists(path):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
-                    removed.append(path)
+        removed += records.remove_left_over(record)
     for folder in sorted(f for f in folders if os.path.isdir(f)):
         removed += remove_stale_arenas(folder)
     return removed

@@ -53,8 +53,9 @@ class Sidecars:
             except psutil.Error:  # it ended already: nothing of it to find again
                 start = {"started": 0.0}
             hosts.append({**(sidecar.info or {}), "pid": sidecar.process.pid, **start})
+        controller = {"pid": os.getpid(), **pids.start_of(os.getpid())}
         record = {"workdir": self.workdir, "argv": self.argv, "arena_bytes": self.arena_bytes, "hosts": hosts}
-        records.save(self.workdir, self.session, record)
+        records.save(self.workdir, self.session, {**record, "controller": controller})
 
     def stop(self, persist: bool | None = None) -> None:
         """Stops the sidecars and removes the work folder (and the record); a persistent one's

@@ -61,7 +61,9 @@ def reattach(
         )
     with open(f"{spawn.workdir}/token") as f:
         token = f.read().strip()
-    return owned_cluster(connect(spawn.sidecars, groups, token), spawn)
+    cluster = owned_cluster(connect(spawn.sidecars, groups, token), spawn)
+    spawn.save()  # this process is their controller now
+    return cluster
 
 
 def stop(session: str) -> bool:

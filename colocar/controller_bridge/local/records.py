@@ -16,6 +16,7 @@ import contextlib
 import glob
 import json
 import os
+import shutil
 import tempfile
 from typing import Any
 
@@ -82,15 +83,30 @@ def every() -> list[dict[str, Any]]:
 
 
 def left_over() -> list[dict[str, Any]]:
-    """The records of local clusters none of whose sidecars runs any more: in the state folder,
-    and in work folders (`colocar-*` in the temporary folder) whose controller did not remove
-    them (it was killed); each with its "path"."""
+    """The records of local clusters whose controller and sidecars all ended: in the state
+    folder, and in work folders (`colocar-*` in the temporary folder) whose controller did not
+    remove them (it was killed); each with its "path". A live controller's folder is kept
+    even when its sidecars died: it holds their logs and the token a restart needs."""
     found = [{**r, "path": _path(r["session"])} for r in every()]
     for folder in glob.glob(os.path.join(tempfile.gettempdir(), "colocar-*", WORKDIR_RECORD)):
         record = read_file(folder)
         if record is not None:
             found.append({**record, "path": folder})
-    return [r for r in found if not any(running(h) for h in r["hosts"])]
+    return [r for r in found if not any(running(p) for p in [*r["hosts"], r.get("controller", {})])]
+
+
+def remove_left_over(record: dict[str, Any]) -> list[str]:
+    """Removes a `left_over` record and its work folder; the paths removed."""
+    removed = []
+    for path in (record["path"], record.get("workdir")):
+        if path and os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        elif path and os.path.exists(path):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+                removed.append(path)
+    return removed
 
 
 def process_of(host: dict[str, Any]) -> psutil.Process | None:
@@ -106,6 +122,6 @@ def alive(process: psutil.Process | None) -> bool:
         return False
 
 
-def running(host: dict[str, Any]) -> bool:
-    """Whether the sidecar of a record's host still runs."""
-    return alive(process_of(host))
+def running(process: dict[str, Any]) -> bool:
+    """Whether the process a record names (a host's sidecar, the controller) still runs."""
+    return alive(process_of(process))

@@ -25,6 +25,7 @@ from colocar.sizes import parse_size
 from ..cluster import Host, session_name, split_devices
 from ..connection import HostConnection
 from ..session import SessionName
+from . import records
 from .owned import LocalCluster, Sidecars, owned_cluster
 from .reattach import reattach
 from .sidecars import Sidecar, wait_ready
@@ -180,6 +181,8 @@ def local_cluster(
     )
     if persist and named.name and (found := reattach(named.name, groups, connect, _sidecar_env(env))):
         return found
+    for record in records.left_over():  # what killed controllers (restarted kernels) left
+        records.remove_left_over(record)
     workdir, token, token_file = _workdir_with_token()
     argv = _sidecar_argv(
         shm_dir or os.environ.get("COLOCAR_SHM_DIR", "/dev/shm"),
