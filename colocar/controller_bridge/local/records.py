@@ -28,17 +28,20 @@ SUFFIX = ".json"
 WORKDIR_RECORD = "cluster.json"
 
 
+def _state_dir() -> str:
+    default = os.path.join(tempfile.gettempdir(), f"colocar-{os.getuid()}")
+    return os.environ.get("COLOCAR_STATE_DIR") or default
+
+
 def state_dir() -> str:
     """The folder of the records (made, mode 0700, if missing)."""
-    path = os.environ.get("COLOCAR_STATE_DIR") or os.path.join(
-        tempfile.gettempdir(), f"colocar-{os.getuid()}"
-    )
+    path = _state_dir()
     os.makedirs(path, mode=0o700, exist_ok=True)
     return path
 
 
 def _path(session: str) -> str:
-    return os.path.join(state_dir(), session + SUFFIX)
+    return os.path.join(_state_dir(), session + SUFFIX)
 
 
 def write(path: str, record: dict[str, Any]) -> None:
@@ -54,7 +57,7 @@ def save(workdir: str, session: str, record: dict[str, Any]) -> None:
     killed controllers by it); a persistent named one's also in the state folder."""
     write(os.path.join(workdir, WORKDIR_RECORD), record)
     if session:
-        write(_path(session), {"session": session, **record})
+        write(os.path.join(state_dir(), session + SUFFIX), {"session": session, **record})
 
 
 def read(session: str) -> dict[str, Any] | None:
@@ -78,7 +81,10 @@ def remove(session: str) -> None:
 
 def every() -> list[dict[str, Any]]:
     """Every readable record of a persistent named cluster, by session name."""
-    names = sorted(n.removesuffix(SUFFIX) for n in os.listdir(state_dir()) if n.endswith(SUFFIX))
+    try:
+        names = sorted(n.removesuffix(SUFFIX) for n in os.listdir(_state_dir()) if n.endswith(SUFFIX))
+    except FileNotFoundError:  # none was ever written
+        return []
     return [r for r in (read(n) for n in names) if r is not None]
 
 

@@ -34,7 +34,10 @@ MiB = 1 << 20
 
 
 def _workdir_with_token() -> tuple[str, str, str]:
-    """A fresh work folder holding a new token in its 0600 file: (folder, token, file)."""
+    """A fresh work folder holding a new token in its 0600 file: (folder, token, file). The
+    folders and records that killed controllers (restarted kernels) left go first."""
+    for record in records.left_over():
+        records.remove_left_over(record)
     workdir = tempfile.mkdtemp(prefix="colocar-")
     token = new_token()
     token_file = os.path.join(workdir, "token")
@@ -181,8 +184,6 @@ def local_cluster(
     )
     if persist and named.name and (found := reattach(named.name, groups, connect, _sidecar_env(env))):
         return found
-    for record in records.left_over():  # what killed controllers (restarted kernels) left
-        records.remove_left_over(record)
     workdir, token, token_file = _workdir_with_token()
     argv = _sidecar_argv(
         shm_dir or os.environ.get("COLOCAR_SHM_DIR", "/dev/shm"),
