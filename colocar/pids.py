@@ -18,7 +18,8 @@ from typing import Any
 import psutil
 
 _SAME_START = 0.1  # seconds; starts are counted in clock ticks (10 ms)
-_SAME_WALL_START = 1.0  # an older record's wall-clock start, as it was compared before
+_SAME_WALL_START = 1.5  # an older record's: the boot time is in whole seconds, and a slewed
+# clock moves it by one
 
 
 def boot_id() -> str:
@@ -33,8 +34,17 @@ def start_of(pid: int) -> dict[str, Any]:
     """What tells `pid`'s process from a later one with the same pid: to keep in a record and
     compare with `process_with`. Raises psutil.Error when no process has that pid."""
     process = psutil.Process(pid)
-    started = process.create_time()
-    return {"started": started, "since_boot": started - psutil.boot_time(), "boot": boot_id()}
+    return {"started": process.create_time(), "since_boot": _since_boot(pid), "boot": boot_id()}
+
+
+def _since_boot(pid: int) -> float:
+    """When `pid`'s process started, in seconds since boot: its wall-clock start less the boot
+    time, both with the same boot time (read again if the clock moved it meanwhile)."""
+    while True:
+        boot = psutil.boot_time()
+        started = psutil.Process(pid).create_time()
+        if psutil.boot_time() == boot:
+            return started - boot
 
 
 def process_with(pid: int, start: Mapping[str, Any]) -> psutil.Process | None:
@@ -43,7 +53,7 @@ def process_with(pid: int, start: Mapping[str, Any]) -> psutil.Process | None:
     try:
         process = psutil.Process(int(pid))
         if "since_boot" in start:
-            since_boot = process.create_time() - psutil.boot_time()
+            since_boot = _since_boot(process.pid)
             same = start.get("boot") == boot_id() and abs(since_boot - start["since_boot"]) < _SAME_START
         else:  # written by an older version: its wall-clock start is all there is
             same = abs(process.create_time() - float(start["started"])) < _SAME_WALL_START
