@@ -115,9 +115,10 @@ def remove_left_over(record: dict[str, Any]) -> list[str]:
     return removed
 
 
-def process_of(host: dict[str, Any]) -> psutil.Process | None:
-    """The process of a record's host, if its pid still names it (the one `start_of` saw)."""
-    return pids.process_with(host.get("pid", -1), host)
+def process_of(recorded: dict[str, Any]) -> psutil.Process | None:
+    """The process a record names (a host's sidecar, the controller), if its pid still names
+    it: the process `pids.start_of` saw."""
+    return pids.process_with(recorded.get("pid", -1), recorded)
 
 
 def alive(process: psutil.Process | None) -> bool:
@@ -128,6 +129,6 @@ def alive(process: psutil.Process | None) -> bool:
         return False
 
 
-def running(process: dict[str, Any]) -> bool:
-    """Whether the process a record names (a host's sidecar, the controller) still runs."""
-    return alive(process_of(process))
+def running(recorded: dict[str, Any]) -> bool:
+    """Whether the process a record names still runs."""
+    return alive(process_of(recorded))
