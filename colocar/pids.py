@@ -7,11 +7,14 @@ migrated or resumed. Compared across such a step, every live process looked gone
 clean` removed the work folder of a live cluster, and a live writer's lease could be taken.
 So the start is kept as seconds since boot, with the boot's id, which no clock change moves;
 the wall-clock `started` stays beside them for people and for records older versions wrote.
+A pid means something only in the PID namespace it was read in (containers sharing a /tmp):
+a record says which, and another namespace's pids are never judged here (`elsewhere`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,11 +33,25 @@ def boot_id() -> str:
     return ""
 
 
+def pid_namespace() -> str:
+    """This process's PID namespace (Linux), or "" where the system has none to read."""
+    with contextlib.suppress(OSError):
+        return os.readlink("/proc/self/ns/pid")
+    return ""
+
+
 def start_of(pid: int) -> dict[str, Any]:
     """What tells `pid`'s process from a later one with the same pid: to keep in a record and
     compare with `process_with`. Raises psutil.Error when no process has that pid."""
     process = psutil.Process(pid)
-    return {"started": process.create_time(), "since_boot": _since_boot(pid), "boot": boot_id()}
+    started, since_boot = process.create_time(), _since_boot(pid)
+    return {"started": started, "since_boot": since_boot, "boot": boot_id(), "pidns": pid_namespace()}
+
+
+def elsewhere(start: Mapping[str, Any]) -> bool:
+    """Whether `start` was kept in another PID namespace of this boot: its pid names nothing
+    here, and whether its process runs cannot be told (a process of another boot has ended)."""
+    return start.get("boot") == boot_id() and start.get("pidns", pid_namespace()) != pid_namespace()
 
 
 def _since_boot(pid: int) -> float:

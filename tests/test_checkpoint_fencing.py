@@ -20,9 +20,9 @@ from colocar.checkpoint import CheckpointError, CheckpointManager
 from colocar.checkpoint.backends.fencing import fence_writers
 from colocar.checkpoint.backends.writer import CheckpointWriter, WriterOptions
 from colocar.checkpoint.format import layout
-from colocar.checkpoint.store.lease import _pid_namespace
 from colocar.checkpoint.store.steps import StepDirs
 from colocar.checkpoint.store.storage import open_storage
+from colocar.pids import pid_namespace
 
 
 def _lease(directory, **holder) -> None:
@@ -99,7 +99,7 @@ def test_lease_of_a_dead_holder_on_this_host_is_taken_over_at_once(cluster, tmp_
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     directory = str(tmp_path / "dead")
-    _lease(directory, hostname=socket.gethostname(), pid=gone.pid, pidns=_pid_namespace())
+    _lease(directory, hostname=socket.gethostname(), pid=gone.pid, pidns=pid_namespace())
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         m = CheckpointManager(directory, cluster, lease_seconds=600)

@@ -39,9 +39,9 @@ def _stepped_procfs(root: os.PathLike, processes: list[int], seconds: int) -> st
     return str(root)
 
 
-def _after_the_step(procfs: str, code: str, **values: Any) -> Any:
-    """Runs `code`, which sets `result`, in a child whose psutil reads `procfs`; the result.
-    `values` reach it as JSON-decoded names."""
+def _after_the_step(procfs: str, code: str, env: dict[str, str] | None = None, **values: Any) -> Any:
+    """Runs `code`, which sets `result`, in a child whose psutil reads `procfs` (with `env`
+    added to its environment); the result. `values` reach it as JSON-decoded names."""
     script = "\n".join(
         [
             "import json, psutil",
@@ -51,7 +51,9 @@ def _after_the_step(procfs: str, code: str, **values: Any) -> Any:
             "print(json.dumps(result))",
         ]
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    environment = {**os.environ, **(env or {})}
+    command = [sys.executable, "-c", script]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=environment)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.splitlines()[-1])
 
@@ -96,12 +98,9 @@ result = [r["path"] for r in records.left_over()]""",
 
 
 def test_a_live_writers_lease_is_not_free_after_the_clock_is_set(tmp_path, sleeper):
-    from colocar.checkpoint.store.lease import _pid_namespace
-
     holder = {
         "hostname": socket.gethostname(),
         "pid": sleeper.pid,
-        "pidns": _pid_namespace(),
         **pids.start_of(sleeper.pid),
     }
     procfs = _stepped_procfs(tmp_path / "proc", [sleeper.pid], 30)
@@ -110,3 +109,30 @@ def test_a_live_writers_lease_is_not_free_after_the_clock_is_set(tmp_path, sleep
     sleeper.kill()
     sleeper.wait()
     assert _after_the_step(procfs, code, holder=holder) is True  # a gone holder is still seen gone
+
+
+def test_a_record_of_another_pid_namespace_is_never_left_over(tmp_path, sleeper):
+    """Containers sharing a /tmp: the pids another one recorded name nothing here, so its
+    folders stay, even though no process here matches them. A record of an earlier boot goes
+    (its processes ended with it)."""
+    gone = pids.start_of(sleeper.pid)
+    sleeper.kill()
+    sleeper.wait()
+    other_namespace = {**gone, "pidns": "pid:[1]"}
+    kept = {
+        "here": {"pid": sleeper.pid, **gone},
+        "other_namespace": {"pid": sleeper.pid, **other_namespace},
+        "other_boot": {"pid": sleeper.pid, **other_namespace, "boot": "an-earlier-boot"},
+    }
+    for name, process in kept.items():
+        os.makedirs(tmp_path / f"colocar-{name}")
+        record = {"workdir": str(tmp_path / f"colocar-{name}"), "argv": [], "arena_bytes": 0}
+        records.save(record["workdir"], "", {**record, "hosts": [process], "controller": process})
+    code = "from colocar.controller_bridge.local import records\n"
+    code += "result = [r['workdir'] for r in records.left_over()]"
+    left = _after_the_step(
+        "/proc",
+        code,
+        env={"TMPDIR": str(tmp_path), "COLOCAR_STATE_DIR": str(tmp_path / "state")},
+    )
+    assert sorted(left) == [str(tmp_path / "colocar-here"), str(tmp_path / "colocar-other_boot")]

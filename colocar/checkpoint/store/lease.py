@@ -31,13 +31,6 @@ from ..format import layout
 from .storage import Storage
 
 
-def _pid_namespace() -> str:
-    try:
-        return os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return ""
-
-
 def _start_of_this_process() -> dict[str, Any]:
     import psutil  # here, not at the top: the controller imports this module at start
 
@@ -55,12 +48,12 @@ def is_dead(holder: dict[str, Any]) -> bool:
     pid = holder.get("pid")
     if holder.get("hostname") != socket.gethostname() or not isinstance(pid, int):
         return False
-    if holder.get("pidns", "") != _pid_namespace():
-        return False  # another container with the same host name: its PIDs are not ours
     import psutil
 
     from colocar import pids
 
+    if holder.get("pidns", "") != pids.pid_namespace():
+        return False  # another container with the same host name: its PIDs are not ours
     if not psutil.pid_exists(pid):
         return True
     return isinstance(holder.get("started"), int | float) and pids.process_with(pid, holder) is None
@@ -85,7 +78,6 @@ class WriterLease:
             "owner": self.owner,
             "hostname": socket.gethostname(),
             "pid": os.getpid(),
-            "pidns": _pid_namespace(),
             **_start_of_this_process(),
             "time": time.time(),
             "released": released,

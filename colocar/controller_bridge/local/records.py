@@ -92,13 +92,20 @@ def left_over() -> list[dict[str, Any]]:
     """The records of local clusters whose controller and sidecars all ended: in the state
     folder, and in work folders (`colocar-*` in the temporary folder) whose controller did not
     remove them (it was killed); each with its "path". A live controller's folder is kept
-    even when its sidecars died: it holds their logs and the token a restart needs."""
+    even when its sidecars died: it holds their logs and the token a restart needs. A record
+    of another PID namespace is never left over: nobody here can tell."""
     found = [{**r, "path": _path(r["session"])} for r in every()]
     for folder in glob.glob(os.path.join(tempfile.gettempdir(), "colocar-*", WORKDIR_RECORD)):
         record = read_file(folder)
         if record is not None:
             found.append({**record, "path": folder})
-    return [r for r in found if not any(running(p) for p in [*r["hosts"], r.get("controller", {})])]
+    return [r for r in found if not any(_maybe_running(p) for p in [*r["hosts"], r.get("controller", {})])]
+
+
+def _maybe_running(recorded: dict[str, Any]) -> bool:
+    """Whether a record's process may still run: it does, or it ran in another PID namespace
+    (a container sharing this /tmp) where this process cannot tell."""
+    return pids.elsewhere(recorded) or running(recorded)
 
 
 def remove_left_over(record: dict[str, Any]) -> list[str]:
