@@ -43,8 +43,8 @@ def pid_namespace() -> str:
 def start_of(pid: int) -> dict[str, Any]:
     """What tells `pid`'s process from a later one with the same pid: to keep in a record and
     compare with `process_with`. Raises psutil.Error when no process has that pid."""
-    process = psutil.Process(pid)
-    started, since_boot = process.create_time(), _since_boot(pid)
+    process, since_boot = _with_start(pid)
+    started = process.create_time()  # the one read with the boot time in `_with_start`
     return {"started": started, "since_boot": since_boot, "boot": boot_id(), "pidns": pid_namespace()}
 
 
@@ -54,23 +54,23 @@ def elsewhere(start: Mapping[str, Any]) -> bool:
     return start.get("boot") == boot_id() and start.get("pidns", pid_namespace()) != pid_namespace()
 
 
-def _since_boot(pid: int) -> float:
-    """When `pid`'s process started, in seconds since boot: its wall-clock start less the boot
-    time, both with the same boot time (read again if the clock moved it meanwhile)."""
+def _with_start(pid: int) -> tuple[psutil.Process, float]:
+    """`pid`'s process and when it started, in seconds since boot: its wall-clock start less
+    the boot time, both with the same boot time (read again if the clock moved it meanwhile)."""
     while True:
         boot = psutil.boot_time()
-        started = psutil.Process(pid).create_time()
+        process = psutil.Process(pid)
+        started = process.create_time()
         if psutil.boot_time() == boot:
-            return started - boot
+            return process, started - boot
 
 
 def process_with(pid: int, start: Mapping[str, Any]) -> psutil.Process | None:
     """The process `pid` names if it is the one whose `start_of` is `start`; else None (it
     ended, and the pid is free or names another process)."""
     try:
-        process = psutil.Process(int(pid))
+        process, since_boot = _with_start(int(pid))
         if "since_boot" in start:
-            since_boot = _since_boot(process.pid)
             same = start.get("boot") == boot_id() and abs(since_boot - start["since_boot"]) < _SAME_START
         else:  # written by an older version: its wall-clock start is all there is
             same = abs(process.create_time() - float(start["started"])) < _SAME_WALL_START

@@ -33,6 +33,10 @@ class Snap:
     replicated_bytes: int = 0
     replication_seconds: float = 0.0
 
+    def blocks_from(self, source: int, host: int) -> dict[Key, np.ndarray]:
+        """Where the blocks `source` sent go on keeper `host`: its own, or that peer's replicas."""
+        return self.own if source == host else self.replicas.setdefault(source, {})
+
     def nbytes(self) -> int:
         blocks = list(self.own.values()) + [b for r in self.replicas.values() for b in r.values()]
         return sum(b.nbytes for b in blocks)

@@ -202,8 +202,7 @@ class SnapshotKeeper:
         with self._lock:
             slot[1] += len(data)
             if slot[1] == block.nbytes and snap.incoming.pop((source, key), None) is slot:
-                held = snap.own if source == self.host else snap.replicas.setdefault(source, {})
-                held[key] = block
+                snap.blocks_from(source, self.host)[key] = block
         return len(data)
 
     def receive_many(self, step: int, attempt: str, source: int, parts: list[tuple[Any, ...]]) -> int:
@@ -220,8 +219,7 @@ class SnapshotKeeper:
             self._await_begin(step, attempt)
             views = packed_block(whole, self.pool)
             with self._lock:
-                snap = self._snap(step, attempt)
-                held = snap.own if source == self.host else snap.replicas.setdefault(source, {})
+                held = self._snap(step, attempt).blocks_from(source, self.host)
                 held.update((key_of(leaf, bounds), view) for leaf, bounds, view in views)
         return sum(len(p[-1]) for p in whole) + sum(self.receive(step, attempt, source, *c) for c in chunks)
 
