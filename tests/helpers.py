@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -78,6 +79,21 @@ def sidecar_pid():
 @colocar.colocated(processes=True)
 def worker_pid():
     return os.getpid()
+
+
+def sigstop(pid: int) -> None:
+    """SIGSTOP to `pid`, and waits until each of its threads has stopped: `kill` returns before
+    a thread running on another core takes the signal, and in between it may still answer."""
+
+    def state(task: str) -> str:
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                return f.read().rpartition(")")[2].split()[0]
+        except FileNotFoundError:  # the thread ended meanwhile
+            return "T"
+
+    os.kill(pid, signal.SIGSTOP)
+    wait_for(lambda: all(state(t) in "tT" for t in os.listdir(f"/proc/{pid}/task")), f"process {pid} to stop")
 
 
 def kill_if_stopped(process: subprocess.Popen) -> None:

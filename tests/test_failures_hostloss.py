@@ -17,7 +17,7 @@ import numpy as np
 import psutil
 import pytest
 from failures_helpers import DEADLINE, echo, in_thread
-from helpers import wait_for
+from helpers import sigstop, wait_for
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -103,7 +103,7 @@ def test_a_stopped_sidecar_is_a_lost_host_from_a_new_thread_too(make_cluster):
     errors: dict[str, BaseException | None] = {}
     new_thread = threading.Thread(target=lambda: errors.update(new=in_thread(lambda: echo.on(host)(2))[1]))
     try:
-        os.kill(process.pid, signal.SIGSTOP)
+        sigstop(process.pid)
         new_thread.start()  # of this call and the next, one takes the idle socket (never
         future = echo.on(host).submit(6)  # answered), the other opens one (never greeted)
         try:
@@ -134,7 +134,7 @@ def test_a_full_link_backlog_is_waited_out_not_taken_for_a_lost_host(make_cluste
     box: dict[str, Any] = {}
     caller = threading.Thread(target=lambda: box.update(result=in_thread(lambda: echo.on(host)(4))))
     try:
-        os.kill(process.pid, signal.SIGSTOP)  # it accepts nothing: its listener's backlog fills
+        sigstop(process.pid)  # it accepts nothing: its listener's backlog fills
         while True:
             filler = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             filler.setblocking(False)

@@ -19,9 +19,8 @@ import threading
 from typing import Any
 
 import numpy as np
-import psutil
 import pytest
-from helpers import wait_for
+from helpers import sigstop, wait_for
 from interrupts_helpers import DEADLINE, ident, settled, use_at_rest, wait_for_file
 
 import colocar
@@ -120,10 +119,9 @@ def _stop_mid_reply(host, sidecar, seed: int) -> str:
     future = random_bytes.on(host).submit(REPLY_BYTES, seed)
     pending = future._call._future.reader._pending  # the reply's socket and what was read of it
     wait_for(lambda: _queued(pending._sock) > 100_000, "the reply to fill the socket's buffer")
-    sidecar.send_signal(signal.SIGSTOP)
     outcome = "whole"
     try:
-        wait_for(lambda: psutil.Process(sidecar.pid).status() == psutil.STATUS_STOPPED, "the stop")
+        sigstop(sidecar.pid)
         try:
             value = future.result(timeout=0.2)
         except TimeoutError:

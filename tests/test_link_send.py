@@ -14,9 +14,8 @@ import os
 import signal
 import threading
 
-import psutil
 import pytest
-from helpers import wait_for
+from helpers import sigstop
 from interrupts_helpers import DEADLINE, ident, run_interrupted, settled, use_at_rest
 
 import colocar
@@ -40,8 +39,7 @@ def _stop(host, sidecar) -> None:
     """SIGSTOP, once it took effect, with an idle socket to the sidecar (a call's new socket
     would wait for its greeting, not in the send)."""
     assert ident.on(host)(0) == 0
-    sidecar.send_signal(signal.SIGSTOP)
-    wait_for(lambda: psutil.Process(sidecar.pid).status() == psutil.STATUS_STOPPED, "the sidecar to stop")
+    sigstop(sidecar.pid)
 
 
 def test_a_big_request_waits_out_a_sidecar_that_stops_reading(make_cluster):
